@@ -1,0 +1,274 @@
+"""Typed payloads for every event kind on FlexPipe's topics.
+
+Payloads are plain frozen dataclasses; pydantic's ``TypeAdapter`` validates them on decode so a bad
+message is rejected with the field's path and the reason, in microseconds, without hand-written
+checks. Encoding is ``dataclasses.asdict`` plus orjson in :mod:`flexpipe.envelope`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import ConfigDict
+
+# Strict: no silent coercion of "5" into 5; unknown fields are an error, not ignored.
+STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class Kind(enum.StrEnum):
+    """Event kinds; the value is what travels in the envelope's ``kind`` field."""
+
+    GPU_SAMPLE = "gpu.sample"
+    KERNEL_LAUNCHES = "kernel.launches"
+    SERVING_LOAD = "serving.load"
+    CLUSTER_EVENT = "cluster.event"
+    GEAR_DECISION = "gear.decision"
+    GEAR_TRANSITION = "gear.transition"
+    CONTROL_COMMAND = "control.command"
+
+
+class SampleReason(enum.StrEnum):
+    """Why a GPU sample was published: agents publish on change or on heartbeat only."""
+
+    INITIAL = "initial"
+    DELTA = "delta"
+    HEARTBEAT = "heartbeat"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """A process holding memory on a GPU (NVML's running-process list)."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    pid: int
+    used_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    """One GPU's full state at a sample time.
+
+    Each sample is complete (not a field diff) so any one message rebuilds the GPU's state; agents
+    still publish only when a field moved past its threshold, plus a heartbeat. Fields NVML does not
+    support on a device are ``None``.
+    """
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    gpu_uuid: str
+    node: str
+    name: str
+    reason: SampleReason
+    memory_total_bytes: int
+    memory_used_bytes: int
+    memory_free_bytes: int
+    healthy: bool = True
+    gpu_class: str | None = None  # key into gearbox's GPU class presets
+    domain: str | None = None  # interconnect domain (NVLink island, RDMA group, PCIe host)
+    index: int | None = None
+    memory_reserved_bytes: int | None = None
+    sm_util_pct: float | None = None
+    mem_util_pct: float | None = None
+    power_w: float | None = None
+    temperature_c: float | None = None
+    ecc_uncorrected: int | None = None
+    retired_pages: int | None = None
+    xid_errors: tuple[int, ...] = ()
+    nvlink_active_links: int | None = None
+    nvlink_tx_bytes_per_s: float | None = None
+    nvlink_rx_bytes_per_s: float | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    mig_mode: bool | None = None
+    processes: tuple[GpuProcess, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessLaunches:
+    """Kernel launches of one process over one drain interval (counted in a BPF map)."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    pid: int
+    comm: str
+    launches: int
+    launches_per_s: float
+    graph_launches: int = 0
+    mem_alloc_bytes: int = 0
+    mem_free_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLaunches:
+    """Per-GPU kernel-launch counts for one interval.
+
+    Processes are mapped to GPUs through NVML's process list: a process using several GPUs has its
+    launches attributed to each of them (an upper bound per GPU, stated in the README).
+    """
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    gpu_uuid: str
+    node: str
+    interval_s: float
+    launches: int
+    launches_per_s: float
+    processes: tuple[ProcessLaunches, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ServingLoad:
+    """A runtime worker's serving load for one deployment over one window."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    deployment: str
+    model: str
+    window_s: float
+    arrivals: int
+    arrival_rate_rps: float
+    queue_len: int
+    active_sequences: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    mean_prompt_tokens: float = 0.0
+    mean_output_tokens: float = 0.0
+    ttft_p95_ms: float | None = None
+    tbt_p95_ms: float | None = None
+    kv_bytes: int = 0
+    rejected: int = 0
+    plan_id: str | None = None
+
+
+class ClusterEventType(enum.StrEnum):
+    """Topology and capacity changes seen by agents or declared by the scheduler."""
+
+    NODE_UP = "node_up"
+    NODE_DOWN = "node_down"
+    GPU_ISOLATED = "gpu_isolated"
+    GPU_RESTORED = "gpu_restored"
+    PREEMPT = "preempt"
+    RELEASE = "release"
+    XID = "xid"
+    LINK = "link"
+
+
+@dataclass(frozen=True, slots=True)
+class DomainInfo:
+    """An interconnect domain as a node agent reports it."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    domain_id: str
+    link: str  # key into gearbox's link class presets ("nvlink", "rdma", "pcie", ...)
+    bandwidth_gbps: float | None = None  # measured, when the agent measured it
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterEvent:
+    """A change in what the cluster offers: a node, GPUs, a reservation or a link."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    type: ClusterEventType
+    node: str
+    gpu_uuids: tuple[str, ...] = ()
+    domains: tuple[DomainInfo, ...] = ()
+    xid: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GearDecision:
+    """A gear decision as published on the audit topic.
+
+    ``decision`` holds gearbox's full decision (``Decision.to_dict()``); the flat fields repeat what
+    subscribers filter on.
+    """
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    deployment: str
+    decision_id: str  # deterministic: deployment + sequence, so replays never duplicate
+    seq: int
+    trigger: str
+    reason: str
+    forced: bool
+    from_plan_id: str | None
+    to_plan_id: str | None
+    explanation: str
+    decision: dict[str, Any] = field(default_factory=dict)
+
+
+class TransitionPhase(enum.StrEnum):
+    """Phases of the three-phase transition plus its terminal states."""
+
+    PREPARE = "prepare"
+    SWITCH = "switch"
+    CLEANUP = "cleanup"
+    DONE = "done"
+    ROLLED_BACK = "rolled_back"
+
+
+class PhaseStatus(enum.StrEnum):
+    """Where a phase stands."""
+
+    STARTED = "started"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class GearTransition:
+    """One state change of a transition, persisted before the next phase begins."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    deployment: str
+    transition_seq: int
+    decision_id: str
+    phase: TransitionPhase
+    status: PhaseStatus
+    from_plan_id: str | None
+    to_plan_id: str | None
+    attempt: int = 1
+    duration_ms: float | None = None
+    detail: str = ""
+    plan: dict[str, Any] = field(default_factory=dict)
+
+
+class ControlAction(enum.StrEnum):
+    """Operator commands; they travel on the control topic only."""
+
+    PIN = "pin"
+    UNPIN = "unpin"
+    EMERGENCY_DOWNSHIFT = "emergency_downshift"
+    CLEAR_DOWNSHIFT = "clear_downshift"
+
+
+@dataclass(frozen=True, slots=True)
+class ControlCommand:
+    """An operator's command for one deployment."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    deployment: str
+    action: ControlAction
+    plan_id: str | None = None
+    issued_by: str = "operator"
+    reason: str = ""
+
+
+PAYLOAD_TYPES: dict[Kind, type] = {
+    Kind.GPU_SAMPLE: GpuSample,
+    Kind.KERNEL_LAUNCHES: KernelLaunches,
+    Kind.SERVING_LOAD: ServingLoad,
+    Kind.CLUSTER_EVENT: ClusterEvent,
+    Kind.GEAR_DECISION: GearDecision,
+    Kind.GEAR_TRANSITION: GearTransition,
+    Kind.CONTROL_COMMAND: ControlCommand,
+}
+KIND_OF: dict[type, Kind] = {cls: kind for kind, cls in PAYLOAD_TYPES.items()}

@@ -1,0 +1,1 @@
+"""Node agents: GPU samplers (NVML, simulated) and kernel-launch counters (eBPF, simulated)."""
