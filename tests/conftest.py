@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 
@@ -12,6 +13,8 @@ from flexpipe.config import FlexPipeConfig, load_config
 from flexpipe.kafka_local import LocalKafka
 
 BROKER_ENV = "FLEXPIPE_KAFKA__BOOTSTRAP_SERVERS"
+# Each pytest session gets its own broker run dir, so parallel sessions never share or wipe one.
+BROKER_NAME = os.environ.get("FLEXPIPE_TEST_BROKER_NAME", f"pytest-{os.getpid()}")
 
 
 @pytest.fixture(scope="session")
@@ -21,12 +24,13 @@ def kafka_broker() -> Iterator[str]:
     if configured:
         yield configured
         return
-    local = LocalKafka(load_config(env={}).local_kafka, name="pytest")
+    local = LocalKafka(load_config(env={}).local_kafka, name=BROKER_NAME)
     bootstrap = local.up(fresh=True)
     try:
         yield bootstrap
     finally:
         local.down()
+        shutil.rmtree(local.run_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +38,7 @@ def local_kafka(kafka_broker: str) -> LocalKafka | None:
     """The session's LocalKafka manager when we started it (tests that stop/restart it need it)."""
     if os.environ.get(BROKER_ENV):
         return None
-    return LocalKafka(load_config(env={}).local_kafka, name="pytest")
+    return LocalKafka(load_config(env={}).local_kafka, name=BROKER_NAME)
 
 
 @pytest.fixture
