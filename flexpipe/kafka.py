@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -71,6 +74,19 @@ def make_consumer(cfg: FlexPipeConfig, *topics: str, **overrides: Any) -> AIOKaf
     """A consumer of the given (already prefixed) topics."""
     kwargs = client_kwargs(cfg) | {"auto_offset_reset": "earliest", "enable_auto_commit": False}
     return AIOKafkaConsumer(*topics, **(kwargs | overrides))
+
+
+@asynccontextmanager
+async def running(client: AIOKafkaConsumer | AIOKafkaProducer) -> AsyncIterator[None]:
+    """Start a client for the block and always stop it."""
+    await client.start()
+    # NOTE: aiokafka 0.14 raises CancelledError from stop() when a consumer stops before its
+    # coordinator task got to run; one trip through the loop avoids it.
+    await asyncio.sleep(0)
+    try:
+        yield
+    finally:
+        await client.stop()
 
 
 async def create_topics(cfg: FlexPipeConfig) -> list[str]:

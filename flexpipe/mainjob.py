@@ -1,0 +1,272 @@
+"""`flexpipe run` and `flexpipe sim`: the simulated cluster through a real Kafka broker.
+
+``sim`` publishes the simulated fleet's telemetry, paced in event time; ``run`` is the main job:
+it starts the local broker when none is configured, publishes, and prints a live per-block view
+from a subscriber reading the same topics, then a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from flexpipe import envelope
+from flexpipe.blockview import BlockRow, BlockView, render_row
+from flexpipe.config import FlexPipeConfig
+from flexpipe.errors import ValidationError
+from flexpipe.kafka import (
+    bootstrap_servers,
+    create_topics,
+    make_consumer,
+    make_producer,
+    running,
+)
+from flexpipe.kafka_local import LocalKafka
+from flexpipe.topics import Topic, topic_name
+from probes.fleet import SimFleet
+from probes.scenario import Scenario, load_scenario
+
+DEFAULT_WALL_S = 90.0  # `make run` fits in two minutes with start-up and the summary
+DEFAULT_LAUNCH_DRAIN_S = 5.0  # the demo drains launch maps less often than agents (200 ms)
+
+
+def scenario_path(name: str | None) -> Path:
+    """A scenario file path; a bare name picks one shipped in ``probes/scenarios``."""
+    if name and (Path(name).exists() or "/" in name):
+        return Path(name)
+    stem = name or "seed-fragmented"
+    shipped = resources.files("probes") / "scenarios" / f"{stem.removesuffix('.yaml')}.yaml"
+    return Path(str(shipped))
+
+
+@asynccontextmanager
+async def broker(cfg: FlexPipeConfig) -> AsyncIterator[str]:
+    """The configured broker, or a local one started (and afterwards stopped) for this job."""
+    if cfg.kafka.bootstrap_servers:
+        yield bootstrap_servers(cfg)
+        return
+    local = LocalKafka(cfg.local_kafka)
+    was_running = local.status().running
+    address = await asyncio.to_thread(local.up)
+    print(f"kafka: {'using running' if was_running else 'started'} local broker {address}")
+    try:
+        yield address
+    finally:
+        if not was_running:
+            await asyncio.to_thread(local.down)
+            print("kafka: stopped the local broker")
+
+
+def with_bootstrap(cfg: FlexPipeConfig, address: str) -> FlexPipeConfig:
+    """The same config, pointed at ``address``."""
+    return cfg.model_copy(
+        update={"kafka": cfg.kafka.model_copy(update={"bootstrap_servers": address})}
+    )
+
+
+def fleet_events(
+    scenario: Scenario, seed: int, duration_s: float, cfg: FlexPipeConfig
+) -> Iterator[envelope.Envelope[Any]]:
+    """Every envelope the simulated node agents emit over ``duration_s``."""
+    fleet = SimFleet(
+        scenario,
+        seed=seed,
+        sample_interval_s=cfg.intervals.sample_s,
+        launch_interval_s=DEFAULT_LAUNCH_DRAIN_S,
+        heartbeat_s=cfg.intervals.heartbeat_s,
+    )
+    return fleet.events(0.0, duration_s)
+
+
+def _topic_for(cfg: FlexPipeConfig, env: envelope.Envelope[Any]) -> tuple[str, bytes]:
+    p = env.payload
+    kind = env.kind.value
+    if kind == "gpu.sample":
+        return topic_name(cfg, Topic.GPU), p.gpu_uuid.encode()
+    if kind == "kernel.launches":
+        return topic_name(cfg, Topic.LAUNCHES), p.gpu_uuid.encode()
+    return topic_name(cfg, Topic.CLUSTER), p.node.encode()
+
+
+async def publish(
+    cfg: FlexPipeConfig, events: Iterator[envelope.Envelope[Any]], speed: float, t0_ms: int
+) -> int:
+    """Publish envelopes paced so that ``speed`` simulated seconds pass per wall second."""
+    producer = make_producer(cfg)
+    start = time.monotonic()
+    pending: list[Any] = []
+    count = 0
+    async with running(producer):
+        for env in events:
+            due = start + (env.event_time_ms - t0_ms) / 1000.0 / speed
+            delay = due - time.monotonic()
+            if delay > 0.005:
+                await asyncio.sleep(delay)
+            topic, key = _topic_for(cfg, env)
+            pending.append(await producer.send(topic, envelope.encode(env), key=key))
+            count += 1
+            if len(pending) >= 2000:
+                await asyncio.gather(*pending)
+                pending.clear()
+        await asyncio.gather(*pending)
+    return count
+
+
+@dataclass
+class ViewPrinter:
+    """Prints the per-block view every ``every_s`` simulated seconds and keeps its history."""
+
+    epoch_ms: int
+    every_s: float
+    next_s: float = -1.0  # first line after one full sample round; set in __post_init__
+    history: list[tuple[float, list[BlockRow]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.next_s = self.every_s
+
+    def maybe_print(self, view: BlockView) -> None:
+        """Print one timeline line when the view's clock passed the next mark."""
+        t_s = view.now_s - self.epoch_ms / 1000.0
+        if t_s < self.next_s:
+            return
+        rows = view.rows()
+        self.history.append((t_s, rows))
+        print(f"{_hms(t_s)}  " + "  │  ".join(render_row(r) for r in rows), flush=True)
+        self.next_s = (t_s // self.every_s + 1) * self.every_s
+
+
+def _hms(t_s: float) -> str:
+    t = int(t_s)
+    return f"{t // 3600:02d}:{t // 60 % 60:02d}:{t % 60:02d}"
+
+
+async def end_offsets(cfg: FlexPipeConfig, topics: list[str]) -> dict[TopicPartition, int]:
+    """Current end offset of every partition of ``topics``."""
+    consumer = make_consumer(cfg, *topics, group_id=None)
+    async with running(consumer):
+        parts = [
+            TopicPartition(t, p)
+            for t in topics
+            for p in sorted(consumer.partitions_for_topic(t) or ())
+        ]
+        return dict(await consumer.end_offsets(parts)) if parts else {}
+
+
+async def watch(
+    cfg: FlexPipeConfig,
+    start: dict[TopicPartition, int],
+    done: asyncio.Future[dict[TopicPartition, int]],
+    view: BlockView,
+    printer: ViewPrinter,
+) -> Counter[str]:
+    """Consume from ``start`` until the offsets ``done`` resolves to; fold into ``view``."""
+    consumer = make_consumer(cfg, group_id=None)
+    seen: Counter[str] = Counter()
+    async with running(consumer):
+        consumer.assign(list(start))
+        for tp, offset in start.items():
+            consumer.seek(tp, offset)
+        while True:
+            batch = await consumer.getmany(timeout_ms=200, max_records=5000)
+            for records in batch.values():
+                for rec in records:
+                    _fold(rec.value, view, printer, seen)
+            if done.done() and all(await _reached(consumer, done.result())):
+                return seen
+
+
+async def _reached(consumer: Any, target: dict[TopicPartition, int]) -> list[bool]:
+    return [await consumer.position(tp) >= off for tp, off in target.items()]
+
+
+def _fold(raw: bytes | None, view: BlockView, printer: ViewPrinter, seen: Counter[str]) -> None:
+    try:
+        env = envelope.decode(raw)
+    except ValidationError as exc:
+        seen["invalid"] += 1
+        print(f"  skipped invalid message: {exc}")
+        return
+    seen[env.kind.value] += 1
+    event = view.apply(env)
+    if event is not None:
+        t_s = env.event_time_s - printer.epoch_ms / 1000.0
+        gpus = f" ({len(event.gpu_uuids)} GPUs)" if event.gpu_uuids else ""
+        print(f"{_hms(t_s)}  ⚡ {event.type.value} on {event.node}{gpus} {event.detail}".rstrip())
+    printer.maybe_print(view)
+
+
+async def run_sim_publish(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
+    """`flexpipe sim`: publish the scenario's telemetry to the configured or local broker."""
+    scenario = load_scenario(scenario_path(args.scenario))
+    duration_s = args.duration or scenario.duration_s
+    speed = args.speed or duration_s / DEFAULT_WALL_S
+    cfg = with_bootstrap(cfg, bootstrap_servers(cfg))
+    await create_topics(cfg)
+    count = await publish(
+        cfg, fleet_events(scenario, args.seed, duration_s, cfg), speed, scenario.epoch_ms
+    )
+    print(f"sim: published {count} events for {scenario.name} ({duration_s:.0f} simulated s)")
+    return 0
+
+
+async def run_main_job(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
+    """`flexpipe run`: broker, simulated cluster, live per-block view, summary."""
+    scenario = load_scenario(scenario_path(args.scenario))
+    duration_s = args.duration or scenario.duration_s
+    speed = args.speed or duration_s / DEFAULT_WALL_S
+    async with broker(cfg) as address:
+        cfg = with_bootstrap(cfg, address)
+        await create_topics(cfg)
+        watched = [topic_name(cfg, Topic.GPU), topic_name(cfg, Topic.CLUSTER)]
+        start = await end_offsets(cfg, watched)
+        view = BlockView(heartbeat_timeout_s=cfg.intervals.heartbeat_timeout_s)
+        printer = ViewPrinter(epoch_ms=scenario.epoch_ms, every_s=max(duration_s / 24, 60.0))
+        hours = duration_s / 3600
+        print(f"run: {scenario.name}, {hours:.1f} simulated h at {speed:.0f}× (seed {args.seed})")
+        done: asyncio.Future[dict[TopicPartition, int]] = asyncio.get_running_loop().create_future()
+        watcher = asyncio.create_task(watch(cfg, start, done, view, printer))
+        wall0 = time.monotonic()
+        events = fleet_events(scenario, args.seed, duration_s, cfg)
+        published = await publish(cfg, events, speed, scenario.epoch_ms)
+        done.set_result(await end_offsets(cfg, watched))
+        seen = await watcher
+        wall_s = time.monotonic() - wall0
+    _summary(view, printer, seen, published, wall_s)
+    return 0 if seen["invalid"] == 0 else 1
+
+
+def _summary(
+    view: BlockView, printer: ViewPrinter, seen: Counter[str], published: int, wall_s: float
+) -> None:
+    print("\n== summary")
+    rate = published / wall_s
+    consumed = ", ".join(f"{k} {v}" for k, v in sorted(seen.items()))
+    print(
+        f"published {published} events in {wall_s:.1f} s wall ({rate:.0f}/s); consumed {consumed}"
+    )
+    events = Counter(e.type.value for _, e in view.events)
+    print("cluster events: " + (", ".join(f"{k} {v}" for k, v in sorted(events.items())) or "none"))
+    header = ("block", "GPUs", "free min", "free max", "free GiB min", "free GiB max")
+    print(
+        f"{header[0]:<8}{header[1]:>5}{header[2]:>10}{header[3]:>10}{header[4]:>14}{header[5]:>14}"
+    )
+    by_domain: dict[str, list[BlockRow]] = {}
+    for _, rows in printer.history:
+        for row in rows:
+            by_domain.setdefault(row.domain, []).append(row)
+    for domain, rows in sorted(by_domain.items()):
+        free = [r.num_free for r in rows]
+        gib = [r.free_memory_bytes / (1 << 30) for r in rows]
+        print(
+            f"{domain:<8}{rows[-1].num_gpus:>5}{min(free):>10}{max(free):>10}{min(gib):>14.0f}{max(gib):>14.0f}"
+        )

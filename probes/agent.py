@@ -1,0 +1,173 @@
+"""The node agent: sample, keep only what changed, publish through the bounded buffer.
+
+One asyncio task per source (GPU sampler, launch counter) plus the publisher's sender. A backend
+that fails is reported (``backend_up{backend}`` 0, one log line) and the others keep running;
+nothing a GPU or the broker does ends the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from flexpipe import envelope
+from flexpipe.config import FlexPipeConfig
+from flexpipe.schemas import ClusterEvent, GpuSample, KernelLaunches
+from flexpipe.topics import Topic, topic_name
+from probes.base import GpuSampler, LaunchCounter
+from probes.delta import DeltaFilter
+from probes.publisher import BufferedPublisher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentClock:
+    """Maps the loop's clock to event time; the simulated backend runs it faster than wall time.
+
+    ``now_s`` is what backends see (seconds since ``origin``), ``speed`` is simulated seconds per
+    wall second, and event time is ``epoch_ms + now_s * 1000``.
+    """
+
+    wall: Callable[[], float]
+    origin_s: float
+    epoch_ms: int
+    speed: float = 1.0
+
+    def now_s(self) -> float:
+        """Seconds of (possibly simulated) time since the agent started."""
+        return (self.wall() - self.origin_s) * self.speed
+
+    def event_time_ms(self, now_s: float) -> int:
+        """Event time of something observed at ``now_s``."""
+        return self.epoch_ms + round(now_s * 1000)
+
+
+class AgentMetrics:
+    """Sampling-side metrics; the publisher registers its own on the same registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.samples = Counter(
+            "flexpipe_agent_samples", "GPU samples taken", ["backend"], registry=registry
+        )
+        self.events = Counter(
+            "flexpipe_agent_events", "Events handed to the publisher", ["kind"], registry=registry
+        )
+        self.backend_up = Gauge(
+            "backend_up", "1 while a telemetry backend works", ["backend"], registry=registry
+        )
+
+
+class Agent:
+    """Runs one node's samplers and hands their events to the publisher."""
+
+    def __init__(
+        self,
+        cfg: FlexPipeConfig,
+        node: str,
+        sampler: GpuSampler,
+        launches: LaunchCounter | None,
+        publisher: BufferedPublisher,
+        metrics: AgentMetrics,
+        clock: AgentClock,
+        delta: DeltaFilter | None = None,
+    ) -> None:
+        self._cfg = cfg
+        self._node = node
+        self._sampler = sampler
+        self._launches = launches
+        self._publisher = publisher
+        self._metrics = metrics
+        self._clock = clock
+        self._delta = delta or DeltaFilter(heartbeat_s=cfg.intervals.heartbeat_s)
+        self._seq: dict[str, int] = {}
+        self._topics = {
+            GpuSample: topic_name(cfg, Topic.GPU),
+            KernelLaunches: topic_name(cfg, Topic.LAUNCHES),
+            ClusterEvent: topic_name(cfg, Topic.CLUSTER),
+        }
+
+    def emit(
+        self, payload: GpuSample | KernelLaunches | ClusterEvent, now_s: float, backend: str
+    ) -> None:
+        """Wrap one payload in an envelope with the next per-source sequence number and queue it."""
+        source = f"{self._node}/{backend}"
+        seq = self._seq.get(source, 0) + 1
+        self._seq[source] = seq
+        env = envelope.make(
+            payload, event_time_ms=self._clock.event_time_ms(now_s), source=source, seq=seq
+        )
+        key = payload.node if isinstance(payload, ClusterEvent) else payload.gpu_uuid
+        self._publisher.put(self._topics[type(payload)], key.encode(), envelope.encode(env))
+        self._metrics.events.labels(env.kind.value).inc()
+
+    def sample_once(self) -> None:
+        """Take one GPU sample round and queue what changed plus due heartbeats and events."""
+        now_s = self._clock.now_s()
+        backend = self._sampler.name
+        try:
+            samples = self._sampler.sample(now_s)
+            events = self._sampler.poll_events(now_s)
+        except Exception as exc:  # a backend must never take the agent down
+            self._backend_failed(backend, exc)
+            return
+        self._metrics.backend_up.labels(backend).set(1)
+        self._metrics.samples.labels(backend).inc(len(samples))
+        for sample in self._delta.filter(samples, now_s):
+            self.emit(sample, now_s, backend)
+        for event in events:
+            self.emit(event, now_s, backend)
+
+    def drain_launches(self) -> None:
+        """Drain the launch counter once and queue its per-GPU counts."""
+        if self._launches is None:
+            return
+        now_s = self._clock.now_s()
+        try:
+            counts = self._launches.drain(now_s)
+        except Exception as exc:
+            self._backend_failed(self._launches.name, exc)
+            return
+        self._metrics.backend_up.labels(self._launches.name).set(1)
+        for item in counts:
+            self.emit(item, now_s, self._launches.name)
+
+    def _backend_failed(self, backend: str, exc: Exception) -> None:
+        self._metrics.backend_up.labels(backend).set(0)
+        log.warning("backend %s failed: %s: %s", backend, type(exc).__name__, exc)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sample and publish until ``stop`` is set, then flush and close the backends."""
+        wall_sample_s = self._cfg.intervals.sample_s / self._clock.speed
+        wall_drain_s = self._cfg.intervals.launch_drain_s / self._clock.speed
+        sender_stop = asyncio.Event()
+        sender = asyncio.create_task(self._publisher.run(sender_stop))
+        tickers = [asyncio.create_task(_every(wall_sample_s, self.sample_once, stop))]
+        if self._launches is not None:
+            tickers.append(asyncio.create_task(_every(wall_drain_s, self.drain_launches, stop)))
+        try:
+            await stop.wait()
+        finally:
+            for t in tickers:
+                t.cancel()
+            await asyncio.gather(*tickers, return_exceptions=True)
+            sender_stop.set()
+            await sender
+            self._sampler.close()
+            if self._launches is not None:
+                self._launches.close()
+
+
+async def _every(interval_s: float, fn: Callable[[], None], stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    next_at = loop.time()
+    while not stop.is_set():
+        fn()
+        next_at += interval_s
+        # NOTE: a slow round skips ahead instead of bursting to catch up.
+        next_at = max(next_at, loop.time())
+        await asyncio.sleep(next_at - loop.time())

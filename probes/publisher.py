@@ -1,0 +1,193 @@
+"""The agent's path to Kafka: a bounded buffer that survives broker outages.
+
+Events wait in a bounded deque. A sender task moves a batch into flight, publishes it with a
+durable producer (idempotent, acks=all, lz4) and removes it only once the broker acknowledged every
+message. When the broker is unreachable the batch goes back to the head of the buffer, the
+producer is rebuilt after an exponential backoff, and while the buffer is full the *oldest* events
+are dropped and counted, so the newest state always gets through first after an outage.
+Delivery is at-least-once: a batch whose acknowledgement was lost may be sent twice; consumers
+drop duplicates by (source, seq).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
+
+
+class Producer(Protocol):
+    """The slice of AIOKafkaProducer the publisher uses (a fake in unit tests)."""
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def send(self, topic: str, value: bytes, key: bytes | None = None) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One encoded event waiting for the broker."""
+
+    topic: str
+    key: bytes
+    value: bytes
+    enqueued_s: float
+
+
+class PublisherMetrics:
+    """Prometheus metrics of one publisher, registered on the given registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.published = Counter(
+            "flexpipe_agent_published",
+            "Events acknowledged by the broker",
+            ["topic"],
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "flexpipe_agent_dropped",
+            "Events dropped because the buffer was full",
+            registry=registry,
+        )
+        self.buffered = Gauge("flexpipe_agent_buffered", "Events waiting", registry=registry)
+        self.latency = Histogram(
+            "flexpipe_agent_publish_latency_seconds",
+            "Enqueue to broker acknowledgement",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 120),
+            registry=registry,
+        )
+        self.broker_up = Gauge(
+            "flexpipe_agent_broker_up", "1 when the last send succeeded", registry=registry
+        )
+
+
+class BufferedPublisher:
+    """Publish encoded events in order, through outages, with a bounded memory footprint."""
+
+    def __init__(
+        self,
+        producer_factory: Callable[[], Producer],
+        metrics: PublisherMetrics,
+        max_buffer: int = 100_000,
+        batch_size: int = 2_000,
+        ack_timeout_s: float = 10.0,
+        backoff_s: tuple[float, float] = (0.2, 5.0),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_buffer < 1 or batch_size < 1:
+            raise ValueError("max_buffer and batch_size must be positive")
+        self._factory = producer_factory
+        self._metrics = metrics
+        self._buffer: deque[Outgoing] = deque()
+        self._max_buffer = max_buffer
+        self._batch_size = batch_size
+        self._ack_timeout_s = ack_timeout_s
+        self._backoff_min_s, self._backoff_max_s = backoff_s
+        self._clock = clock
+        self._wakeup = asyncio.Event()
+        self._producer: Producer | None = None
+        self.dropped = 0
+        self.published = 0
+
+    def __len__(self) -> int:
+        return len(self._buffer)
+
+    def put(self, topic: str, key: bytes, value: bytes) -> None:
+        """Queue one event; drops the oldest queued event when the buffer is full."""
+        self._buffer.append(Outgoing(topic, key, value, self._clock()))
+        self._trim()
+        self._metrics.buffered.set(len(self._buffer))
+        self._wakeup.set()
+
+    def _trim(self) -> None:
+        excess = len(self._buffer) - self._max_buffer
+        for _ in range(max(excess, 0)):
+            self._buffer.popleft()
+        if excess > 0:
+            self.dropped += excess
+            self._metrics.dropped.inc(excess)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Send until ``stop`` is set, then flush what the broker will take within the timeout."""
+        backoff_s = self._backoff_min_s
+        while not (stop.is_set() and not self._buffer):
+            if not self._buffer:
+                self._wakeup.clear()
+                await _wait_any(self._wakeup, stop)
+                continue
+            if await self._send_batch():
+                backoff_s = self._backoff_min_s
+                continue
+            if stop.is_set():
+                break  # broker gone at shutdown: what is left is reported by the caller
+            await _sleep_or(stop, backoff_s)
+            backoff_s = min(backoff_s * 2, self._backoff_max_s)
+        await self._close_producer()
+
+    async def _send_batch(self) -> bool:
+        batch = [self._buffer.popleft() for _ in range(min(self._batch_size, len(self._buffer)))]
+        try:
+            producer = await self._ensure_producer()
+            futures = [await producer.send(o.topic, o.value, key=o.key) for o in batch]
+            await asyncio.wait_for(asyncio.gather(*futures), self._ack_timeout_s)
+        except Exception as exc:  # any broker or network failure: requeue and rebuild
+            log.warning(
+                "publish failed (%s: %s); %d events requeued", type(exc).__name__, exc, len(batch)
+            )
+            self._buffer.extendleft(reversed(batch))
+            self._trim()
+            self._metrics.broker_up.set(0)
+            await self._close_producer()
+            return False
+        now = self._clock()
+        for o in batch:
+            self._metrics.latency.observe(now - o.enqueued_s)
+            self._metrics.published.labels(o.topic).inc()
+        self.published += len(batch)
+        self._metrics.buffered.set(len(self._buffer))
+        self._metrics.broker_up.set(1)
+        return True
+
+    async def _ensure_producer(self) -> Producer:
+        if self._producer is None:
+            producer = self._factory()
+            try:
+                await asyncio.wait_for(producer.start(), self._ack_timeout_s)
+            except BaseException:
+                await _quiet_stop(producer)
+                raise
+            self._producer = producer
+        return self._producer
+
+    async def _close_producer(self) -> None:
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            await _quiet_stop(producer)
+
+
+async def _quiet_stop(producer: Producer) -> None:
+    try:
+        await asyncio.wait_for(producer.stop(), 5.0)
+    except Exception as exc:  # a dead broker makes stop() fail too; nothing left to save
+        log.debug("producer stop failed: %s", exc)
+
+
+async def _wait_any(*events: asyncio.Event) -> None:
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+
+
+async def _sleep_or(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)

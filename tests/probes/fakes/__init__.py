@@ -1,0 +1,1 @@
+"""Fakes for the probes tests: a pynvml look-alike and fake CUDA libraries (C sources)."""

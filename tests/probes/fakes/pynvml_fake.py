@@ -1,0 +1,249 @@
+"""A fake ``pynvml`` that behaves like the real module over a few scripted GPUs.
+
+Fidelity first: constants, error classes and return structures are the real module's own (its
+import does not load libnvidia-ml; only ``nvmlInit`` would). Handles are real ``c_nvmlDevice_t``
+pointers, memory info is a real ``c_nvmlMemory_v2_t``, field values a real ``c_nvmlFieldValue_t``
+array, events a real ``c_nvmlEventData_t``. Every function has the real name and parameter
+names (``tests/probes/test_nvml.py`` checks that against the installed module).
+
+Scripting: ``FakeGpu.fail["nvmlDeviceGetPowerUsage"] = NVML_ERROR_NOT_SUPPORTED`` makes one call
+fail with that code (``MISMATCH``: NVMLLibraryMismatchError; the v2 memory call is named
+``nvmlDeviceGetMemoryInfo_v2`` there, as in the C library); ``FakeGpu.lost = True`` makes every
+device call raise ``GPU is lost``; ``FakeNvml.push_xid(index, xid)`` queues an XID event.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml as real
+
+GIB = 1024**3
+MISMATCH = -1  # a FakeGpu.fail code: raise NVMLLibraryMismatchError, as unversioned calls do
+
+
+@dataclass
+class FakeGpu:
+    """One scripted GPU; NVML units (bytes, mW, KiB counters, KB/s)."""
+
+    uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
+    name: str = "NVIDIA H100 80GB HBM3"
+    memory_total: int = 80 * GIB
+    memory_reserved: int = 512 << 20
+    memory_used: int = 10 * GIB
+    util_gpu: int = 40
+    util_memory: int = 25
+    power_mw: int = 350_000
+    temperature_c: int = 55
+    ecc_uncorrected: int = 0
+    retired_single_bit: list[int] = field(default_factory=list)  # page addresses
+    retired_double_bit: list[int] = field(default_factory=list)
+    nvlink_states: list[int] = field(default_factory=lambda: [1] * 18)  # [] = no NVLink
+    nvlink_tx_kib: int = 0  # cumulative, summed over links
+    nvlink_rx_kib: int = 0
+    nvlink_counters_supported: bool = True  # False: field values come back NOT_SUPPORTED
+    pcie_tx_kb_s: int = 1000
+    pcie_rx_kb_s: int = 2000
+    mig_mode: tuple[int, int] = (0, 0)  # (current, pending)
+    compute_procs: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes)
+    graphics_procs: list[tuple[int, int | None]] = field(default_factory=list)
+    supported_events: int = real.nvmlEventTypeAll
+    fail: dict[str, int] = field(default_factory=dict)  # function name -> NVML error code
+    lost: bool = False
+
+
+class FakeNvml:
+    """Module-like object: ``FakeNvml(gpus)`` is passed where ``pynvml`` would be."""
+
+    def __init__(self, gpus: list[FakeGpu], init_error: int | None = None) -> None:
+        for name in dir(real):
+            if name.startswith(("NVML", "nvmlEventType", "nvmlMemory_v", "nvmlTemperature_v")):
+                setattr(self, name, getattr(real, name))
+        self.gpus = gpus
+        self.init_error = init_error
+        self.initialised = False
+        self.calls: list[str] = []
+        self.events: deque[tuple[int, int, int]] = deque()  # (gpu index, event type, data)
+        self.registered: dict[int, int] = {}  # gpu index -> event mask
+        self.event_sets_freed = 0
+        self._structs = [real.struct_c_nvmlDevice_t() for _ in gpus]
+        self._event_set = real.c_nvmlEventSet_t(real.struct_c_nvmlEventSet_t())
+
+    # -- scripting -------------------------------------------------------------------------
+
+    def push_xid(self, index: int, xid: int) -> None:
+        """Queue an XID critical-error event for GPU ``index``."""
+        self.events.append((index, real.nvmlEventTypeXidCriticalError, xid))
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _gpu(self, handle: Any, fn: str) -> FakeGpu:
+        self.calls.append(fn)
+        addr = ctypes.addressof(handle.contents)
+        index = next(i for i, s in enumerate(self._structs) if ctypes.addressof(s) == addr)
+        gpu = self.gpus[index]
+        if gpu.lost:
+            raise real.NVMLError(real.NVML_ERROR_GPU_IS_LOST)
+        if gpu.fail.get(fn) == MISMATCH:
+            raise real.NVMLLibraryMismatchError(f"{fn}: use a versioned function")
+        if fn in gpu.fail:
+            raise real.NVMLError(gpu.fail[fn])
+        return gpu
+
+    def _handle(self, index: int) -> Any:
+        return ctypes.pointer(self._structs[index])
+
+    # -- library -----------------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self.calls.append("nvmlInit")
+        if self.init_error is not None:
+            raise real.NVMLError(self.init_error)
+        self.initialised = True
+
+    def nvmlShutdown(self) -> None:
+        self.calls.append("nvmlShutdown")
+        self.initialised = False
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        if index >= len(self.gpus):
+            raise real.NVMLError(real.NVML_ERROR_INVALID_ARGUMENT)
+        handle = self._handle(index)
+        self._gpu(handle, "nvmlDeviceGetHandleByIndex")
+        return handle
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        return self._gpu(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        return self._gpu(handle, "nvmlDeviceGetName").name
+
+    # -- device state --------------------------------------------------------------------------
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        gpu = self._gpu(handle, "nvmlDeviceGetMemoryInfo" + ("_v2" if version else ""))
+        free = gpu.memory_total - gpu.memory_reserved - gpu.memory_used
+        if not version:
+            return real.c_nvmlMemory_t(gpu.memory_total, free, gpu.memory_used)
+        mem = real.c_nvmlMemory_v2_t()
+        mem.version, mem.total, mem.reserved = version, gpu.memory_total, gpu.memory_reserved
+        mem.used, mem.free = gpu.memory_used, free
+        return mem
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        gpu = self._gpu(handle, "nvmlDeviceGetUtilizationRates")
+        return real.c_nvmlUtilization_t(gpu.util_gpu, gpu.util_memory)
+
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        return self._gpu(handle, "nvmlDeviceGetPowerUsage").power_mw
+
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        return self._gpu(handle, "nvmlDeviceGetTemperature").temperature_c
+
+    def nvmlDeviceGetTemperatureV(
+        self, handle: Any, sensor: int, version: int = real.nvmlTemperature_v1
+    ) -> int:
+        return self._gpu(handle, "nvmlDeviceGetTemperatureV").temperature_c
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int:
+        gpu = self._gpu(handle, "nvmlDeviceGetTotalEccErrors")
+        return gpu.ecc_uncorrected if errorType == real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED else 0
+
+    def nvmlDeviceGetRetiredPages(self, device: Any, sourceFilter: int) -> list[int]:
+        gpu = self._gpu(device, "nvmlDeviceGetRetiredPages")
+        double = sourceFilter == real.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+        return list(gpu.retired_double_bit if double else gpu.retired_single_bit)
+
+    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
+        gpu = self._gpu(device, "nvmlDeviceGetNvLinkState")
+        if not gpu.nvlink_states:
+            raise real.NVMLError(real.NVML_ERROR_NOT_SUPPORTED)
+        if link >= len(gpu.nvlink_states):
+            raise real.NVMLError(real.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.nvlink_states[link]
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
+        gpu = self._gpu(handle, "nvmlDeviceGetFieldValues")
+        values = (real.c_nvmlFieldValue_t * len(fieldIds))()
+        counters = {
+            real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: gpu.nvlink_tx_kib,
+            real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: gpu.nvlink_rx_kib,
+        }
+        for i, fid in enumerate(fieldIds):
+            field_id, scope = fid if isinstance(fid, tuple) else (fid, 0)
+            values[i].fieldId, values[i].scopeId = field_id, scope
+            if field_id in counters and gpu.nvlink_states and gpu.nvlink_counters_supported:
+                values[i].valueType = real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                values[i].value.ullVal = counters[field_id]
+                values[i].nvmlReturn = real.NVML_SUCCESS
+            else:
+                values[i].nvmlReturn = real.NVML_ERROR_NOT_SUPPORTED
+        return values
+
+    def nvmlDeviceGetPcieThroughput(self, device: Any, counter: int) -> int:
+        gpu = self._gpu(device, "nvmlDeviceGetPcieThroughput")
+        return gpu.pcie_tx_kb_s if counter == real.NVML_PCIE_UTIL_TX_BYTES else gpu.pcie_rx_kb_s
+
+    def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
+        return list(self._gpu(device, "nvmlDeviceGetMigMode").mig_mode)
+
+    def _procs(self, procs: list[tuple[int, int | None]]) -> list[Any]:
+        out = []
+        for pid, used in procs:
+            obj = real.nvmlStructToFriendlyObject(real.c_nvmlProcessInfo_v3_t(pid, used or 0, 0, 0))
+            if used is None:  # what the real module does with NVML_VALUE_NOT_AVAILABLE
+                obj.usedGpuMemory = None
+            out.append(obj)
+        return out
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        gpu = self._gpu(handle, "nvmlDeviceGetComputeRunningProcesses")
+        return self._procs(gpu.compute_procs)
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any) -> list[Any]:
+        gpu = self._gpu(handle, "nvmlDeviceGetComputeRunningProcesses_v2")
+        return self._procs(gpu.compute_procs)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
+        gpu = self._gpu(handle, "nvmlDeviceGetGraphicsRunningProcesses")
+        return self._procs(gpu.graphics_procs)
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v2(self, handle: Any) -> list[Any]:
+        gpu = self._gpu(handle, "nvmlDeviceGetGraphicsRunningProcesses_v2")
+        return self._procs(gpu.graphics_procs)
+
+    # -- events --------------------------------------------------------------------------------
+
+    def nvmlEventSetCreate(self) -> Any:
+        self.calls.append("nvmlEventSetCreate")
+        return self._event_set
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
+        return self._gpu(handle, "nvmlDeviceGetSupportedEventTypes").supported_events
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
+        gpu = self._gpu(handle, "nvmlDeviceRegisterEvents")
+        self.registered[self.gpus.index(gpu)] = eventTypes
+
+    def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
+        self.calls.append(f"nvmlEventSetWait_v2({timeoutms})")
+        while self.events:
+            index, event_type, data = self.events.popleft()
+            if not self.registered.get(index, 0) & event_type:
+                continue  # not registered: NVML would never deliver it
+            event = real.c_nvmlEventData_t()
+            event.device = self._handle(index)
+            event.eventType, event.eventData = event_type, data
+            event.gpuInstanceId = event.computeInstanceId = 0xFFFFFFFF
+            return event
+        raise real.NVMLError(real.NVML_ERROR_TIMEOUT)
+
+    def nvmlEventSetFree(self, eventSet: Any) -> None:
+        self.calls.append("nvmlEventSetFree")
+        self.event_sets_freed += 1

@@ -1,0 +1,431 @@
+"""NvmlSampler over the fake pynvml: every field, every error path, XID events, MIG, processes."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import pynvml
+import pytest
+from pydantic import TypeAdapter
+
+from flexpipe.schemas import ClusterEvent, ClusterEventType, GpuProcess, GpuSample, SampleReason
+from gearbox.presets import GPU_CLASSES
+from probes.nvml import NvmlSampler, NvmlUnavailable, default_resolver, open_nvml_sampler
+from tests.probes.fakes.pynvml_fake import GIB, MISMATCH, FakeGpu, FakeNvml
+
+pytestmark = pytest.mark.unit
+
+NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def make_gpu(index: int = 0, **overrides: Any) -> FakeGpu:
+    """A healthy H100 with distinct uuid; overrides set any FakeGpu field."""
+    fields: dict[str, Any] = {"uuid": f"GPU-{index:08d}"}
+    fields.update(overrides)
+    return FakeGpu(**fields)
+
+
+def make_sampler(*gpus: FakeGpu, node: str = "n1") -> tuple[NvmlSampler, FakeNvml]:
+    fake = FakeNvml(list(gpus) or [make_gpu()])
+    return NvmlSampler(node, nvml=fake), fake
+
+
+# -- the fake is faithful to the installed pynvml --------------------------------------------
+
+
+def test_fake_functions_exist_in_real_pynvml_with_the_same_parameters() -> None:
+    fake = FakeNvml([make_gpu()])
+    names = [n for n in dir(fake) if n.startswith("nvml") and callable(getattr(fake, n))]
+    assert "nvmlEventSetWait_v2" in names and "nvmlDeviceGetFieldValues" in names
+    for name in names:
+        real_fn = getattr(pynvml, name)
+        real_params = list(inspect.signature(real_fn).parameters)
+        fake_params = list(inspect.signature(getattr(fake, name)).parameters)
+        assert fake_params == real_params, name
+
+
+def test_fake_raises_the_real_error_classes() -> None:
+    gpu = make_gpu(fail={"nvmlDeviceGetPowerUsage": NOT_SUPPORTED})
+    fake = FakeNvml([gpu])
+    handle = fake.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        fake.nvmlDeviceGetPowerUsage(handle)
+    gpu.lost = True
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetUUID(handle)
+    assert vars(fake)["NVMLError_Unknown"] is pynvml.NVMLError_Unknown
+
+
+def test_sampler_calls_only_functions_the_real_module_has() -> None:
+    sampler, fake = make_sampler(make_gpu(compute_procs=[(1, 1)]))
+    fake.push_xid(0, 13)
+    sampler.sample(1.0)
+    sampler.poll_events(1.0)
+    sampler.close()
+    called = {c.split("(")[0].removesuffix("_v2") for c in fake.calls}
+    missing = [c for c in called if not hasattr(pynvml, c)]
+    assert missing == []
+
+
+# -- every field ----------------------------------------------------------------------------
+
+
+def test_full_sample_reads_every_field_in_schema_units() -> None:
+    gpu = make_gpu(
+        memory_total=80 * GIB,
+        memory_reserved=1 * GIB,
+        memory_used=30 * GIB,
+        util_gpu=87,
+        util_memory=42,
+        power_mw=612_345,
+        temperature_c=71,
+        ecc_uncorrected=3,
+        retired_single_bit=[0x1000, 0x2000],
+        retired_double_bit=[0x3000],
+        nvlink_states=[1, 1, 0, 1],
+        pcie_tx_kb_s=5,
+        pcie_rx_kb_s=7,
+        compute_procs=[(4242, 20 * GIB), (17, None)],
+    )
+    sampler, _ = make_sampler(gpu)
+    [s] = sampler.sample(10.0)
+    assert s.gpu_uuid == "GPU-00000000" and s.node == "n1" and s.index == 0
+    assert s.name == "NVIDIA H100 80GB HBM3" and s.reason is SampleReason.DELTA and s.healthy
+    assert (s.gpu_class, s.domain) == ("h100-sxm", "n1/nvlink")
+    assert s.memory_total_bytes == 80 * GIB
+    assert s.memory_reserved_bytes == 1 * GIB
+    assert s.memory_used_bytes == 30 * GIB
+    assert s.memory_free_bytes == 49 * GIB
+    assert (s.sm_util_pct, s.mem_util_pct) == (87.0, 42.0)
+    assert s.power_w == pytest.approx(612.345)
+    assert s.temperature_c == 71.0
+    assert (s.ecc_uncorrected, s.retired_pages) == (3, 3)
+    assert s.nvlink_active_links == 3
+    assert (s.nvlink_tx_bytes_per_s, s.nvlink_rx_bytes_per_s) == (None, None)  # needs 2 reads
+    assert (s.pcie_tx_bytes_per_s, s.pcie_rx_bytes_per_s) == (5 * 1024.0, 7 * 1024.0)
+    assert s.mig_mode is False
+    assert s.processes == (GpuProcess(17, None), GpuProcess(4242, 20 * GIB))
+    assert s.xid_errors == ()
+
+
+def test_samples_validate_against_the_strict_schema() -> None:
+    sampler, _ = make_sampler(make_gpu(compute_procs=[(5, GIB)]), make_gpu(1, nvlink_states=[]))
+    adapter = TypeAdapter(GpuSample)
+    for s in sampler.sample(1.0):
+        assert adapter.validate_python(s) == s
+
+
+def test_nvlink_throughput_is_a_rate_from_cumulative_kib_counters() -> None:
+    gpu = make_gpu(nvlink_tx_kib=1_000, nvlink_rx_kib=5_000)
+    sampler, _ = make_sampler(gpu)
+    sampler.sample(10.0)
+    gpu.nvlink_tx_kib, gpu.nvlink_rx_kib = 3_000, 5_500
+    [s] = sampler.sample(12.0)
+    assert s.nvlink_tx_bytes_per_s == pytest.approx(2_000 * 1024 / 2)
+    assert s.nvlink_rx_bytes_per_s == pytest.approx(500 * 1024 / 2)
+    gpu.nvlink_tx_kib = 10  # counters reset (driver reload): no rate this round
+    [s] = sampler.sample(13.0)
+    assert s.nvlink_tx_bytes_per_s is None
+
+
+def test_nvlink_per_field_error_yields_none_and_restarts_the_rate() -> None:
+    gpu = make_gpu(nvlink_tx_kib=1)
+    sampler, _ = make_sampler(gpu)
+    sampler.sample(1.0)
+    gpu.nvlink_counters_supported = False  # the call succeeds, each field says NOT_SUPPORTED
+    [s] = sampler.sample(2.0)
+    assert (s.nvlink_tx_bytes_per_s, s.nvlink_rx_bytes_per_s) == (None, None)
+    assert s.nvlink_active_links == 18 and s.healthy
+    gpu.nvlink_counters_supported = True
+    assert sampler.sample(3.0)[0].nvlink_tx_bytes_per_s is None  # no stale baseline
+    gpu.nvlink_tx_kib = 2
+    assert sampler.sample(4.0)[0].nvlink_tx_bytes_per_s == pytest.approx(1024.0)
+
+
+def test_nvlink_links_are_probed_once_then_only_known_indices() -> None:
+    sampler, fake = make_sampler(make_gpu(nvlink_states=[1, 0]))
+    sampler.sample(1.0)
+    first = fake.calls.count("nvmlDeviceGetNvLinkState")
+    fake.calls.clear()
+    sampler.sample(2.0)
+    assert first == pynvml.NVML_NVLINK_MAX_LINKS + 2  # discovery, then the two known links
+    assert fake.calls.count("nvmlDeviceGetNvLinkState") == 2
+
+
+def test_gpu_without_nvlink_is_in_the_pcie_domain_and_not_probed_again() -> None:
+    sampler, fake = make_sampler(make_gpu(name="NVIDIA L40S", nvlink_states=[]))
+    [s] = sampler.sample(1.0)
+    fake.calls.clear()
+    sampler.sample(2.0)
+    assert (s.gpu_class, s.domain, s.nvlink_active_links) == ("l40s", "n1/pcie", None)
+    assert "nvmlDeviceGetNvLinkState" not in fake.calls
+    assert "nvmlDeviceGetFieldValues" not in fake.calls
+
+
+# -- unsupported calls are null fields, never exceptions --------------------------------------
+
+UNSUPPORTED_CASES = [
+    ("nvmlDeviceGetUtilizationRates", ("sm_util_pct", "mem_util_pct")),
+    ("nvmlDeviceGetPowerUsage", ("power_w",)),
+    ("nvmlDeviceGetTotalEccErrors", ("ecc_uncorrected",)),
+    ("nvmlDeviceGetRetiredPages", ("retired_pages",)),
+    ("nvmlDeviceGetNvLinkState", ("nvlink_active_links",)),
+    ("nvmlDeviceGetFieldValues", ("nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s")),
+    ("nvmlDeviceGetPcieThroughput", ("pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s")),
+    ("nvmlDeviceGetMigMode", ("mig_mode",)),
+]
+
+
+@pytest.mark.parametrize("code", [NOT_SUPPORTED, pynvml.NVML_ERROR_UNKNOWN])
+@pytest.mark.parametrize(("function", "fields"), UNSUPPORTED_CASES)
+def test_a_failing_call_nulls_its_fields_only(
+    function: str, fields: tuple[str, ...], code: int
+) -> None:
+    sampler, _ = make_sampler(make_gpu(fail={function: code}, compute_procs=[(1, 2)]))
+    [s] = sampler.sample(1.0)
+    [reference] = make_sampler(make_gpu(compute_procs=[(1, 2)]))[0].sample(1.0)
+    for name in GpuSample.__dataclass_fields__:
+        expected = None if name in fields else getattr(reference, name)
+        if name == "domain" and "nvlink_active_links" in fields:
+            expected = "n1/pcie"
+        assert getattr(s, name) == expected, name
+    assert s.healthy
+
+
+def test_temperature_falls_back_to_the_deprecated_call_then_to_none() -> None:
+    gpu = make_gpu(fail={"nvmlDeviceGetTemperatureV": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
+    sampler, _ = make_sampler(gpu)
+    assert sampler.sample(1.0)[0].temperature_c == 55.0
+    gpu.fail["nvmlDeviceGetTemperature"] = NOT_SUPPORTED
+    assert sampler.sample(2.0)[0].temperature_c is None
+
+
+def test_memory_falls_back_to_v1_without_reserved() -> None:
+    sampler, _ = make_sampler(make_gpu(fail={"nvmlDeviceGetMemoryInfo_v2": NOT_SUPPORTED}))
+    [s] = sampler.sample(1.0)
+    assert s.healthy and s.memory_total_bytes == 80 * GIB and s.memory_reserved_bytes is None
+    assert s.memory_used_bytes == 10 * GIB
+
+
+def test_no_memory_reading_at_all_is_an_unhealthy_sample() -> None:
+    gpu = make_gpu(
+        fail={
+            "nvmlDeviceGetMemoryInfo_v2": pynvml.NVML_ERROR_UNKNOWN,
+            "nvmlDeviceGetMemoryInfo": pynvml.NVML_ERROR_UNKNOWN,
+        }
+    )
+    [s] = make_sampler(gpu)[0].sample(1.0)
+    assert not s.healthy and s.memory_free_bytes == 0
+
+
+def test_processes_merge_compute_and_graphics_by_pid() -> None:
+    gpu = make_gpu(compute_procs=[(7, 3 * GIB), (9, GIB)], graphics_procs=[(7, 4 * GIB), (8, None)])
+    [s] = make_sampler(gpu)[0].sample(1.0)
+    assert s.processes == (GpuProcess(7, 4 * GIB), GpuProcess(8, None), GpuProcess(9, GIB))
+
+
+def test_processes_fall_back_to_v2_on_library_mismatch() -> None:
+    gpu = make_gpu(
+        compute_procs=[(5, GIB)],
+        fail={
+            "nvmlDeviceGetComputeRunningProcesses": MISMATCH,
+            "nvmlDeviceGetGraphicsRunningProcesses": NOT_SUPPORTED,
+        },
+    )
+    sampler, fake = make_sampler(gpu)
+    [s] = sampler.sample(1.0)
+    assert s.processes == (GpuProcess(5, GIB),)
+    assert "nvmlDeviceGetComputeRunningProcesses_v2" in fake.calls
+
+
+def test_processes_unsupported_everywhere_is_an_empty_tuple() -> None:
+    fail = {
+        name: NOT_SUPPORTED
+        for name in (
+            "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetComputeRunningProcesses_v2",
+            "nvmlDeviceGetGraphicsRunningProcesses",
+            "nvmlDeviceGetGraphicsRunningProcesses_v2",
+        )
+    }
+    [s] = make_sampler(make_gpu(compute_procs=[(1, 1)], fail=fail))[0].sample(1.0)
+    assert s.processes == () and s.healthy
+
+
+def test_gpus_of_pid_maps_a_process_to_every_gpu_that_lists_it() -> None:
+    sampler, _ = make_sampler(
+        make_gpu(0, compute_procs=[(100, GIB), (200, GIB)]),
+        make_gpu(1, compute_procs=[(100, GIB)]),
+    )
+    assert sampler.gpus_of_pid() == {}  # nothing sampled yet
+    sampler.sample(1.0)
+    assert sampler.gpus_of_pid() == {100: ("GPU-00000000", "GPU-00000001"), 200: ("GPU-00000000",)}
+
+
+@pytest.mark.parametrize(("modes", "expected"), [((1, 1), True), ((0, 1), False), ((1, 0), True)])
+def test_mig_mode_is_the_current_mode(modes: tuple[int, int], expected: bool) -> None:
+    gpu = make_gpu(mig_mode=modes, fail={"nvmlDeviceGetUtilizationRates": NOT_SUPPORTED})
+    [s] = make_sampler(gpu)[0].sample(1.0)
+    assert s.mig_mode is expected
+    assert s.sm_util_pct is None  # NVML has no whole-GPU utilisation under MIG
+
+
+# -- GPU lost -------------------------------------------------------------------------------
+
+
+def test_lost_gpu_is_an_unhealthy_sample_and_one_isolation_event() -> None:
+    sampler, fake = make_sampler(make_gpu(0, compute_procs=[(1, GIB)]), make_gpu(1))
+    sampler.sample(1.0)
+    fake.gpus[0].lost = True
+    lost, other = sampler.sample(2.0)
+    assert not lost.healthy and other.healthy
+    assert lost.gpu_uuid == "GPU-00000000" and lost.name == "NVIDIA H100 80GB HBM3"
+    assert (lost.memory_total_bytes, lost.memory_used_bytes, lost.memory_free_bytes) == (
+        80 * GIB,
+        80 * GIB,
+        0,
+    )
+    assert (lost.gpu_class, lost.domain) == ("h100-sxm", "n1/nvlink")
+    assert lost.power_w is None and lost.processes == ()
+    assert sampler.gpus_of_pid() == {}
+    assert sampler.poll_events(2.0) == [
+        ClusterEvent(
+            ClusterEventType.GPU_ISOLATED, "n1", ("GPU-00000000",), detail="NVML: GPU is lost"
+        )
+    ]
+    sampler.sample(3.0)
+    assert sampler.poll_events(3.0) == []  # once, not every round
+    fake.gpus[0].lost = False
+    assert sampler.sample(4.0)[0].healthy
+    [restored] = sampler.poll_events(4.0)
+    assert restored.type is ClusterEventType.GPU_RESTORED
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED])
+def test_lost_half_way_through_a_sample_makes_it_unhealthy(code: int) -> None:
+    sampler, _ = make_sampler(make_gpu(fail={"nvmlDeviceGetPowerUsage": code}))
+    [s] = sampler.sample(1.0)
+    assert not s.healthy and s.sm_util_pct is None
+    [event] = sampler.poll_events(1.0)
+    assert event.type is ClusterEventType.GPU_ISOLATED
+
+
+def test_gpu_lost_before_start_gets_a_placeholder_identity_until_it_answers() -> None:
+    sampler, fake = make_sampler(make_gpu(0, lost=True), make_gpu(1))
+    lost, ok = sampler.sample(1.0)
+    assert lost.gpu_uuid == "GPU-unknown-n1-0" and not lost.healthy
+    assert ok.healthy
+    fake.gpus[0].lost = False
+    back, _ = sampler.sample(2.0)
+    assert back.gpu_uuid == "GPU-00000000" and back.healthy
+
+
+# -- XID events -----------------------------------------------------------------------------
+
+
+def test_xid_becomes_a_cluster_event_and_lands_in_the_next_sample() -> None:
+    sampler, fake = make_sampler(make_gpu(0), make_gpu(1))
+    fake.push_xid(1, 79)
+    fake.push_xid(1, 48)
+    events = sampler.poll_events(1.0)
+    assert [(e.type, e.gpu_uuids, e.xid) for e in events] == [
+        (ClusterEventType.XID, ("GPU-00000001",), 79),
+        (ClusterEventType.XID, ("GPU-00000001",), 48),
+    ]
+    assert events[0].detail == "XID 79"
+    _, s = sampler.sample(2.0)
+    assert s.xid_errors == (79, 48)
+    _, s = sampler.sample(3.0)
+    assert s.xid_errors == ()  # XIDs since the previous sample only
+
+
+def test_event_wait_never_blocks_and_is_bounded() -> None:
+    fake = FakeNvml([make_gpu()])
+    sampler = NvmlSampler("n1", nvml=fake, max_events_per_poll=3)
+    for xid in range(5):
+        fake.push_xid(0, xid)
+    assert [e.xid for e in sampler.poll_events(1.0)] == [0, 1, 2]
+    assert [e.xid for e in sampler.poll_events(2.0)] == [3, 4]
+    waits = {c for c in fake.calls if c.startswith("nvmlEventSetWait")}
+    assert waits == {"nvmlEventSetWait_v2(0)"}
+
+
+def test_device_without_xid_support_is_not_registered() -> None:
+    sampler, fake = make_sampler(make_gpu(0), make_gpu(1, supported_events=0))
+    assert fake.registered == {0: pynvml.nvmlEventTypeXidCriticalError}
+    fake.push_xid(1, 31)
+    assert sampler.poll_events(1.0) == []
+
+
+def test_no_event_support_at_all_frees_the_set_and_polls_nothing() -> None:
+    sampler, fake = make_sampler(
+        make_gpu(fail={"nvmlDeviceRegisterEvents": NOT_SUPPORTED}),
+    )
+    assert fake.event_sets_freed == 1
+    fake.calls.clear()
+    assert sampler.poll_events(1.0) == []
+    assert fake.calls == []
+
+
+def test_event_wait_error_stops_the_poll_without_raising(caplog: pytest.LogCaptureFixture) -> None:
+    sampler, fake = make_sampler(make_gpu())
+
+    def broken(eventSet: Any, timeoutms: int) -> Any:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    fake.nvmlEventSetWait_v2 = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING):
+        assert sampler.poll_events(1.0) == []
+        assert sampler.poll_events(2.0) == []
+    assert len([r for r in caplog.records if "Unknown Error" in r.getMessage()]) == 1
+
+
+# -- lifecycle and resolver -----------------------------------------------------------------
+
+
+def test_init_failure_is_reported_not_raised_by_the_opener() -> None:
+    fake = FakeNvml([make_gpu()], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    with pytest.raises(NvmlUnavailable, match="Driver Not Loaded"):
+        NvmlSampler("n1", nvml=fake)
+    sampler, why = open_nvml_sampler("n1", nvml=fake)
+    assert sampler is None and "Driver Not Loaded" in why
+    sampler, why = open_nvml_sampler("n1", nvml=FakeNvml([make_gpu(), make_gpu(1)]))
+    assert sampler is not None and why == "NVML with 2 GPU(s)"
+
+
+def test_close_is_idempotent_and_stops_sampling() -> None:
+    sampler, fake = make_sampler(make_gpu())
+    sampler.close()
+    sampler.close()
+    assert fake.calls.count("nvmlShutdown") == 1 and fake.event_sets_freed == 1
+    assert sampler.sample(1.0) == [] and sampler.poll_events(1.0) == []
+
+
+def test_resolver_is_a_parameter() -> None:
+    fake = FakeNvml([make_gpu()])
+    sampler = NvmlSampler("n9", nvml=fake, resolver=lambda node, name, links: ("x", f"{node}/r"))
+    [s] = sampler.sample(1.0)
+    assert (s.gpu_class, s.domain) == ("x", "n9/r")
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 SXM5 80GB", "h100-sxm"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80g"),
+        ("NVIDIA A100 80GB PCIe", "a100-80g"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA L40", "l40"),
+        ("NVIDIA RTX A6000", "a6000-48g"),
+        ("NVIDIA H200", None),
+        ("NVIDIA A100-SXM4-40GB", None),
+    ],
+)
+def test_default_resolver_maps_names_to_gearbox_classes(name: str, key: str | None) -> None:
+    gpu_class, domain = default_resolver("n1", name, 0)
+    assert gpu_class == key and domain == "n1/pcie"
+    assert key is None or key in GPU_CLASSES
+    assert default_resolver("n1", name, 4)[1] == "n1/nvlink"

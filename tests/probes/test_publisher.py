@@ -1,0 +1,107 @@
+"""The bounded publisher: order, drop-oldest accounting, recovery after the broker returns."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from probes.publisher import BufferedPublisher, PublisherMetrics
+
+pytestmark = pytest.mark.unit
+
+
+class FakeBroker:
+    """Accepts sends while ``up``; a down broker fails every start and every send."""
+
+    def __init__(self) -> None:
+        self.up = True
+        self.log: list[bytes] = []
+        self.starts = 0
+
+
+class FakeProducer:
+    def __init__(self, broker: FakeBroker) -> None:
+        self.broker = broker
+
+    async def start(self) -> None:
+        self.broker.starts += 1
+        if not self.broker.up:
+            raise ConnectionError("broker down")
+
+    async def stop(self) -> None:
+        return None
+
+    async def send(self, topic: str, value: bytes, key: bytes | None = None) -> Any:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.broker.up:
+            self.broker.log.append(value)
+            fut.set_result(None)
+        else:
+            fut.set_exception(ConnectionError("broker down"))
+        return fut
+
+
+def make_publisher(broker: FakeBroker, max_buffer: int) -> BufferedPublisher:
+    return BufferedPublisher(
+        lambda: FakeProducer(broker),
+        PublisherMetrics(CollectorRegistry()),
+        max_buffer=max_buffer,
+        batch_size=7,
+        backoff_s=(0.001, 0.002),
+    )
+
+
+async def test_publishes_everything_in_order() -> None:
+    broker = FakeBroker()
+    pub = make_publisher(broker, max_buffer=1000)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pub.run(stop))
+    for i in range(100):
+        pub.put("t", b"k", str(i).encode())
+    stop.set()
+    await task
+    assert broker.log == [str(i).encode() for i in range(100)]
+    assert pub.published == 100 and pub.dropped == 0
+
+
+async def test_outage_drops_oldest_and_counts_exactly() -> None:
+    broker = FakeBroker()
+    broker.up = False
+    pub = make_publisher(broker, max_buffer=50)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pub.run(stop))
+    for i in range(120):
+        pub.put("t", b"k", str(i).encode())
+        await asyncio.sleep(0)
+    assert pub.dropped == 70
+    broker.up = True
+    while len(pub):
+        await asyncio.sleep(0.001)
+    stop.set()
+    await task
+    assert broker.log == [str(i).encode() for i in range(70, 120)], "newest 50 survive, in order"
+    assert pub.published + pub.dropped == 120
+    assert broker.starts > 1, "the producer is rebuilt after failures"
+
+
+async def test_shutdown_with_broker_down_does_not_hang() -> None:
+    broker = FakeBroker()
+    broker.up = False
+    pub = make_publisher(broker, max_buffer=10)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pub.run(stop))
+    pub.put("t", b"k", b"x")
+    await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(task, 2.0)
+    assert len(pub) == 1 and pub.published == 0
+
+
+def test_rejects_nonsense_sizes() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        BufferedPublisher(
+            lambda: FakeProducer(FakeBroker()), PublisherMetrics(CollectorRegistry()), 0
+        )
