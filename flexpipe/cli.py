@@ -49,6 +49,14 @@ def _sim(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
     return asyncio.run(run_sim_publish(cfg, args))
 
 
+def _agent(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
+    from flexpipe.kafka import bootstrap_servers
+    from flexpipe.mainjob import with_bootstrap
+    from probes.main import run_agent
+
+    return asyncio.run(run_agent(with_bootstrap(cfg, bootstrap_servers(cfg)), args))
+
+
 def _run(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
     from flexpipe.mainjob import run_main_job
 
@@ -73,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("topics", help="create FlexPipe's topics (idempotent)")
     p.add_argument("action", choices=["create"])
     p.set_defaults(handler=_topics)
+
+    p = sub.add_parser("agent", help="run a node agent (NVML + eBPF, or simulated)")
+    from probes.main import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(handler=_agent)
 
     for name, handler, text in (
         ("sim", _sim, "publish a simulated fragmented cluster's telemetry to Kafka"),

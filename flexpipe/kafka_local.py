@@ -200,7 +200,8 @@ class LocalKafka:
         cmd = [
             _java(), "-Xmx256m", f"-Dlog4j2.configurationFile={self.run_dir / 'log4j2.properties'}",
             "-cp", classpath, "kafka.tools.StorageTool", "format",
-            "-t", cluster_id, "-c", str(props), "--standalone",
+            # NOTE: "=" form: a base64 id may start with "-" and read as an option.
+            f"--cluster-id={cluster_id}", "-c", str(props), "--standalone",
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:

@@ -91,6 +91,10 @@ class Agent:
             ClusterEvent: topic_name(cfg, Topic.CLUSTER),
         }
 
+    def emitted(self) -> dict[str, int]:
+        """Events emitted so far per source: the last sequence number handed out."""
+        return dict(self._seq)
+
     def emit(
         self, payload: GpuSample | KernelLaunches | ClusterEvent, now_s: float, backend: str
     ) -> None:
