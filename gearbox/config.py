@@ -1,0 +1,172 @@
+"""Gearbox configuration: one frozen model per concern, bounds checked at construction.
+
+Each numeric field has a closed range in ``_BOUNDS``; ``__post_init__`` raises ``ValueError``
+naming the field, the range and the value. Cost-model constants cite their source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from gearbox.serde import Serialisable
+
+__all__ = ["DEFAULT_CONFIG", "DEFAULT_PLACEMENT_CONFIG", "GearboxConfig", "PlacementConfig"]
+
+_GIB = 1024**3
+_INF = float("inf")
+
+
+def _check_bounds(
+    obj: GearboxConfig | PlacementConfig, bounds: dict[str, tuple[float, float]]
+) -> None:
+    for f in dataclasses.fields(obj):
+        lo, hi = bounds[f.name]
+        value = getattr(obj, f.name)
+        if not lo <= value <= hi:
+            raise ValueError(f"{f.name}: must be within [{lo}, {hi}], got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class GearboxConfig(Serialisable):
+    """Knobs of the gear decision: blocks, enumeration, cost model, switch cost, hysteresis."""
+
+    # --- decision ---
+    hysteresis: float = 1.4  # switch only when gain > cost × hysteresis (article: 1.3–1.5)
+    cooldown_s: float = 90.0  # no second voluntary switch sooner (article: >= 90 s)
+    reverse_cooldown_factor: float = 2.0  # cooldown multiplier for switching straight back
+    gain_horizon_s: float = 300.0  # how long a better plan is expected to pay off
+    top_k_candidates: int = 5  # candidates listed in a decision
+    # --- fragment history ---
+    history_window_s: float = 3600.0  # samples older than this are dropped
+    max_history_samples: int = 240  # per block
+    min_shrink_steps: int = 2  # separate shrink events needed before a block counts as shrinking
+    min_stability_factor: float = 0.3  # floor of the discount for a steadily shrinking block
+    # --- atomic blocks ---
+    min_block_link_gbps: float = 10.0  # slower domains are split into per-node blocks
+    block_id_jaccard: float = 0.5  # reuse a previous block id at this membership overlap
+    # --- enumeration ---
+    max_tp: int = 16
+    max_pp_stages: int = 4
+    min_pp_link_gbps: float = 5.0  # inter-block link needed for pipeline parallelism
+    min_pd_link_gbps: float = 10.0  # inter-block link needed for a prefill/decode KV hand-off
+    max_pd_prefill_blocks: int = 2  # strongest blocks tried as prefill pools
+    memory_utilisation: float = 0.9  # share of GPU memory a plan may use (vLLM default 0.9)
+    runtime_overhead_bytes: int = 2 * _GIB  # CUDA context, activations, NCCL buffers per GPU
+    min_kv_reserve_tokens: int = 4096  # KV a replica must hold at least (sets minimum TP)
+    max_batch_sequences: int = 256  # decode batch cap (vLLM max_num_seqs default 256)
+    capacity_headroom: float = 1.2  # provision capacity for demand × headroom
+    noise_margin: float = 1.1  # latencies are judged at demand × this (<= capacity_headroom)
+    # --- cost model (see gearbox.cost for sources) ---
+    mfu_prefill: float = 0.5  # prefill model-FLOPs utilisation
+    mfu_decode: float = 0.5  # compute utilisation once decode turns compute-bound
+    mbu_decode: float = 0.7  # decode memory-bandwidth utilisation
+    collective_efficiency: float = 0.8  # achieved share of link bandwidth in all-reduce
+    ttft_slo_ms: float = 2000.0
+    tbt_slo_ms: float = 150.0
+    slo_weight: float = 0.5  # share of served tokens lost at zero SLO attainment
+    backlog_drain_s: float = 60.0  # queued requests count as demand spread over this time
+    idle_gpu_value_tok_s: float = 50.0  # value of a GPU handed back, so low load scales down
+    max_latency_ms: float = 3_600_000.0  # saturated estimates are capped here
+    # --- switch cost (see gearbox.switch for sources) ---
+    weight_load_gbps: float = 5.0  # per-GPU weight load rate from local NVMe/page cache
+    kv_transfer_efficiency: float = 0.8  # achieved share of the path's bandwidth for KV
+    comm_setup_s: float = 0.5  # communicator build + route-table flip
+    switch_throughput_loss: float = 0.5  # share of affected throughput lost while handing over
+    cold_start_requests: int = 200  # requests until a new replica reaches steady state
+    cold_start_slowdown: float = 0.3  # throughput shortfall during those requests
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, _GEARBOX_BOUNDS)
+        if self.min_pd_link_gbps < self.min_pp_link_gbps:
+            raise ValueError(
+                "min_pd_link_gbps: must be >= min_pp_link_gbps, since a KV hand-off moves far "
+                f"more bytes than activations (got {self.min_pd_link_gbps} < "
+                f"{self.min_pp_link_gbps})"
+            )
+        if self.noise_margin > self.capacity_headroom:
+            raise ValueError(
+                "noise_margin: must be <= capacity_headroom, or every plan provisioned for the "
+                "headroom would look saturated at the load its latency is judged at (got "
+                f"{self.noise_margin} > {self.capacity_headroom})"
+            )
+
+
+_GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
+    "hysteresis": (1.3, 1.5),
+    "cooldown_s": (0.0, 86_400.0),
+    "reverse_cooldown_factor": (1.0, 10.0),
+    "gain_horizon_s": (1.0, 86_400.0),
+    "top_k_candidates": (1, 50),
+    "history_window_s": (60.0, 7 * 86_400.0),
+    "max_history_samples": (3, 100_000),
+    "min_shrink_steps": (1, 1000),
+    "min_stability_factor": (0.0, 1.0),
+    "min_block_link_gbps": (0.0, 10_000.0),
+    "block_id_jaccard": (0.01, 1.0),
+    "max_tp": (1, 64),
+    "max_pp_stages": (1, 16),
+    "min_pp_link_gbps": (0.0, 10_000.0),
+    "min_pd_link_gbps": (0.0, 10_000.0),
+    "max_pd_prefill_blocks": (0, 64),
+    "memory_utilisation": (0.1, 1.0),
+    "runtime_overhead_bytes": (0, 64 * _GIB),
+    "min_kv_reserve_tokens": (0, 10_000_000),
+    "max_batch_sequences": (1, 100_000),
+    "capacity_headroom": (1.0, 4.0),
+    "noise_margin": (1.0, 4.0),
+    "mfu_prefill": (0.01, 1.0),
+    "mfu_decode": (0.01, 1.0),
+    "mbu_decode": (0.01, 1.0),
+    "collective_efficiency": (0.01, 1.0),
+    "ttft_slo_ms": (1.0, _INF),
+    "tbt_slo_ms": (1.0, _INF),
+    "slo_weight": (0.0, 1.0),
+    "backlog_drain_s": (1.0, 86_400.0),
+    "idle_gpu_value_tok_s": (0.0, _INF),
+    "max_latency_ms": (1.0, _INF),
+    "weight_load_gbps": (0.01, 10_000.0),
+    "kv_transfer_efficiency": (0.01, 1.0),
+    "comm_setup_s": (0.0, 600.0),
+    "switch_throughput_loss": (0.0, 1.0),
+    "cold_start_requests": (0, 1_000_000),
+    "cold_start_slowdown": (0.0, 1.0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig(Serialisable):
+    """Knobs of multi-model placement (filter → score → anti-affinity → evict)."""
+
+    memory_k: float = 1.3  # KV safety factor in model_size + k × batch × seq × kv_bytes
+    weight_affinity: float = 0.5  # score weight: GPU already holds the model
+    weight_free_memory: float = 0.3  # score weight: free / total memory after placement
+    weight_utilisation: float = 0.2  # score weight: 1 - compute utilisation
+    max_models_per_gpu: int = 4  # concurrency cap: resident models per GPU
+    oom_watermark: float = 0.85  # reject placements that push a GPU past this fill (pre-OOM)
+    eviction_reload_factor: float = 3.0  # evict only if time to next request > reload × this
+    cold_after_s: float = 1800.0  # a model idle this long is cold (eviction candidate)
+
+    def __post_init__(self) -> None:
+        _check_bounds(self, _PLACEMENT_BOUNDS)
+        total = self.weight_affinity + self.weight_free_memory + self.weight_utilisation
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(
+                f"weight_affinity: the three score weights must sum to 1 so scores stay in "
+                f"[0, 1] and stay comparable across configs, got a sum of {total}"
+            )
+
+
+_PLACEMENT_BOUNDS: dict[str, tuple[float, float]] = {
+    "memory_k": (1.0, 4.0),
+    "weight_affinity": (0.0, 1.0),
+    "weight_free_memory": (0.0, 1.0),
+    "weight_utilisation": (0.0, 1.0),
+    "max_models_per_gpu": (1, 1024),
+    "oom_watermark": (0.1, 1.0),
+    "eviction_reload_factor": (1.0, 1000.0),
+    "cold_after_s": (0.0, 7 * 86_400.0),
+}
+
+DEFAULT_CONFIG = GearboxConfig()
+DEFAULT_PLACEMENT_CONFIG = PlacementConfig()

@@ -1,0 +1,400 @@
+"""Cost model: time, memory and capacity of one replica, and its latency at a given load.
+
+Relative accuracy is the goal — decisions compare plans on the same formulas. Sources:
+
+* FLOPs: forward pass ≈ 2·N FLOPs per token plus attention 2·n_layer·n_ctx·d_attn per token for
+  QKᵀ and again for ·V (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Table 1).
+  A causal prefill of n tokens therefore costs 2·N·n + 2·n_layer·n²·d_attn.
+* Prefill runs at ``mfu_prefill`` (0.5) of bf16 peak: large-GEMM inference prefill and training
+  reach 40–60 % model-FLOPs utilisation (Chowdhery et al. 2022, PaLM, 46 % MFU; Agrawal et al.
+  2024, Sarathi-Serve, prefill is compute-bound).
+* Decode is memory-bound at small batch: every step reads the stage's weight shard and the batch's
+  KV (Pope et al. 2022, "Efficiently Scaling Transformer Inference", §2). Achieved memory
+  bandwidth utilisation ``mbu_decode`` (0.7) follows Databricks, "LLM Inference Performance
+  Engineering: Best Practices" (2023), which measures 60–70 % MBU. At large batch the step turns
+  compute-bound (``mfu_decode`` 0.5); the step takes the larger of the two times.
+* Tensor parallelism costs two all-reduces of the activations per layer (Shoeybi et al. 2019,
+  Megatron-LM, §3). Ring all-reduce: 2(p−1)/p · bytes / bandwidth + 2(p−1)·latency (Patarasuk &
+  Yuan 2009); achieved bandwidth is ``collective_efficiency`` (0.8) of line rate, the nccl-tests
+  "busbw" ratio for large messages.
+* Pipeline parallelism: a step is bounded by the slowest stage once micro-batches fill the
+  pipeline, and by the sum of stages (a bubble) when the batch has fewer sequences than stages
+  (Huang et al. 2019, GPipe; Narayanan et al. 2021, bubble (p−1)/m). Activations of
+  tokens × hidden × dtype bytes cross the inter-stage link.
+* Queueing (stated approximation): a continuously batching replica has ``max_batch`` sequence
+  slots sharing its service rate μ (requests/s at full batch) — an M/M/c queue with c = max_batch.
+  Its probability of waiting uses the Halfin–Whitt approximation P(wait) ≈ 1 / (1 + β·Φ(β)/φ(β)),
+  β = (1−ρ)·√c (Halfin & Whitt 1981, "Heavy-traffic limits for queues with many exponential
+  servers"; exact ρ for c = 1), and the M/M/c wait tail P(W > t) = P(wait)·e^(−(μ−λ)t). A new
+  prompt then queues for the prefill pipeline, an M/M/1 server busy λ × occupancy of the time,
+  P(W > t) = ρ·e^(−(μ−λ)t) (Kleinrock 1975, Queueing Systems I, §3.4). TTFT p95 = prefill latency
+  (+ KV hand-off) + both p95 waits (a conservative sum). TBT p95 = the decode step at the
+  Little's-law batch, plus one prefill stall when at least 5 % of steps carry a new prompt
+  (continuous batching stalls decode on prefill — Sarathi-Serve; disaggregated decode does not —
+  Zhong et al. 2024, DistServe). Utilisation is capped at 0.99, so saturated estimates stay
+  finite (and ``max_latency_ms`` caps them).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gearbox.config import GearboxConfig
+from gearbox.model import ModelSpec
+from gearbox.plans import ExecutionPlan, Stage
+from gearbox.types import GpuClass, LinkClass
+
+__all__ = [
+    "ReplicaCapacity",
+    "ReplicaEstimate",
+    "ReplicaShape",
+    "StageShape",
+    "allreduce_s",
+    "clear_caches",
+    "estimate_replica",
+    "layer_time_s",
+    "max_layers_fitting",
+    "memory_bucket",
+    "min_tp_for_memory",
+    "pipeline_decode_cycle_s",
+    "pipeline_prefill_s",
+    "replica_capacity",
+    "replica_shape",
+    "stage_decode_s",
+    "stage_kv_capacity_tokens",
+    "stage_prefill_s",
+]
+
+_GB = 1e9
+_TFLOP = 1e12
+_US = 1e-6
+_MEMORY_BUCKET_BYTES = 256 * 1024**2
+_P95_TAIL = 0.05
+_MAX_UTILISATION = 0.99
+_SPLIT_REFERENCE_BATCH = 16
+
+
+@dataclass(frozen=True, slots=True)
+class StageShape:
+    """What the cost model needs of a stage; equal shapes cost the same (memo key)."""
+
+    gpu_class: GpuClass
+    tp: int
+    num_layers: int
+    tp_link: LinkClass
+    available_bytes: int  # smallest per-GPU memory the plan may use, before memory_utilisation
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaShape:
+    """A replica reduced to stage shapes and links."""
+
+    prefill: tuple[StageShape, ...]  # the unified pipeline when not disaggregated
+    decode: tuple[StageShape, ...]  # empty when not disaggregated
+    pp_link: LinkClass | None
+    handoff_link: LinkClass | None
+
+    @property
+    def decode_pipeline(self) -> tuple[StageShape, ...]:
+        """Stages that run decode."""
+        return self.decode or self.prefill
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCapacity:
+    """A replica's load-independent figures for one request profile."""
+
+    feasible: bool  # weights plus the KV reserve fit on every GPU
+    max_batch: int  # decode sequences whose full context fits in KV memory
+    capacity_rps: float  # requests per second at max_batch
+    prefill_latency_s: float  # one prompt through the prefill pipeline, hand-off included
+    prefill_occupancy_s: float  # time a prompt holds the prefill pipeline's bottleneck
+    unloaded_tbt_s: float  # decode step of a single sequence (latency floor)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEstimate:
+    """A replica's steady state at a given arrival rate."""
+
+    capacity_rps: float
+    capacity_tok_s: float  # prompt + output tokens per second at capacity
+    served_tok_s: float  # tokens per second actually served at this load
+    ttft_p95_ms: float
+    tbt_p95_ms: float
+
+
+def allreduce_s(num_bytes: float, group_size: int, link: LinkClass, efficiency: float) -> float:
+    """Ring all-reduce time: 2(p−1)/p · bytes / (bandwidth · efficiency) + 2(p−1) · latency."""
+    if group_size <= 1:
+        return 0.0
+    steps = 2 * (group_size - 1)
+    volume = steps / group_size * num_bytes
+    return volume / (link.bandwidth_gbps * _GB * efficiency) + steps * link.latency_us * _US
+
+
+def _layer_share(model: ModelSpec, num_layers: int) -> float:
+    return num_layers / model.num_layers
+
+
+def stage_prefill_s(
+    shape: StageShape, model: ModelSpec, num_tokens: float, config: GearboxConfig
+) -> float:
+    """Prefill of ``num_tokens`` through one stage.
+
+    FLOPs / (tp · peak · MFU) plus two all-reduces of the activations per layer.
+    """
+    flops = (
+        2 * model.num_params * _layer_share(model, shape.num_layers) * num_tokens
+        + 2 * shape.num_layers * num_tokens**2 * model.attention_dim
+    )
+    compute_s = flops / (shape.tp * shape.gpu_class.peak_bf16_tflops * _TFLOP * config.mfu_prefill)
+    activation_bytes = num_tokens * model.hidden_size * model.dtype_bytes
+    comm_s = (
+        2
+        * shape.num_layers
+        * allreduce_s(activation_bytes, shape.tp, shape.tp_link, config.collective_efficiency)
+    )
+    return compute_s + comm_s
+
+
+def stage_decode_s(
+    shape: StageShape, model: ModelSpec, batch: float, context_tokens: float, config: GearboxConfig
+) -> float:
+    """One decode step of ``batch`` sequences: max(memory, compute) time + 2 all-reduces/layer.
+
+    Memory time reads the stage's weight shard and the batch's KV shard at mbu × bandwidth.
+    """
+    share = _layer_share(model, shape.num_layers)
+    read_bytes = (
+        model.weight_bytes * share + batch * context_tokens * model.kv_bytes_per_token * share
+    ) / shape.tp
+    memory_s = read_bytes / (shape.gpu_class.memory_bandwidth_gbps * _GB * config.mbu_decode)
+    flops = (
+        2 * model.num_params * share * batch
+        + 4 * shape.num_layers * batch * context_tokens * model.attention_dim
+    ) / shape.tp
+    compute_s = flops / (shape.gpu_class.peak_bf16_tflops * _TFLOP * config.mfu_decode)
+    activation_bytes = batch * model.hidden_size * model.dtype_bytes
+    comm_s = (
+        2
+        * shape.num_layers
+        * allreduce_s(activation_bytes, shape.tp, shape.tp_link, config.collective_efficiency)
+    )
+    return max(memory_s, compute_s) + comm_s
+
+
+def _usable_bytes(available_bytes: int, config: GearboxConfig) -> float:
+    return available_bytes * config.memory_utilisation - config.runtime_overhead_bytes
+
+
+def stage_kv_capacity_tokens(shape: StageShape, model: ModelSpec, config: GearboxConfig) -> int:
+    """Tokens of KV the stage can hold after its weight shard; negative when weights do not fit."""
+    share = _layer_share(model, shape.num_layers)
+    free_per_gpu = _usable_bytes(shape.available_bytes, config) - model.weight_bytes * share / (
+        shape.tp
+    )
+    return math.floor(free_per_gpu * shape.tp / (model.kv_bytes_per_token * share))
+
+
+def max_layers_fitting(
+    available_bytes: int, tp: int, model: ModelSpec, config: GearboxConfig
+) -> int:
+    """Most layers a TP group can hold with its share of the KV reserve (for PP split caps)."""
+    per_layer = (
+        model.weight_bytes + config.min_kv_reserve_tokens * model.kv_bytes_per_token
+    ) / model.num_layers
+    return max(0, math.floor(_usable_bytes(available_bytes, config) * tp / per_layer))
+
+
+def min_tp_for_memory(available_bytes: int, model: ModelSpec, config: GearboxConfig) -> int:
+    """Smallest TP degree whose per-GPU share of weights plus the KV reserve fits.
+
+    Per GPU: (weights + min_kv_reserve_tokens × kv_bytes_per_token) / tp + runtime overhead
+    <= available × memory_utilisation. Returns a huge number when even a large group cannot fit.
+    """
+    usable = _usable_bytes(available_bytes, config)
+    if usable <= 0:
+        return 1 << 30
+    need = model.weight_bytes + config.min_kv_reserve_tokens * model.kv_bytes_per_token
+    return max(1, math.ceil(need / usable))
+
+
+def layer_time_s(
+    gpu_class: GpuClass,
+    tp: int,
+    link: LinkClass,
+    model: ModelSpec,
+    prompt_tokens: int,
+    output_tokens: int,
+    config: GearboxConfig,
+) -> float:
+    """Time one layer spends on one request (prefill + its share of decode at a batch of 16).
+
+    Used to split layers across pipeline stages in proportion to each stage's speed.
+    """
+    shape = StageShape(gpu_class, tp, 1, link, 0)
+    context = prompt_tokens + output_tokens / 2
+    decode = stage_decode_s(shape, model, _SPLIT_REFERENCE_BATCH, context, config)
+    return stage_prefill_s(shape, model, prompt_tokens, config) + output_tokens * decode / (
+        _SPLIT_REFERENCE_BATCH
+    )
+
+
+def _transfer_s(num_bytes: float, link: LinkClass | None) -> float:
+    if link is None:
+        return 0.0
+    return num_bytes / (link.bandwidth_gbps * _GB) + link.latency_us * _US
+
+
+def pipeline_prefill_s(
+    stages: tuple[StageShape, ...],
+    pp_link: LinkClass | None,
+    model: ModelSpec,
+    num_tokens: float,
+    config: GearboxConfig,
+) -> tuple[float, float]:
+    """(latency, bottleneck occupancy) of one prompt through a pipeline of stages."""
+    times = [stage_prefill_s(s, model, num_tokens, config) for s in stages]
+    hop = _transfer_s(num_tokens * model.hidden_size * model.dtype_bytes, pp_link)
+    latency = sum(times) + hop * (len(stages) - 1)
+    occupancy = max(*times, hop)
+    return latency, occupancy
+
+
+@functools.lru_cache(maxsize=65_536)
+def pipeline_decode_cycle_s(
+    stages: tuple[StageShape, ...],
+    pp_link: LinkClass | None,
+    model: ModelSpec,
+    batch: int,
+    context_tokens: float,
+    config: GearboxConfig,
+) -> float:
+    """Time for all ``batch`` sequences to advance one token (= TBT without prefill stalls).
+
+    The batch is cut into min(stages, batch) micro-batches; a cycle is bounded by one full pass
+    (sum of stages and hops) and by micro-batches × the bottleneck stage. With fewer sequences
+    than stages the pass dominates: that is the pipeline bubble.
+    """
+    num_micro = max(1, min(len(stages), batch))
+    micro = math.ceil(batch / num_micro)
+    times = [stage_decode_s(s, model, micro, context_tokens, config) for s in stages]
+    hop = _transfer_s(micro * model.hidden_size * model.dtype_bytes, pp_link)
+    full_pass = sum(times) + hop * (len(stages) - 1)
+    return max(full_pass, num_micro * max(*times, hop))
+
+
+@functools.lru_cache(maxsize=65_536)
+def replica_capacity(
+    shape: ReplicaShape,
+    model: ModelSpec,
+    prompt_tokens: int,
+    output_tokens: int,
+    config: GearboxConfig,
+) -> ReplicaCapacity:
+    """Batch capacity by memory, service rate at that batch and prefill latency (memoised)."""
+    reserve = max(config.min_kv_reserve_tokens, prompt_tokens)
+    kv_tokens = min(stage_kv_capacity_tokens(s, model, config) for s in shape.decode_pipeline)
+    prefill_kv = min(stage_kv_capacity_tokens(s, model, config) for s in shape.prefill)
+    max_batch = min(config.max_batch_sequences, kv_tokens // (prompt_tokens + output_tokens))
+    if kv_tokens < reserve or prefill_kv < reserve or max_batch < 1:
+        return ReplicaCapacity(False, 0, 0.0, 0.0, 0.0, 0.0)
+    latency, occupancy = pipeline_prefill_s(
+        shape.prefill, shape.pp_link, model, prompt_tokens, config
+    )
+    context = prompt_tokens + output_tokens / 2
+    decode_stages = shape.decode_pipeline
+    cycle = pipeline_decode_cycle_s(decode_stages, shape.pp_link, model, max_batch, context, config)
+    decode_s_per_request = output_tokens * cycle / max_batch
+    if shape.handoff_link is None:
+        capacity = 1.0 / (occupancy + decode_s_per_request)
+    else:
+        handoff = (
+            prompt_tokens
+            * model.kv_bytes_per_token
+            / (shape.handoff_link.bandwidth_gbps * _GB * config.kv_transfer_efficiency)
+            + shape.handoff_link.latency_us * _US
+        )
+        latency += handoff
+        capacity = min(1.0 / occupancy, 1.0 / decode_s_per_request, 1.0 / handoff)
+    unloaded = pipeline_decode_cycle_s(decode_stages, shape.pp_link, model, 1, context, config)
+    return ReplicaCapacity(True, max_batch, capacity, latency, occupancy, unloaded)
+
+
+def _wait_p95_s(arrival_rps: float, service_rps: float, servers: int) -> float:
+    """p95 wait of an M/M/c queue (total service rate ``service_rps``), Halfin–Whitt P(wait)."""
+    rho = min(arrival_rps / service_rps, _MAX_UTILISATION)
+    if rho <= 0:
+        return 0.0
+    beta = (1 - rho) * math.sqrt(servers)
+    density = math.exp(-beta * beta / 2) / math.sqrt(2 * math.pi)
+    cumulative = 0.5 * (1 + math.erf(beta / math.sqrt(2)))
+    p_wait = 1.0 / (1.0 + beta * cumulative / density)
+    if p_wait <= _P95_TAIL:
+        return 0.0
+    return math.log(p_wait / _P95_TAIL) / (service_rps * (1 - rho))
+
+
+def estimate_replica(
+    shape: ReplicaShape,
+    model: ModelSpec,
+    prompt_tokens: int,
+    output_tokens: int,
+    arrival_rps: float,
+    config: GearboxConfig,
+) -> ReplicaEstimate:
+    """Throughput and TTFT/TBT p95 of a replica receiving ``arrival_rps`` (see module notes)."""
+    cap = replica_capacity(shape, model, prompt_tokens, output_tokens, config)
+    tokens_per_request = prompt_tokens + output_tokens
+    if not cap.feasible:
+        return ReplicaEstimate(0.0, 0.0, 0.0, config.max_latency_ms, config.max_latency_ms)
+    mu, lam = cap.capacity_rps, min(arrival_rps, cap.capacity_rps)
+    wait_s = _wait_p95_s(lam, mu, cap.max_batch) + _wait_p95_s(
+        lam, 1.0 / cap.prefill_occupancy_s, 1
+    )
+    context = prompt_tokens + output_tokens / 2
+    stages = shape.decode_pipeline
+    batch = 1
+    for _ in range(4):  # Little's law fixed point: batch = λ · output · cycle(batch)
+        cycle = pipeline_decode_cycle_s(stages, shape.pp_link, model, batch, context, config)
+        batch = min(cap.max_batch, max(1, round(lam * output_tokens * cycle)))
+    cycle = pipeline_decode_cycle_s(stages, shape.pp_link, model, batch, context, config)
+    stall = 0.0
+    if shape.handoff_link is None:
+        stall = cap.prefill_occupancy_s * min(1.0, lam * cycle / _P95_TAIL)
+    return ReplicaEstimate(
+        capacity_rps=mu,
+        capacity_tok_s=mu * tokens_per_request,
+        served_tok_s=lam * tokens_per_request,
+        ttft_p95_ms=min(config.max_latency_ms, (cap.prefill_latency_s + wait_s) * 1e3),
+        tbt_p95_ms=min(config.max_latency_ms, (cycle + stall) * 1e3),
+    )
+
+
+def memory_bucket(available_bytes: int) -> int:
+    """Round memory down to 256 MiB so near-identical GPUs share memo entries (conservative)."""
+    return available_bytes - available_bytes % _MEMORY_BUCKET_BYTES
+
+
+def _stage_shape(stage: Stage, available: Mapping[str, int]) -> StageShape:
+    least = memory_bucket(min(available.get(u, 0) for u in stage.gpu_uuids))
+    return StageShape(stage.gpu_class, stage.tp, stage.num_layers, stage.tp_link, least)
+
+
+def replica_shape(plan: ExecutionPlan, available: Mapping[str, int]) -> ReplicaShape:
+    """Reduce a plan to shapes; ``available`` maps GPU uuid → bytes the plan may use."""
+    if plan.is_disaggregated:
+        prefill = tuple(_stage_shape(s, available) for s in plan.prefill_stages)
+        decode = tuple(_stage_shape(s, available) for s in plan.decode_stages)
+        return ReplicaShape(prefill, decode, plan.pp_link, plan.kv_handoff_link)
+    unified = tuple(_stage_shape(s, available) for s in plan.stages)
+    return ReplicaShape(unified, (), plan.pp_link, None)
+
+
+def clear_caches() -> None:
+    """Drop the cost memos (they are pure; clearing only costs time). Used by benchmarks."""
+    pipeline_decode_cycle_s.cache_clear()
+    replica_capacity.cache_clear()

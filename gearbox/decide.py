@@ -1,0 +1,366 @@
+"""The gear decision: ``decide(current, snapshot, load, state, config)`` → :class:`DecideResult`.
+
+Small pure steps, in order of precedence:
+
+1. Operator overrides: an emergency downshift to the baseline plan, then a pinned plan. They
+   override everything (also feasibility — the operator owns that call; the explanation names
+   any problem).
+2. No current plan: take the best candidate (first placement).
+3. Current plan infeasible (GPUs lost, TP now spanning blocks, memory): forced switch — no
+   hysteresis, no cooldown — to the feasible candidate with the best gain − cost.
+4. Otherwise propose → clamp → debounce: gain = (utility − current utility) × horizon, discounted
+   by the candidate's block stability; keep candidates with gain > cost × hysteresis; hold while
+   the cooldown since the last switch runs (``reverse_cooldown_factor`` longer to switch straight
+   back); switch to the best remaining by gain − cost.
+
+Every outcome carries a :class:`DecisionReason`; the new :class:`GearState` comes back with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from gearbox.blocks import AtomicBlock, build_blocks
+from gearbox.config import GearboxConfig
+from gearbox.decisions import (
+    CandidateSummary,
+    DecideResult,
+    Decision,
+    DecisionReason,
+    Overrides,
+    Trigger,
+)
+from gearbox.history import GearState, record_blocks, stability_factors
+from gearbox.model import ModelSpec
+from gearbox.plans import DeploymentPlan
+from gearbox.ranking import (
+    RankedCandidate,
+    available_memory,
+    current_units,
+    estimate_plan,
+    plan_problems,
+    rank_candidates,
+)
+from gearbox.scoring import DeploymentEstimate, estimate_deployment
+from gearbox.switch import SwitchCost, switch_cost
+from gearbox.types import LoadSnapshot, TopologySnapshot
+
+__all__ = ["NO_OVERRIDES", "decide"]
+
+NO_OVERRIDES = Overrides()
+
+
+@dataclass(frozen=True, slots=True)
+class _Tick:
+    deployment: str
+    current: DeploymentPlan | None
+    snapshot: TopologySnapshot
+    load: LoadSnapshot
+    config: GearboxConfig
+    model: ModelSpec
+    trigger: Trigger
+    blocks: tuple[AtomicBlock, ...]
+    state: GearState  # already updated with this tick's blocks and history
+    available: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    plan: DeploymentPlan
+    summary: CandidateSummary
+    cost: SwitchCost
+    raw_gain_tokens: float  # before the stability discount
+
+
+def decide(
+    current: DeploymentPlan | None,
+    snapshot: TopologySnapshot,
+    load: LoadSnapshot,
+    state: GearState,
+    config: GearboxConfig,
+    *,
+    model: ModelSpec,
+    deployment: str | None = None,
+    trigger: Trigger = Trigger.TIMER,
+    overrides: Overrides = NO_OVERRIDES,
+) -> DecideResult:
+    """Decide whether ``deployment`` should shift gear now. Pure and deterministic.
+
+    ``deployment`` defaults to ``current.deployment`` and is required when there is no current
+    plan; ``model`` must be the model the current plan serves (``ValueError`` otherwise — these
+    are caller bugs, not outcomes). Pass the returned ``state`` to the next call.
+    """
+    name = deployment or (current.deployment if current is not None else None)
+    if name is None:
+        raise ValueError("deployment: required when there is no current plan")
+    if current is not None and current.model_name != model.name:
+        raise ValueError(
+            f"model: {model.name} does not match the current plan's {current.model_name}"
+        )
+    blocks = build_blocks(snapshot, config, state.blocks)
+    history = record_blocks(state.history, blocks, snapshot.now_s, config)
+    own = current.gpu_uuids if current is not None else frozenset()
+    tick = _Tick(
+        name,
+        current,
+        snapshot,
+        load,
+        config,
+        model,
+        trigger,
+        blocks,
+        replace(state, blocks=blocks, history=history),
+        available_memory(snapshot, own),
+    )
+    if overrides.emergency_downshift and overrides.baseline_plan is not None:
+        return _override(tick, overrides.baseline_plan, DecisionReason.EMERGENCY_DOWNSHIFT)
+    if overrides.pinned_plan is not None:
+        return _override(tick, overrides.pinned_plan, DecisionReason.PINNED)
+    factors = stability_factors(history, blocks, config)
+    ranked = rank_candidates(
+        snapshot, blocks, model, load, config, deployment=name, current=current, stability=factors
+    )
+    problems = (
+        plan_problems(current, blocks, tick.available, model, load, config) if current else ()
+    )
+    scored = _score_all(tick, ranked, _current_utility(tick, problems))
+    if current is None or problems:
+        return _take_best(tick, scored, problems)
+    return _voluntary(tick, scored)
+
+
+def _current_utility(tick: _Tick, problems: Sequence[str]) -> float:
+    if tick.current is None:
+        return 0.0
+    args = (tick.available, tick.model, tick.load, tick.config)
+    if not problems:
+        return estimate_plan(tick.current, *args).utility_tok_s
+    units = current_units(tick.current, tick.blocks, *args)
+    if not units:
+        return 0.0
+    gpus = sum(u.num_gpus for u in units)
+    shapes = [u.shape for u in units]
+    return estimate_deployment(shapes, gpus, tick.model, tick.load, tick.config).utility_tok_s
+
+
+def _summary(
+    plan_id: str, strategy: str, estimate: DeploymentEstimate, stability: float
+) -> CandidateSummary:
+    return CandidateSummary(
+        plan_id=plan_id,
+        strategy=strategy,
+        num_gpus=estimate.num_gpus,
+        est_throughput_tok_s=estimate.served_tok_s,
+        est_capacity_tok_s=estimate.capacity_tok_s,
+        est_ttft_p95_ms=estimate.ttft_p95_ms,
+        est_tbt_p95_ms=estimate.tbt_p95_ms,
+        stability=stability,
+        gain_tokens=0.0,
+        cost_tokens=0.0,
+        eligible=False,
+    )
+
+
+def _score(tick: _Tick, candidate: RankedCandidate, base_utility: float) -> _Scored:
+    config = tick.config
+    cost = switch_cost(
+        tick.current, candidate.plan, tick.snapshot, tick.model, tick.load, config, tick.available
+    )
+    raw = (candidate.estimate.utility_tok_s - base_utility) * config.gain_horizon_s
+    gain = raw * candidate.stability if raw > 0 else raw
+    summary = replace(
+        _summary(
+            candidate.plan.plan_id, candidate.strategy, candidate.estimate, candidate.stability
+        ),
+        gain_tokens=gain,
+        cost_tokens=cost.total_tokens,
+        eligible=gain > cost.total_tokens * config.hysteresis,
+    )
+    return _Scored(candidate.plan, summary, cost, raw)
+
+
+def _score_all(
+    tick: _Tick, ranked: Sequence[RankedCandidate], base_utility: float
+) -> tuple[_Scored, ...]:
+    current_id = tick.current.plan_id if tick.current is not None else None
+    scored = [_score(tick, c, base_utility) for c in ranked if c.plan.plan_id != current_id]
+    return tuple(sorted(scored, key=_net_order))
+
+
+def _net_order(s: _Scored) -> tuple[float, str]:
+    return (-(s.summary.gain_tokens - s.summary.cost_tokens), s.summary.plan_id)
+
+
+def _current_summary(tick: _Tick) -> CandidateSummary | None:
+    if tick.current is None:
+        return None
+    estimate = estimate_plan(tick.current, tick.available, tick.model, tick.load, tick.config)
+    if not estimate.feasible:
+        return None
+    return _summary(tick.current.plan_id, "current", estimate, 1.0)
+
+
+def _top(scored: Sequence[_Scored], k: int, chosen: _Scored | None) -> tuple[CandidateSummary, ...]:
+    top = list(scored[:k])
+    if chosen is not None and chosen not in top:
+        top.append(chosen)
+    return tuple(s.summary for s in top)
+
+
+def _result(
+    tick: _Tick,
+    reason: DecisionReason,
+    scored: Sequence[_Scored],
+    *,
+    chosen: _Scored | None = None,
+    forced: bool = False,
+    problems: Sequence[str] = (),
+    retry_after_s: float | None = None,
+) -> DecideResult:
+    candidates = _top(scored, tick.config.top_k_candidates, chosen)
+    current = _current_summary(tick)
+    explanation = _explain(tick, reason, chosen, current, candidates, problems, retry_after_s)
+    state = tick.state
+    decision = None
+    if chosen is not None:
+        decision = Decision(
+            deployment=tick.deployment,
+            now_s=tick.snapshot.now_s,
+            trigger=tick.trigger,
+            reason=reason,
+            forced=forced,
+            from_plan_id=tick.current.plan_id if tick.current is not None else None,
+            to_plan_id=chosen.plan.plan_id,
+            to_plan=chosen.plan,
+            candidates=candidates,
+            switch_cost=chosen.cost,
+            explanation=explanation,
+        )
+        state = replace(
+            state,
+            last_switch_s=tick.snapshot.now_s,
+            last_from_plan_id=decision.from_plan_id,
+            last_to_plan_id=decision.to_plan_id,
+        )
+    return DecideResult(
+        decision,
+        reason,
+        tick.trigger,
+        current,
+        candidates,
+        tuple(problems),
+        explanation,
+        state,
+        retry_after_s,
+    )
+
+
+def _override(tick: _Tick, plan: DeploymentPlan, reason: DecisionReason) -> DecideResult:
+    args = (tick.available, tick.model, tick.load, tick.config)
+    problems = tuple(f"target: {p}" for p in plan_problems(plan, tick.blocks, *args))
+    if tick.current is not None and tick.current.plan_id == plan.plan_id:
+        return _result(tick, reason, (), problems=problems)
+    cost = switch_cost(
+        tick.current, plan, tick.snapshot, tick.model, tick.load, tick.config, tick.available
+    )
+    estimate = estimate_plan(plan, *args)
+    summary = replace(
+        _summary(plan.plan_id, "override", estimate, 1.0), cost_tokens=cost.total_tokens
+    )
+    chosen = _Scored(plan, summary, cost, 0.0)
+    return _result(tick, reason, (chosen,), chosen=chosen, forced=True, problems=problems)
+
+
+def _take_best(tick: _Tick, scored: Sequence[_Scored], problems: Sequence[str]) -> DecideResult:
+    if not scored:
+        return _result(tick, DecisionReason.NO_FEASIBLE_PLAN, scored, problems=problems)
+    if tick.current is None:
+        return _result(tick, DecisionReason.INITIAL_PLACEMENT, scored, chosen=scored[0])
+    return _result(
+        tick,
+        DecisionReason.FORCED_INFEASIBLE,
+        scored,
+        chosen=scored[0],
+        forced=True,
+        problems=problems,
+    )
+
+
+def _cooldown_s(tick: _Tick, candidate: _Scored) -> float:
+    reverse = candidate.plan.plan_id == tick.state.last_from_plan_id
+    factor = tick.config.reverse_cooldown_factor if reverse else 1.0
+    return tick.config.cooldown_s * factor
+
+
+def _voluntary(tick: _Tick, scored: Sequence[_Scored]) -> DecideResult:
+    eligible = [s for s in scored if s.summary.eligible]
+    if not eligible:
+        hysteresis = tick.config.hysteresis
+        if any(s.raw_gain_tokens > s.cost.total_tokens * hysteresis for s in scored):
+            reason = DecisionReason.STABILITY_DISCOUNT
+        elif any(s.summary.gain_tokens > 0 for s in scored):
+            reason = DecisionReason.HELD_BY_HYSTERESIS
+        else:
+            reason = DecisionReason.NO_BETTER_CANDIDATE
+        return _result(tick, reason, scored)
+    last = tick.state.last_switch_s
+    if last is not None:
+        elapsed = tick.snapshot.now_s - last
+        allowed = [s for s in eligible if elapsed >= _cooldown_s(tick, s)]
+        if not allowed:
+            reverse = eligible[0].plan.plan_id == tick.state.last_from_plan_id
+            reason = DecisionReason.REVERSE_COOLDOWN if reverse else DecisionReason.COOLDOWN
+            retry = last + min(_cooldown_s(tick, s) for s in eligible)
+            return _result(tick, reason, scored, retry_after_s=retry)
+        eligible = allowed
+    return _result(tick, DecisionReason.SWITCH_GAIN, scored, chosen=eligible[0])
+
+
+def _describe(summary: CandidateSummary) -> str:
+    return (
+        f"{summary.plan_id} on {summary.num_gpus} GPUs: "
+        f"{summary.est_throughput_tok_s:,.0f} tok/s served "
+        f"(capacity {summary.est_capacity_tok_s:,.0f}), "
+        f"TTFT p95 {summary.est_ttft_p95_ms:,.0f} ms, "
+        f"TBT p95 {summary.est_tbt_p95_ms:,.1f} ms"
+    )
+
+
+def _explain(
+    tick: _Tick,
+    reason: DecisionReason,
+    chosen: _Scored | None,
+    current: CandidateSummary | None,
+    candidates: Sequence[CandidateSummary],
+    problems: Sequence[str],
+    retry_after_s: float | None,
+) -> str:
+    h = tick.config.hysteresis
+    parts = [f"{tick.deployment}: {reason.value} (trigger {tick.trigger.value})."]
+    if current is not None:
+        observed = tick.load
+        parts.append(
+            f"Current {_describe(current)} (observed TTFT p95 {observed.ttft_p95_ms:,.0f} ms, "
+            f"TBT p95 {observed.tbt_p95_ms:,.1f} ms)."
+        )
+    if problems:
+        parts.append(f"Problems: {'; '.join(problems)}.")
+    if chosen is not None:
+        s, cost = chosen.summary, chosen.cost
+        parts.append(f"Switch to {_describe(s)}.")
+        parts.append(
+            f"Gain {s.gain_tokens:,.0f} tok vs cost {s.cost_tokens:,.0f} tok "
+            f"(× hysteresis {h} = {s.cost_tokens * h:,.0f}); shift ≈ {cost.duration_s:.1f} s, "
+            f"KV {cost.kv_choice.value} ({cost.kv_sequences_migrated} migrated, "
+            f"{cost.kv_sequences_replayed} replayed), weights {cost.weights_load_s:.1f} s."
+        )
+    elif candidates:
+        best = candidates[0]
+        parts.append(
+            f"Best alternative {_describe(best)}: gain {best.gain_tokens:,.0f} tok vs cost "
+            f"{best.cost_tokens:,.0f} tok × hysteresis {h} (stability {best.stability:.2f})."
+        )
+    if retry_after_s is not None:
+        parts.append(f"Cooldown holds until t={retry_after_s:.1f} s.")
+    return " ".join(parts)

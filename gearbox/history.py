@@ -1,0 +1,123 @@
+"""Fragment history and the decision state carried between ticks.
+
+The history table records each block's size over time. A block is shrinking steadily when it
+shrank at ``min_shrink_steps`` separate samples or more within the window, at least three times as
+often as it grew, and is smaller than at the window's start — one preemption is an event, not a
+trend. Such a block is not a long-term dependency: plans on it get their gain discounted by the
+share of the block expected to remain after the gain horizon (extrapolating the least-squares
+trend), floored at ``min_stability_factor``. Blocks that are stable or growing are not discounted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from gearbox.blocks import AtomicBlock
+from gearbox.config import GearboxConfig
+from gearbox.serde import Serialisable
+
+__all__ = [
+    "BlockHistory",
+    "BlockSample",
+    "BlockSeries",
+    "GearState",
+    "record_blocks",
+    "stability_factor",
+    "stability_factors",
+]
+
+_SHRINK_TO_GROWTH = 3  # a steady squeeze shrinks at least this many times per growth step
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSample(Serialisable):
+    """A block's size at one instant."""
+
+    t_s: float
+    num_gpus: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSeries(Serialisable):
+    """One block's samples, oldest first."""
+
+    block_id: str
+    samples: tuple[BlockSample, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHistory(Serialisable):
+    """The history table: one series per block id, sorted by id."""
+
+    series: tuple[BlockSeries, ...] = ()
+
+    def samples(self, block_id: str) -> tuple[BlockSample, ...]:
+        """Samples of ``block_id`` (empty when unknown)."""
+        for entry in self.series:
+            if entry.block_id == block_id:
+                return entry.samples
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class GearState(Serialisable):
+    """What ``decide`` carries from one tick to the next for one deployment."""
+
+    blocks: tuple[AtomicBlock, ...] = ()  # last blocks, for stable block ids
+    history: BlockHistory = BlockHistory()
+    last_switch_s: float | None = None  # event time of the last switch decision
+    last_from_plan_id: str | None = None  # plan left by the last switch (reverse detection)
+    last_to_plan_id: str | None = None  # plan entered by the last switch
+
+
+def record_blocks(
+    history: BlockHistory, blocks: Sequence[AtomicBlock], now_s: float, config: GearboxConfig
+) -> BlockHistory:
+    """Append each block's size at ``now_s``; known blocks that vanished record 0 GPUs.
+
+    Samples older than ``history_window_s`` or beyond ``max_history_samples`` are dropped, and
+    series left empty disappear.
+    """
+    sizes = {b.block_id: b.num_gpus for b in blocks}
+    known = {s.block_id: s.samples for s in history.series}
+    horizon = now_s - config.history_window_s
+    series = []
+    for block_id in sorted(set(known) | set(sizes)):
+        samples = (*known.get(block_id, ()), BlockSample(now_s, sizes.get(block_id, 0)))
+        kept = tuple(s for s in samples if s.t_s >= horizon)[-config.max_history_samples :]
+        if any(s.num_gpus for s in kept):
+            series.append(BlockSeries(block_id, kept))
+    return replace(history, series=tuple(series))
+
+
+def _slope_per_s(samples: Sequence[BlockSample]) -> float:
+    n = len(samples)
+    mean_t = sum(s.t_s for s in samples) / n
+    mean_y = sum(s.num_gpus for s in samples) / n
+    var_t = sum((s.t_s - mean_t) ** 2 for s in samples)
+    if var_t == 0:
+        return 0.0
+    return sum((s.t_s - mean_t) * (s.num_gpus - mean_y) for s in samples) / var_t
+
+
+def stability_factor(history: BlockHistory, block_id: str, config: GearboxConfig) -> float:
+    """1.0 for a stable block; < 1 for one shrinking steadily (see module docstring)."""
+    samples = history.samples(block_id)
+    steps = [b.num_gpus - a.num_gpus for a, b in itertools.pairwise(samples)]
+    shrinks = sum(1 for d in steps if d < 0)
+    growths = sum(1 for d in steps if d > 0)
+    current = samples[-1].num_gpus if samples else 0
+    steady = shrinks >= config.min_shrink_steps and shrinks >= _SHRINK_TO_GROWTH * growths
+    if not steady or current == 0 or current >= samples[0].num_gpus:
+        return 1.0
+    projected = current + _slope_per_s(samples) * config.gain_horizon_s
+    return max(config.min_stability_factor, min(1.0, projected / current))
+
+
+def stability_factors(
+    history: BlockHistory, blocks: Sequence[AtomicBlock], config: GearboxConfig
+) -> Mapping[str, float]:
+    """Stability factor of every block in ``blocks``."""
+    return {b.block_id: stability_factor(history, b.block_id, config) for b in blocks}

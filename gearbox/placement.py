@@ -1,0 +1,343 @@
+"""Multi-model placement: filter → score → anti-affinity, else queue with eviction proposals.
+
+* Filter (hard): the GPU is live; ``free >= estimated`` with ``estimated = model_size + k × batch
+  × seq_len × kv_bytes_per_token`` (k = ``memory_k``, 1.3 by default; weights are not counted
+  again on a GPU that already holds the model); the fill after placing stays under the pre-OOM
+  ``oom_watermark``; fewer than ``max_models_per_gpu`` resident models (concurrency cap).
+* Score (soft): ``weight_affinity × holds-the-model + weight_free_memory × free-after / total +
+  weight_utilisation × (1 − utilisation)`` (0.5 / 0.3 / 0.2 by default).
+* Anti-affinity: replicas go to distinct GPUs, and to nodes not yet used while any feasible GPU
+  remains on one — fault tolerance outranks score.
+* Nothing fits: queue, naming the rule that rejected most GPUs, and propose evictions — least
+  recently used first, only models with zero active requests, idle past ``cold_after_s``, and only
+  when the expected time to their next request exceeds the reload cost × ``eviction_reload_factor``.
+  The next request is expected one mean gap after the last while the model is on schedule, and
+  one mean gap from now once it is overdue.
+* Fragmentation: "dead memory" is free memory on GPUs whose free space is below every model's
+  minimum footprint — free, but of no use to any model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gearbox.config import PlacementConfig
+from gearbox.model import ModelSpec
+from gearbox.serde import Serialisable
+from gearbox.types import Gpu, TopologySnapshot
+
+__all__ = [
+    "EvictionProposal",
+    "FragmentationReport",
+    "GpuVerdict",
+    "ModelFootprint",
+    "PlacementDecision",
+    "PlacementReason",
+    "PlacementStatus",
+    "ResidentModel",
+    "dead_memory",
+    "place_model",
+]
+
+
+class PlacementStatus(StrEnum):
+    """Outcome of a placement request."""
+
+    PLACED = "placed"
+    QUEUED = "queued"
+
+
+class PlacementReason(StrEnum):
+    """Why a GPU was rejected or a request ended as it did."""
+
+    PLACED = "placed"  # all requested replicas placed
+    PLACED_PARTIAL = "placed_partial"  # fewer feasible GPUs than requested replicas
+    GPU_NOT_LIVE = "gpu_not_live"  # unhealthy, unschedulable or silent
+    INSUFFICIENT_MEMORY = "insufficient_memory"  # free < estimated
+    OOM_WATERMARK = "oom_watermark"  # would cross the pre-OOM fill watermark
+    CONCURRENCY_CAP = "concurrency_cap"  # too many resident models
+    NO_LIVE_GPU = "no_live_gpu"  # nothing to place on at all
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFootprint(Serialisable):
+    """A model to place and the batch it must serve."""
+
+    model_name: str
+    model_bytes: int  # weights
+    kv_bytes_per_token: int
+    batch_size: int
+    seq_len_tokens: int
+    num_replicas: int = 1
+
+    @classmethod
+    def from_spec(
+        cls, spec: ModelSpec, batch_size: int, seq_len_tokens: int, num_replicas: int = 1
+    ) -> ModelFootprint:
+        """Footprint of a :class:`ModelSpec`."""
+        return cls(
+            spec.name,
+            spec.weight_bytes,
+            spec.kv_bytes_per_token,
+            batch_size,
+            seq_len_tokens,
+            num_replicas,
+        )
+
+    def estimated_bytes(self, memory_k: float, *, resident: bool = False) -> int:
+        """``model_size + k × batch × seq_len × kv_bytes_per_token`` (no weights if resident)."""
+        kv = memory_k * self.batch_size * self.seq_len_tokens * self.kv_bytes_per_token
+        return int(kv) + (0 if resident else self.model_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentModel(Serialisable):
+    """A model instance loaded on one GPU."""
+
+    model_name: str
+    gpu_uuid: str
+    memory_bytes: int
+    active_requests: int
+    last_request_s: float
+    mean_interarrival_s: float  # mean gap between its requests
+    reload_s: float  # time to load it again after an eviction
+
+
+@dataclass(frozen=True, slots=True)
+class GpuVerdict(Serialisable):
+    """One GPU's filter result and score."""
+
+    gpu_uuid: str
+    node: str
+    reason: PlacementReason  # PLACED when it passed the filter
+    estimated_bytes: int
+    score: float  # 0 when filtered out
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionProposal(Serialisable):
+    """Evict this cold model to make room."""
+
+    model_name: str
+    gpu_uuid: str
+    freed_bytes: int
+    idle_s: float
+    expected_gap_s: float  # expected time to its next request
+    reload_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementDecision(Serialisable):
+    """Where a model goes, or why it waits."""
+
+    model_name: str
+    status: PlacementStatus
+    reason: PlacementReason
+    gpu_uuids: tuple[str, ...]  # chosen GPUs, one replica each
+    verdicts: tuple[GpuVerdict, ...]  # every GPU, best score first
+    evictions: tuple[EvictionProposal, ...]  # proposals when queued
+    explanation: str
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentationReport(Serialisable):
+    """How much free memory is usable by no model."""
+
+    free_bytes: int  # free memory on live GPUs
+    dead_bytes: int
+    dead_share: float  # dead / free (0 when nothing is free)
+    num_dead_gpus: int  # live GPUs whose free memory is all dead
+
+
+def _verdict(
+    gpu: Gpu,
+    request: ModelFootprint,
+    snapshot: TopologySnapshot,
+    models_on: dict[str, set[str]],
+    config: PlacementConfig,
+) -> GpuVerdict:
+    resident = request.model_name in models_on.get(gpu.uuid, set())
+    need = request.estimated_bytes(config.memory_k, resident=resident)
+
+    def rejected(reason: PlacementReason) -> GpuVerdict:
+        return GpuVerdict(gpu.uuid, gpu.node, reason, need, 0.0)
+
+    if not snapshot.gpu_is_live(gpu):
+        return rejected(PlacementReason.GPU_NOT_LIVE)
+    if gpu.free_memory_bytes < need:
+        return rejected(PlacementReason.INSUFFICIENT_MEMORY)
+    used_after = gpu.total_memory_bytes - gpu.free_memory_bytes + need
+    if used_after > config.oom_watermark * gpu.total_memory_bytes:
+        return rejected(PlacementReason.OOM_WATERMARK)
+    if not resident and len(models_on.get(gpu.uuid, set())) >= config.max_models_per_gpu:
+        return rejected(PlacementReason.CONCURRENCY_CAP)
+    score = (
+        config.weight_affinity * (1.0 if resident else 0.0)
+        + config.weight_free_memory * (gpu.free_memory_bytes - need) / gpu.total_memory_bytes
+        + config.weight_utilisation * (1.0 - min(1.0, max(0.0, gpu.utilisation)))
+    )
+    return GpuVerdict(gpu.uuid, gpu.node, PlacementReason.PLACED, need, score)
+
+
+def _spread(feasible: Sequence[GpuVerdict], count: int) -> tuple[str, ...]:
+    """Best score first, but a node already used only once no unused node has a feasible GPU."""
+    chosen: list[GpuVerdict] = []
+    nodes: set[str] = set()
+    pool = list(feasible)
+    while pool and len(chosen) < count:
+        best = min(pool, key=lambda v: (v.node in nodes, -v.score, v.gpu_uuid))
+        chosen.append(best)
+        nodes.add(best.node)
+        pool.remove(best)
+    return tuple(v.gpu_uuid for v in chosen)
+
+
+def _expected_gap_s(resident: ResidentModel, now_s: float) -> float:
+    idle = now_s - resident.last_request_s
+    gap = resident.mean_interarrival_s
+    return gap - idle if idle < gap else gap
+
+
+def _evictable(
+    resident: ResidentModel, now_s: float, config: PlacementConfig
+) -> EvictionProposal | None:
+    idle = now_s - resident.last_request_s
+    gap = _expected_gap_s(resident, now_s)
+    if resident.active_requests != 0 or idle < config.cold_after_s:
+        return None
+    if gap <= resident.reload_s * config.eviction_reload_factor:
+        return None
+    return EvictionProposal(
+        resident.model_name, resident.gpu_uuid, resident.memory_bytes, idle, gap, resident.reload_s
+    )
+
+
+def _fits_after(gpu: Gpu, free: int, models: int, need: int, config: PlacementConfig) -> bool:
+    used_after = gpu.total_memory_bytes - free + need
+    return (
+        free >= need
+        and models < config.max_models_per_gpu
+        and used_after <= config.oom_watermark * gpu.total_memory_bytes
+    )
+
+
+def _evictions_on(
+    gpu: Gpu,
+    need: int,
+    on_gpu: Sequence[ResidentModel],
+    now_s: float,
+    config: PlacementConfig,
+) -> tuple[EvictionProposal, ...] | None:
+    free, models = gpu.free_memory_bytes, len(on_gpu)
+    proposals: list[EvictionProposal] = []
+    for resident in sorted(on_gpu, key=lambda r: (r.last_request_s, r.model_name)):
+        if _fits_after(gpu, free, models, need, config):
+            break
+        proposal = _evictable(resident, now_s, config)
+        if proposal is not None:
+            proposals.append(proposal)
+            free += resident.memory_bytes
+            models -= 1
+    if proposals and _fits_after(gpu, free, models, need, config):
+        return tuple(proposals)
+    return None
+
+
+def _eviction_plan(
+    request: ModelFootprint,
+    snapshot: TopologySnapshot,
+    residents: Sequence[ResidentModel],
+    config: PlacementConfig,
+) -> tuple[EvictionProposal, ...]:
+    """Fewest LRU evictions on one GPU that make the request fit there (empty if none does)."""
+    need = request.estimated_bytes(config.memory_k)
+    best: tuple[tuple[int, int, str], tuple[EvictionProposal, ...]] | None = None
+    for gpu in snapshot.gpus:
+        if not snapshot.gpu_is_live(gpu):
+            continue
+        on_gpu = [r for r in residents if r.gpu_uuid == gpu.uuid]
+        proposals = _evictions_on(gpu, need, on_gpu, snapshot.now_s, config)
+        if proposals is None:
+            continue
+        key = (len(proposals), sum(p.freed_bytes for p in proposals), gpu.uuid)
+        if best is None or key < best[0]:
+            best = (key, proposals)
+    return best[1] if best is not None else ()
+
+
+def place_model(
+    request: ModelFootprint,
+    snapshot: TopologySnapshot,
+    residents: Sequence[ResidentModel],
+    config: PlacementConfig,
+) -> PlacementDecision:
+    """Place ``request.num_replicas`` replicas, or queue it with eviction proposals.
+
+    Deterministic: ties break on GPU uuid. ``residents`` lists every loaded model instance.
+    """
+    models_on: dict[str, set[str]] = {}
+    for r in residents:
+        models_on.setdefault(r.gpu_uuid, set()).add(r.model_name)
+    verdicts = sorted(
+        (_verdict(g, request, snapshot, models_on, config) for g in snapshot.gpus),
+        key=lambda v: (-v.score, v.reason != PlacementReason.PLACED, v.gpu_uuid),
+    )
+    feasible = [v for v in verdicts if v.reason is PlacementReason.PLACED]
+    if feasible:
+        chosen = _spread(feasible, request.num_replicas)
+        partial = len(chosen) < request.num_replicas
+        reason = PlacementReason.PLACED_PARTIAL if partial else PlacementReason.PLACED
+        explanation = (
+            f"{request.model_name}: {len(chosen)}/{request.num_replicas} replicas on "
+            f"{', '.join(chosen)} (best score {feasible[0].score:.3f})."
+        )
+        return PlacementDecision(
+            request.model_name,
+            PlacementStatus.PLACED,
+            reason,
+            chosen,
+            tuple(verdicts),
+            (),
+            explanation,
+        )
+    rejections = Counter(v.reason for v in verdicts if v.reason != PlacementReason.GPU_NOT_LIVE)
+    reason = (
+        min(rejections, key=lambda r: (-rejections[r], r.value))
+        if rejections
+        else PlacementReason.NO_LIVE_GPU
+    )
+    evictions = _eviction_plan(request, snapshot, residents, config)
+    counts = ", ".join(f"{r.value}={n}" for r, n in sorted(rejections.items()))
+    explanation = f"{request.model_name}: queued, no feasible GPU ({counts or 'no live GPU'}); " + (
+        f"evicting {', '.join(f'{e.model_name}@{e.gpu_uuid}' for e in evictions)} would fit it."
+        if evictions
+        else "no eviction would make room (active, recently used or cheap to keep)."
+    )
+    return PlacementDecision(
+        request.model_name,
+        PlacementStatus.QUEUED,
+        reason,
+        (),
+        tuple(verdicts),
+        evictions,
+        explanation,
+    )
+
+
+def dead_memory(
+    snapshot: TopologySnapshot, footprints: Sequence[ModelFootprint], config: PlacementConfig
+) -> FragmentationReport:
+    """Free memory on live GPUs that is smaller than every model's footprint ("dead memory")."""
+    smallest = min((f.estimated_bytes(config.memory_k) for f in footprints), default=0)
+    free = dead = dead_gpus = 0
+    for gpu in snapshot.gpus:
+        if not snapshot.gpu_is_live(gpu):
+            continue
+        free += gpu.free_memory_bytes
+        if 0 < gpu.free_memory_bytes < smallest:
+            dead += gpu.free_memory_bytes
+            dead_gpus += 1
+    return FragmentationReport(free, dead, dead / free if free else 0.0, dead_gpus)

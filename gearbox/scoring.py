@@ -1,0 +1,82 @@
+"""Deployment-level estimates: capacity, served tokens, p95 latencies and a utility to compare.
+
+Load is spread over replicas in proportion to their capacity (the router balances on queue length
+and predicted response time). Deployment p95s are the arrival-weighted mean of the replicas' p95s
+— an approximation that keeps relative order, which is all decisions use. Latencies are judged
+at demand × ``noise_margin`` (1.1), so a plan that only just keeps up with the current demand
+looks worse than one with room to spare, and load noise inside the margin cannot make a smaller
+plan look better. Candidates are provisioned for demand × ``capacity_headroom`` (1.2), above the
+margin. Served tokens are taken at the current demand.
+
+Utility (tokens/s): served tokens discounted by SLO attainment, minus the value of the GPUs held:
+``served × (1 − slo_weight × (1 − attainment)) − idle_gpu_value_tok_s × num_gpus`` where
+attainment = min(1, TTFT SLO / TTFT p95) × min(1, TBT SLO / TBT p95). The GPU term makes a
+deployment hand GPUs back at low load instead of holding replicas it does not need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gearbox.config import GearboxConfig
+from gearbox.cost import ReplicaShape, estimate_replica, replica_capacity
+from gearbox.model import ModelSpec
+from gearbox.serde import Serialisable
+from gearbox.types import LoadSnapshot
+
+__all__ = ["DeploymentEstimate", "demand_rps", "estimate_deployment", "request_profile"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentEstimate(Serialisable):
+    """A deployment's modelled steady state at the current load."""
+
+    feasible: bool  # every replica fits in memory
+    capacity_tok_s: float  # prompt + output tokens per second at saturation
+    served_tok_s: float  # tokens per second served at this load
+    ttft_p95_ms: float
+    tbt_p95_ms: float
+    num_gpus: int
+    utility_tok_s: float  # see module docstring
+
+
+def request_profile(load: LoadSnapshot) -> tuple[int, int]:
+    """(prompt, output) tokens per request, rounded so equal loads share memo entries."""
+    return max(1, round(load.mean_prompt_tokens)), max(1, round(load.mean_output_tokens))
+
+
+def demand_rps(load: LoadSnapshot, config: GearboxConfig) -> float:
+    """Arrivals plus the queued backlog spread over ``backlog_drain_s``."""
+    return load.arrival_rate_rps + load.queue_len / config.backlog_drain_s
+
+
+def estimate_deployment(
+    shapes: Sequence[ReplicaShape],
+    num_gpus: int,
+    model: ModelSpec,
+    load: LoadSnapshot,
+    config: GearboxConfig,
+) -> DeploymentEstimate:
+    """Estimate a deployment made of replicas with the given shapes."""
+    prompt, output = request_profile(load)
+    capacities = [replica_capacity(s, model, prompt, output, config) for s in shapes]
+    if not shapes or not all(c.feasible for c in capacities):
+        worst = config.max_latency_ms
+        return DeploymentEstimate(False, 0.0, 0.0, worst, worst, num_gpus, 0.0)
+    total_rps = sum(c.capacity_rps for c in capacities)
+    demand = demand_rps(load, config)
+    capacity_tok_s = served = ttft = tbt = 0.0
+    design = demand * config.noise_margin
+    for shape, cap in zip(shapes, capacities, strict=True):
+        share = cap.capacity_rps / total_rps
+        replica = estimate_replica(shape, model, prompt, output, design * share, config)
+        capacity_tok_s += replica.capacity_tok_s
+        served += min(demand * share, cap.capacity_rps) * (prompt + output)
+        ttft += share * replica.ttft_p95_ms
+        tbt += share * replica.tbt_p95_ms
+    attainment = min(1.0, config.ttft_slo_ms / ttft) * min(1.0, config.tbt_slo_ms / tbt)
+    utility = (
+        served * (1 - config.slo_weight * (1 - attainment)) - config.idle_gpu_value_tok_s * num_gpus
+    )
+    return DeploymentEstimate(True, capacity_tok_s, served, ttft, tbt, num_gpus, utility)

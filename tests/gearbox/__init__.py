@@ -1,0 +1,1 @@
+"""Tests for gearbox, the pure decision core."""

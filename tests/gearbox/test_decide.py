@@ -1,0 +1,263 @@
+"""decide(): precedence of overrides, forced switches, hysteresis, cooldowns, explanations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gearbox import (
+    DEFAULT_CONFIG,
+    MODEL_7B_MHA,
+    MODEL_70B_GQA,
+    DecideResult,
+    Decision,
+    DecisionReason,
+    DeploymentPlan,
+    GearboxConfig,
+    GearState,
+    LoadSnapshot,
+    Overrides,
+    TopologySnapshot,
+    Trigger,
+    build_blocks,
+    decide,
+    record_blocks,
+)
+from tests.gearbox.builders import (
+    NOW_S,
+    article_cluster,
+    deployment,
+    make_load,
+    tp_plan,
+    with_gpus,
+)
+
+C4 = ("C-g00", "C-g01", "C-g02", "C-g03")
+A8 = tuple(f"A-g{i:02d}" for i in range(8))
+
+
+def _on_c() -> DeploymentPlan:
+    """A poor plan: 70B at TP4 over PCIe on the 48 GB block."""
+    plan = tp_plan(
+        C4, MODEL_70B_GQA, block_id="C", domain_id="C", gpu_class="a6000-48g", link="pcie"
+    )
+    return deployment(plan)
+
+
+def _state(
+    snapshot: TopologySnapshot,
+    last_switch_s: float | None = None,
+    last_from_plan_id: str | None = None,
+) -> GearState:
+    """State after one earlier tick on ``snapshot``, optionally after a switch."""
+    blocks = build_blocks(snapshot, DEFAULT_CONFIG)
+    history = record_blocks(GearState().history, blocks, snapshot.now_s - 30, DEFAULT_CONFIG)
+    return GearState(blocks, history, last_switch_s, last_from_plan_id)
+
+
+def _decide(
+    current: DeploymentPlan | None,
+    snapshot: TopologySnapshot | None = None,
+    load: LoadSnapshot | None = None,
+    state: GearState | None = None,
+    config: GearboxConfig = DEFAULT_CONFIG,
+    *,
+    trigger: Trigger = Trigger.TIMER,
+    overrides: Overrides | None = None,
+) -> DecideResult:
+    snapshot = snapshot or article_cluster()
+    return decide(
+        current,
+        snapshot,
+        load or make_load(3.0, now_s=snapshot.now_s),
+        state or _state(snapshot),
+        config,
+        model=MODEL_70B_GQA,
+        deployment="chat",
+        trigger=trigger,
+        overrides=overrides or Overrides(),
+    )
+
+
+@pytest.mark.unit
+def test_first_placement_takes_the_best_plan() -> None:
+    result = _decide(None)
+    assert result.reason is DecisionReason.INITIAL_PLACEMENT
+    assert result.decision is not None and not result.decision.forced
+    assert result.decision.from_plan_id is None
+    assert result.state.last_to_plan_id == result.decision.to_plan_id
+    assert result.state.last_switch_s == NOW_S
+
+
+@pytest.mark.unit
+def test_no_switch_when_already_on_the_best_plan() -> None:
+    first = _decide(None)
+    assert first.decision is not None
+    later = article_cluster(now_s=NOW_S + 600)
+    result = _decide(first.decision.to_plan, later, state=first.state)
+    assert result.decision is None
+    assert result.reason in (DecisionReason.NO_BETTER_CANDIDATE, DecisionReason.HELD_BY_HYSTERESIS)
+    assert result.current is not None and result.current.plan_id == first.decision.to_plan_id
+
+
+@pytest.mark.unit
+def test_clear_gain_switches_with_the_breakdown() -> None:
+    result = _decide(_on_c())
+    decision = result.decision
+    assert result.reason is DecisionReason.SWITCH_GAIN and decision is not None
+    chosen = next(c for c in decision.candidates if c.plan_id == decision.to_plan_id)
+    assert chosen.gain_tokens > chosen.cost_tokens * DEFAULT_CONFIG.hysteresis
+    assert decision.switch_cost.total_tokens == pytest.approx(chosen.cost_tokens)
+    assert "switch_gain" in decision.explanation and decision.to_plan_id in decision.explanation
+    assert not decision.forced
+
+
+@pytest.mark.unit
+def test_hysteresis_holds_a_small_gain() -> None:
+    short = GearboxConfig(gain_horizon_s=1.0)
+    result = _decide(_on_c(), config=short)
+    assert result.decision is None
+    assert result.reason is DecisionReason.HELD_BY_HYSTERESIS
+    assert result.candidates[0].gain_tokens > 0 and not result.candidates[0].eligible
+
+
+@pytest.mark.unit
+def test_cooldown_holds_a_worthwhile_switch() -> None:
+    snapshot = article_cluster()
+    state = _state(snapshot, last_switch_s=NOW_S - 30.0, last_from_plan_id="dp-older")
+    result = _decide(_on_c(), state=state)
+    assert result.decision is None and result.reason is DecisionReason.COOLDOWN
+    assert result.retry_after_s == NOW_S - 30.0 + DEFAULT_CONFIG.cooldown_s
+    after = _state(snapshot, last_switch_s=NOW_S - 91.0, last_from_plan_id="dp-older")
+    assert _decide(_on_c(), state=after).reason is DecisionReason.SWITCH_GAIN
+
+
+@pytest.mark.unit
+def test_reverse_switch_waits_longer() -> None:
+    best = _decide(_on_c()).decision
+    assert best is not None
+    snapshot = article_cluster()
+    state = _state(snapshot, last_switch_s=NOW_S - 120.0, last_from_plan_id=best.to_plan_id)
+    held = _decide(_on_c(), state=state)
+    # the best candidate is the plan we just left: only a non-reverse candidate may go now
+    if held.decision is None:
+        assert held.reason is DecisionReason.REVERSE_COOLDOWN
+    else:
+        assert held.decision.to_plan_id != best.to_plan_id
+    late = _state(snapshot, last_switch_s=NOW_S - 181.0, last_from_plan_id=best.to_plan_id)
+    again = _decide(_on_c(), state=late).decision
+    assert again is not None and again.to_plan_id == best.to_plan_id
+
+
+@pytest.mark.unit
+def test_lost_gpus_force_a_switch_inside_the_cooldown() -> None:
+    first = _decide(None).decision
+    assert first is not None
+    lost = [u for u in first.to_plan.gpu_uuids][:2]
+    broken = with_gpus(article_cluster(now_s=NOW_S + 5), lost, healthy=False)
+    state = _state(broken, last_switch_s=NOW_S, last_from_plan_id=None)
+    result = _decide(first.to_plan, broken, state=state, trigger=Trigger.TOPOLOGY_CHANGE)
+    assert result.reason is DecisionReason.FORCED_INFEASIBLE
+    assert result.decision is not None and result.decision.forced
+    assert result.decision.trigger is Trigger.TOPOLOGY_CHANGE
+    assert set(lost).isdisjoint(result.decision.to_plan.gpu_uuids)
+    assert any("not live" in p for p in result.problems)
+
+
+@pytest.mark.unit
+def test_nothing_fits_means_no_feasible_plan() -> None:
+    snapshot = article_cluster()
+    dead = with_gpus(snapshot, [g.uuid for g in snapshot.gpus], healthy=False)
+    result = _decide(_on_c(), dead)
+    assert result.decision is None and result.reason is DecisionReason.NO_FEASIBLE_PLAN
+
+
+def _shrinking_a(live: int) -> TopologySnapshot:
+    """Article cluster with block B out and only ``live`` GPUs left in block A."""
+    snapshot = article_cluster()
+    gone = [f"A-g{j:02d}" for j in range(12 - live)] + [f"B-g{j:02d}" for j in range(9)]
+    return with_gpus(snapshot, gone, healthy=False)
+
+
+@pytest.mark.unit
+def test_stability_discount_holds_a_switch_onto_a_shrinking_block() -> None:
+    config = GearboxConfig(min_stability_factor=0.0)
+    state = GearState()
+    for i, live in enumerate((12, 11, 10, 9)):  # one GPU lost every 10 s
+        blocks = build_blocks(_shrinking_a(live), config, state.blocks)
+        history = record_blocks(state.history, blocks, NOW_S - 40 + 10 * i, config)
+        state = GearState(blocks=blocks, history=history)
+    result = _decide(_on_c(), snapshot=_shrinking_a(8), state=state, config=config)
+    assert result.decision is None
+    assert result.reason is DecisionReason.STABILITY_DISCOUNT
+    assert all(c.stability < 0.5 for c in result.candidates)
+    # the same switch goes through when block A has been stable
+    steady = _decide(_on_c(), snapshot=_shrinking_a(8), config=config)
+    assert steady.reason is DecisionReason.SWITCH_GAIN
+
+
+@pytest.mark.unit
+def test_emergency_downshift_overrides_everything() -> None:
+    baseline = deployment(tp_plan(A8, MODEL_70B_GQA))
+    state = _state(article_cluster(), last_switch_s=NOW_S - 1.0)
+    overrides = Overrides(emergency_downshift=True, baseline_plan=baseline)
+    result = _decide(_on_c(), state=state, overrides=overrides, trigger=Trigger.OPERATOR)
+    assert result.reason is DecisionReason.EMERGENCY_DOWNSHIFT
+    assert result.decision is not None and result.decision.forced
+    assert result.decision.to_plan == baseline
+    held = _decide(baseline, state=state, overrides=overrides)
+    assert held.decision is None and held.reason is DecisionReason.EMERGENCY_DOWNSHIFT
+
+
+@pytest.mark.unit
+def test_pinned_plan_wins_over_optimisation() -> None:
+    pinned = _on_c()
+    result = _decide(pinned, overrides=Overrides(pinned_plan=pinned))
+    assert result.decision is None and result.reason is DecisionReason.PINNED
+    moved = _decide(deployment(tp_plan(A8, MODEL_70B_GQA)), overrides=Overrides(pinned_plan=pinned))
+    assert moved.decision is not None and moved.decision.to_plan_id == pinned.plan_id
+
+
+@pytest.mark.unit
+def test_override_validation() -> None:
+    with pytest.raises(ValueError, match="baseline_plan"):
+        Overrides(emergency_downshift=True)
+    with pytest.raises(ValueError, match="deployment"):
+        decide(
+            None, article_cluster(), make_load(), GearState(), DEFAULT_CONFIG, model=MODEL_70B_GQA
+        )
+
+
+@pytest.mark.unit
+def test_same_input_same_output() -> None:
+    assert _decide(_on_c()) == _decide(_on_c())
+
+
+@pytest.mark.unit
+def test_results_round_trip_through_json() -> None:
+    result = _decide(_on_c())
+    assert result.decision is not None
+    wire = json.loads(json.dumps(result.decision.to_dict()))
+    assert Decision.from_dict(wire) == result.decision
+    assert DecideResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+
+
+@pytest.mark.unit
+def test_low_load_scales_down() -> None:
+    big = deployment(
+        tp_plan(A8[:4], MODEL_70B_GQA),
+        tp_plan(A8[4:], MODEL_70B_GQA),
+        tp_plan(tuple(f"A-g{i:02d}" for i in range(8, 12)), MODEL_70B_GQA),
+    )
+    result = _decide(big, load=make_load(0.2, active_sequences=10))
+    assert result.decision is not None and result.reason is DecisionReason.SWITCH_GAIN
+    assert result.decision.to_plan.num_gpus < big.num_gpus
+
+
+@pytest.mark.unit
+def test_model_must_match_the_current_plan() -> None:
+    with pytest.raises(ValueError, match="model"):
+        decide(
+            _on_c(), article_cluster(), make_load(), GearState(), DEFAULT_CONFIG, model=MODEL_7B_MHA
+        )

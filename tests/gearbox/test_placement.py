@@ -1,0 +1,162 @@
+"""Multi-model placement: filter → score → anti-affinity → queue/evict; dead memory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from gearbox import (
+    DEFAULT_PLACEMENT_CONFIG,
+    MODEL_7B_MHA,
+    ModelFootprint,
+    PlacementDecision,
+    PlacementReason,
+    PlacementStatus,
+    ResidentModel,
+    TopologySnapshot,
+    dead_memory,
+    place_model,
+)
+from gearbox.presets import GIB, LINK_CLASSES
+from tests.gearbox.builders import NOW_S, make_gpu
+
+MINUTE = 60.0
+SMALL = ModelFootprint("bert", 1 * GIB, 36 * 1024, batch_size=8, seq_len_tokens=512)
+
+
+def _cluster(*gpus_free_gib: tuple[str, str, float], util: float = 0.0) -> TopologySnapshot:
+    """A100 GPUs given as (uuid, node, free GiB)."""
+    gpus = tuple(
+        replace(
+            make_gpu(uuid, node=node, gpu_class="a100-80g", utilisation=util),
+            free_memory_bytes=int(free * GIB),
+        )
+        for uuid, node, free in gpus_free_gib
+    )
+    return TopologySnapshot(NOW_S, gpus, (), LINK_CLASSES["rdma"])
+
+
+def _resident(
+    model: str,
+    gpu: str,
+    *,
+    idle_min: float,
+    gap_min: float,
+    reload_min: float = 2.0,
+    active: int = 0,
+    gib: float = 20.0,
+) -> ResidentModel:
+    return ResidentModel(
+        model,
+        gpu,
+        int(gib * GIB),
+        active,
+        NOW_S - idle_min * MINUTE,
+        gap_min * MINUTE,
+        reload_min * MINUTE,
+    )
+
+
+@pytest.mark.unit
+def test_memory_estimate_formula() -> None:
+    # model_size + k × batch × seq × kv_bytes_per_token
+    assert SMALL.estimated_bytes(1.3) == GIB + int(1.3 * 8 * 512 * 36 * 1024)
+    assert SMALL.estimated_bytes(1.3, resident=True) == int(1.3 * 8 * 512 * 36 * 1024)
+    spec = ModelFootprint.from_spec(MODEL_7B_MHA, 4, 2048)
+    assert spec.model_bytes == MODEL_7B_MHA.weight_bytes
+
+
+@pytest.mark.unit
+def test_scores_prefer_free_memory_and_idle_gpus() -> None:
+    snapshot = _cluster(("g-busy", "n0", 20.0), ("g-free", "n1", 70.0))
+    decision = place_model(SMALL, snapshot, (), DEFAULT_PLACEMENT_CONFIG)
+    assert decision.status is PlacementStatus.PLACED
+    assert decision.gpu_uuids == ("g-free",)
+    assert decision.verdicts[0].score > decision.verdicts[1].score
+
+
+@pytest.mark.unit
+def test_affinity_outweighs_free_memory() -> None:
+    snapshot = _cluster(("g-holds", "n0", 30.0), ("g-empty", "n1", 79.0))
+    residents = (_resident("bert", "g-holds", idle_min=0, gap_min=1, active=3),)
+    decision = place_model(SMALL, snapshot, residents, DEFAULT_PLACEMENT_CONFIG)
+    assert decision.gpu_uuids == ("g-holds",)
+
+
+@pytest.mark.unit
+def test_hard_filters_name_their_rule() -> None:
+    snapshot = _cluster(("g-tiny", "n0", 0.5), ("g-full", "n1", 13.0), ("g-capped", "n2", 60.0))
+    snapshot = replace(snapshot, gpus=(*snapshot.gpus, replace(make_gpu("g-dead"), healthy=False)))
+    residents = tuple(
+        _resident(f"m{i}", "g-capped", idle_min=0, gap_min=1, active=1, gib=1) for i in range(4)
+    )
+    decision = place_model(SMALL, snapshot, residents, DEFAULT_PLACEMENT_CONFIG)
+    reasons = {v.gpu_uuid: v.reason for v in decision.verdicts}
+    assert reasons == {
+        "g-tiny": PlacementReason.INSUFFICIENT_MEMORY,
+        "g-full": PlacementReason.OOM_WATERMARK,  # fits, but past the 85 % pre-OOM fill
+        "g-capped": PlacementReason.CONCURRENCY_CAP,
+        "g-dead": PlacementReason.GPU_NOT_LIVE,
+    }
+    assert decision.status is PlacementStatus.QUEUED
+
+
+@pytest.mark.unit
+def test_replicas_spread_over_nodes_before_score() -> None:
+    snapshot = _cluster(("a0", "node-a", 79.0), ("a1", "node-a", 78.0), ("b0", "node-b", 40.0))
+    decision = place_model(replace(SMALL, num_replicas=2), snapshot, (), DEFAULT_PLACEMENT_CONFIG)
+    assert decision.gpu_uuids == ("a0", "b0")
+    three = place_model(replace(SMALL, num_replicas=4), snapshot, (), DEFAULT_PLACEMENT_CONFIG)
+    assert three.gpu_uuids == ("a0", "b0", "a1")
+    assert three.reason is PlacementReason.PLACED_PARTIAL
+
+
+@pytest.mark.unit
+def test_queue_proposes_lru_evictions_of_cold_idle_models() -> None:
+    big = ModelFootprint("llm", 40 * GIB, 512 * 1024, batch_size=4, seq_len_tokens=2048)
+    snapshot = _cluster(("g0", "n0", 10.0))
+    residents = (
+        _resident("cold-old", "g0", idle_min=300, gap_min=600, gib=25),
+        _resident("cold-new", "g0", idle_min=60, gap_min=600, gib=25),
+        _resident("busy", "g0", idle_min=90, gap_min=600, active=2, gib=10),
+    )
+    decision = place_model(big, snapshot, residents, DEFAULT_PLACEMENT_CONFIG)
+    assert decision.status is PlacementStatus.QUEUED
+    assert decision.reason is PlacementReason.INSUFFICIENT_MEMORY
+    assert [e.model_name for e in decision.evictions] == ["cold-old", "cold-new"]
+    assert "busy" not in decision.explanation.split("evicting")[-1]
+
+
+@pytest.mark.unit
+def test_models_due_soon_are_not_evicted() -> None:
+    # requested every 35 min, idle 30 min, 2-minute load: next request in ~5 min < 2 min × 3
+    big = ModelFootprint("llm", 40 * GIB, 512 * 1024, batch_size=4, seq_len_tokens=2048)
+    snapshot = _cluster(("g0", "n0", 10.0))
+    residents = (_resident("periodic", "g0", idle_min=30, gap_min=35, gib=60),)
+    decision = place_model(big, snapshot, residents, DEFAULT_PLACEMENT_CONFIG)
+    assert decision.status is PlacementStatus.QUEUED and decision.evictions == ()
+    overdue = (_resident("periodic", "g0", idle_min=70, gap_min=35, gib=60),)
+    assert place_model(big, snapshot, overdue, DEFAULT_PLACEMENT_CONFIG).evictions
+
+
+@pytest.mark.unit
+def test_placement_round_trips_and_is_deterministic() -> None:
+    snapshot = _cluster(("a0", "n0", 50.0), ("a1", "n1", 50.0))
+    first = place_model(SMALL, snapshot, (), DEFAULT_PLACEMENT_CONFIG)
+    assert first == place_model(SMALL, snapshot, (), DEFAULT_PLACEMENT_CONFIG)
+    assert first.gpu_uuids == ("a0",)  # equal scores: uuid breaks the tie
+    assert PlacementDecision.from_dict(json.loads(json.dumps(first.to_dict()))) == first
+
+
+@pytest.mark.unit
+def test_dead_memory_is_free_memory_no_model_can_use() -> None:
+    snapshot = _cluster(("g0", "n0", 8.0), ("g1", "n1", 30.0), ("g2", "n2", 2.0))
+    seven_b = ModelFootprint.from_spec(MODEL_7B_MHA, 1, 2048)  # ~13.6 GB + KV
+    report = dead_memory(snapshot, [seven_b], DEFAULT_PLACEMENT_CONFIG)
+    assert report.free_bytes == 40 * GIB
+    assert report.dead_bytes == 10 * GIB and report.num_dead_gpus == 2
+    assert report.dead_share == pytest.approx(0.25)
+    with_small = dead_memory(snapshot, [seven_b, SMALL], DEFAULT_PLACEMENT_CONFIG)
+    assert with_small.dead_bytes == 0
