@@ -1,0 +1,100 @@
+"""Counters and time integrals one simulated system accumulates, and their summary.
+
+Definitions (the same for both systems):
+
+* ``busy_frac`` — compute utilisation: the time-average share of GPUs busy with *served* work, a
+  GPU being busy while at least one request that later completes runs on it (the
+  ``nvidia-smi`` "GPU utilisation" notion: kernel time, not FLOP efficiency). Work lost to an
+  OOM restart or an eviction does not count.
+* ``mem_util`` — memory utilisation by served work: the time-average of (weights of ready
+  instances + KV of requests that complete, over their service) / cluster memory.
+* ``dead_frac`` — time-average of gearbox's ``dead_memory`` dead bytes / cluster memory, sampled
+  every tick (the article's "share of cluster memory"); ``dead_share`` is the same report's dead
+  / free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = ["Metrics", "percentile", "union_length_s"]
+
+
+def union_length_s(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``[start, end)`` intervals."""
+    total, cur_start, cur_end = 0.0, 0.0, -1.0
+    for start, end in sorted(intervals):
+        if start > cur_end:
+            total += max(0.0, cur_end - cur_start)
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return total + max(0.0, cur_end - cur_start)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (0 for an empty list)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+@dataclass
+class Metrics:
+    """What one system did during one run."""
+
+    arrivals: int = 0
+    served_requests: int = 0
+    served_tokens: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)  # 429s etc. by reason
+    timed_out: int = 0  # waited past the queue timeout (no instance, or queue too slow)
+    failed_oom: int = 0  # running when their GPU ran out of memory (victim + the process's others)
+    failed_evicted: int = 0  # held by an instance when it was evicted
+    oom_events: int = 0  # allocations refused by the physical memory (one per process crash)
+    restarts: int = 0  # GPU processes restarted after an OOM
+    loads: int = 0  # model loads, reloads after a restart included
+    evictions: int = 0
+    evicted_with_active: int = 0  # evicted while holding running or queued requests (must be 0)
+    placement_queued: int = 0  # placement attempts that found no GPU
+    busy: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # gpu → served spans
+    kv_byte_s: float = 0.0  # ∫ KV bytes of served requests dt
+    weight_byte_s: float = 0.0  # ∫ weight bytes of ready instances dt
+    dead_frac_sum: float = 0.0
+    dead_share_sum: float = 0.0
+    dead_samples: int = 0
+    latency_s: list[float] = field(default_factory=list)  # served requests: arrival → finish
+    ttft_s: list[float] = field(default_factory=list)  # served requests: arrival → first token
+
+    def summary(self, capacity_bytes: int, num_gpus: int, duration_s: float) -> dict[str, object]:
+        """Plain, rounded figures (deterministic: no wall-clock values)."""
+        busy_s = sum(union_length_s(spans) for spans in self.busy.values())
+        samples = max(1, self.dead_samples)
+        figures: dict[str, object] = {
+            "arrivals": self.arrivals,
+            "served_requests": self.served_requests,
+            "served_tokens": self.served_tokens,
+            "served_share": self.served_requests / self.arrivals if self.arrivals else 0.0,
+            "rejected_429": sum(n for reason, n in self.rejected.items() if reason != "too_long"),
+            "rejected_by_reason": dict(sorted(self.rejected.items())),
+            "timed_out": self.timed_out,
+            "failed_oom": self.failed_oom,
+            "failed_evicted": self.failed_evicted,
+            "oom_events": self.oom_events,
+            "restarts": self.restarts,
+            "loads": self.loads,
+            "evictions": self.evictions,
+            "evicted_with_active": self.evicted_with_active,
+            "placement_queued": self.placement_queued,
+            "busy_frac": busy_s / (num_gpus * duration_s),
+            "mem_util": (self.kv_byte_s + self.weight_byte_s) / (capacity_bytes * duration_s),
+            "dead_frac": self.dead_frac_sum / samples,
+            "dead_share": self.dead_share_sum / samples,
+            "latency_p50_s": percentile(self.latency_s, 50),
+            "latency_p95_s": percentile(self.latency_s, 95),
+            "ttft_p95_s": percentile(self.ttft_s, 95),
+            "served_tok_s": self.served_tokens / duration_s,
+        }
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in figures.items()}
