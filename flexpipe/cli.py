@@ -63,6 +63,24 @@ def _run(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
     return asyncio.run(run_main_job(cfg, args))
 
 
+def _runtime(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
+    from runtime.cli import run_worker
+
+    return asyncio.run(run_worker(cfg, args))
+
+
+def _streams(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
+    from streams.worker import run_worker
+
+    return run_worker(cfg, args.worker_id)
+
+
+def _audit(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
+    from streams.audit import run_audit
+
+    return run_audit(args, cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -98,6 +116,33 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--speed", type=float, default=None, help="simulated s per wall s")
         p.add_argument("--duration", type=float, default=None, help="simulated seconds to run")
         p.set_defaults(handler=handler)
+    p = sub.add_parser("runtime", help="a runtime worker: transitions, routing, HTTP API")
+    p.add_argument("--deployment", action="append", default=None, help="repeatable")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (0 = pick one)")
+    p.add_argument(
+        "--pause-in",
+        choices=["prepare", "switch", "cleanup"],
+        default=None,
+        help="TEST HOOK: hold transitions just before this phase would finish",
+    )
+    p.add_argument(
+        "--pause-from-seq", type=int, default=0, help="TEST HOOK: hold only from this transition"
+    )
+    p.set_defaults(handler=_runtime)
+
+    p = sub.add_parser("streams", help="run a stream-processing worker (telemetry → decisions)")
+    p.add_argument("action", choices=["worker"])
+    p.add_argument("--worker-id", default=None, help="names this worker in decisions")
+    p.set_defaults(handler=_streams)
+
+    p = sub.add_parser("audit", help="decisions for a person: tail them, or replay offline")
+    p.add_argument("action", choices=["tail", "replay"])
+    p.add_argument("--from-beginning", action="store_true", help="tail: from the first decision")
+    p.add_argument("--deployment", default=None, help="tail: only this deployment")
+    p.add_argument("--limit", type=int, default=None, help="tail: stop after N decisions")
+    p.add_argument("--idle-exit-s", type=float, default=None, help="tail: stop when idle S s")
+    p.add_argument("--json", action="store_true", help="tail: print the raw JSON envelopes")
+    p.set_defaults(handler=_audit)
     return parser
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flexpipe.errors import ConfigError
 
@@ -86,6 +86,114 @@ class IntervalsConfig(_Section):
         return self
 
 
+class DeploymentConfig(_Section):
+    """A deployment the stream decides for: its model, starting plan hint and nominal load."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9._-]+$", description="deployment name (topic key)")
+    model: str = Field(..., description="model preset key (gearbox or scenario preset)")
+    block: str | None = Field(None, description="domain of the starting plan; None = gearbox picks")
+    tp: int = Field(1, ge=1, le=64)
+    pp: int = Field(1, ge=1, le=16)
+    replicas: int = Field(1, ge=1, le=256)
+    arrival_rps: float = Field(1.0, ge=0, description="nominal load until serving telemetry")
+    prompt_tokens: float = Field(512.0, ge=1)
+    output_tokens: float = Field(256.0, ge=1)
+
+
+class StreamsConfig(_Section):
+    """The stream processors (`flexpipe streams worker`); the decision interval is
+    ``intervals.decision_s``."""
+
+    app_id: str = Field("flexpipe-streams", pattern=r"^[A-Za-z0-9._-]+$")
+    worker_id: str | None = Field(None, description="names this worker in decisions; None = pid")
+    scenario: str | None = Field(None, description="scenario file: deployments and GPU classes")
+    deployments: tuple[DeploymentConfig, ...] = ()
+    debounce_ms: float = Field(25.0, ge=0, le=5000, description="topology-event debounce")
+    warmup_s: float = Field(5.0, ge=0, le=600, description="event time seen before deciding")
+    load_window_s: float = Field(60.0, gt=0, le=3600, description="serving-load hopping window")
+    load_step_s: float = Field(10.0, gt=0, le=3600)
+    gpu_window_s: float = Field(10.0, gt=0, le=3600, description="kernel-launch hopping window")
+    gpu_step_s: float = Field(2.0, gt=0, le=3600)
+    view_refresh_s: float = Field(5.0, gt=0, le=300, description="max staleness of shared view")
+    flush_interval_s: float = Field(0.5, gt=0, le=30, description="wall s between table flushes")
+    max_future_skew_s: float = Field(300.0, gt=0, description="reject events this far ahead")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 = off")
+    session_timeout_s: float = Field(30.0, ge=3, le=300, description="consumer group session")
+    loglevel: Literal["crit", "error", "warn", "info", "debug"] = "warn"
+
+    @model_validator(mode="after")
+    def _windows_and_names(self) -> StreamsConfig:
+        for size, step, name in (
+            (self.load_window_s, self.load_step_s, "load"),
+            (self.gpu_window_s, self.gpu_step_s, "gpu"),
+        ):
+            panes = size / step
+            if step > size or abs(panes - round(panes)) > 1e-9:
+                raise ValueError(
+                    f"{name}_window_s must be a whole multiple of {name}_step_s: hopping windows "
+                    "are built from step-sized panes"
+                )
+        names = [d.name for d in self.deployments]
+        if len(set(names)) != len(names):
+            raise ValueError("deployments: names must be unique (they key the decisions topic)")
+        return self
+
+
+class RuntimeConfig(_Section):
+    """Runtime workers (``runtime/``): deployments served, HTTP API, transitions, admission.
+
+    Transition knobs (``*_timeout_s``, ``canary_s``, ``drain_timeout_s``, ``retry_backoff_s``)
+    are in runtime-clock seconds, which run ``sim_speed`` times faster than the wall clock;
+    ``tick_s``, ``serving_publish_s`` and ``request_timeout_s`` are wall seconds.
+    """
+
+    worker_id: str = Field("runtime-0", pattern=r"^[A-Za-z0-9._-]+$")
+    deployments: tuple[str, ...] = Field((), description="served; env: comma-separated list")
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(8470, ge=0, le=65535, description="0 = pick a free port")
+    control_token: str | None = Field(
+        None, description="bearer token for /control/*; unset = control endpoints refuse all"
+    )
+    watermark: float = Field(0.85, gt=0.0, le=1.0, description="pre-OOM committed-memory mark")
+    canary_share: float = Field(0.1, ge=0.0, le=1.0)
+    canary_s: float = Field(2.0, ge=0.0)
+    prepare_timeout_s: float = Field(120.0, gt=0.0)
+    switch_timeout_s: float = Field(120.0, gt=0.0)
+    cleanup_timeout_s: float = Field(120.0, gt=0.0)
+    max_phase_retries: int = Field(2, ge=0, le=10)
+    retry_backoff_s: float = Field(1.0, ge=0.0)
+    drain_timeout_s: float = Field(60.0, gt=0.0)
+    short_sequence_tokens: int = Field(32, ge=0, description="finish on the old plan below this")
+    max_handovers_per_tick: int = Field(64, ge=1)
+    max_queue_per_replica: int = Field(1024, ge=1)
+    inter_domain_link: Literal[
+        "nvlink", "nvlink-a100", "rdma", "pcie-local", "pcie", "ethernet"
+    ] = Field("ethernet", description="link class between blocks (KV hand-over)")
+    vmm_backend: Literal["host", "cuda"] = Field(
+        "host", description="cuda: CUDA VMM on local GPUs (host accounting for any other)"
+    )
+    sim_speed: float = Field(1.0, gt=0.0, le=1000.0, description="runtime s per wall s")
+    tick_s: float = Field(0.02, gt=0.0, le=1.0)
+    serving_publish_s: float = Field(5.0, gt=0.0)
+    request_timeout_s: float = Field(300.0, gt=0.0)
+
+    @field_validator("deployments", mode="before")
+    @classmethod
+    def _split_env_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _drain_inside_cleanup(self) -> RuntimeConfig:
+        if self.drain_timeout_s >= self.cleanup_timeout_s:
+            raise ValueError(
+                "drain_timeout_s must be below cleanup_timeout_s, or every slow drain turns "
+                "into a failed cleanup instead of a forced one"
+            )
+        return self
+
+
 class FlexPipeConfig(_Section):
     """The whole process configuration."""
 
@@ -93,6 +201,8 @@ class FlexPipeConfig(_Section):
     local_kafka: LocalKafkaConfig = LocalKafkaConfig()
     topics: TopicsConfig = TopicsConfig()
     intervals: IntervalsConfig = IntervalsConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    streams: StreamsConfig = StreamsConfig()
 
 
 def load_config(

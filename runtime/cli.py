@@ -1,0 +1,76 @@
+"""Process entry point of a runtime worker (``python -m runtime.worker``).
+
+``flexpipe runtime`` takes the same options and calls :func:`run_worker`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+
+from flexpipe.config import FlexPipeConfig, load_config
+from flexpipe.errors import FlexPipeError
+from flexpipe.schemas import TransitionPhase
+from runtime.worker import RuntimeWorker
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``python -m runtime.worker`` and ``flexpipe runtime``."""
+    parser.add_argument("--deployment", action="append", default=None, help="repeatable")
+    parser.add_argument("--port", type=int, default=None, help="HTTP port (0 = pick one)")
+    parser.add_argument(
+        "--pause-in",
+        choices=[
+            p.value
+            for p in (TransitionPhase.PREPARE, TransitionPhase.SWITCH, TransitionPhase.CLEANUP)
+        ],
+        default=None,
+        help="TEST HOOK: hold transitions just before this phase would finish",
+    )
+    parser.add_argument(
+        "--pause-from-seq", type=int, default=0, help="TEST HOOK: hold only from this transition"
+    )
+
+
+async def run_worker(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
+    """Run a worker until SIGINT/SIGTERM; prints one ``ready`` line with the HTTP URL."""
+    pause = TransitionPhase(args.pause_in) if args.pause_in else None
+    worker = RuntimeWorker(
+        cfg,
+        deployments=args.deployment,
+        pause_in=pause,
+        pause_from_seq=args.pause_from_seq,
+        http_port=args.port,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with worker:
+        print(
+            f"runtime ready {worker.http_url} deployments={','.join(worker.deployments)}",
+            flush=True,
+        )
+        await stop.wait()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m runtime.worker``: same options as ``flexpipe runtime``."""
+    parser = argparse.ArgumentParser(prog="runtime.worker", description=RuntimeWorker.__doc__)
+    parser.add_argument("--config", default=None, help="YAML config (default $FLEXPIPE_CONFIG)")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        return asyncio.run(run_worker(load_config(args.config), args))
+    except FlexPipeError as exc:
+        print(f"runtime: error: {exc}", flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,360 @@
+"""The transition executor: carries out the machine's phases on a :class:`ServingCore`.
+
+Replicas present in both plans (same content hash) are untouched; only added replicas are
+loaded and only removed ones drained. Each phase is a small job advanced by :meth:`poll(now_s)`:
+
+* prepare — re-check the target GPUs, reserve VMM and commit weights, load shards into the shadow
+  replicas, build their groups. Nothing is routable yet.
+* switch — canary (new replicas take ``canary_share`` of new requests for ``canary_s``), then
+  freeze the old replicas' entry, hand over their long sequences (gearbox picks migrate or replay
+  per sequence, longest first; short ones finish where they are), and swap the route table at
+  once: ownership of every staged sequence flips in one step.
+* cleanup — drain the old replicas to an iteration boundary (forcing replays after
+  ``drain_timeout_s``), release their memory and return their GPUs.
+
+``abort`` undoes a failed attempt; ``rollback`` undoes the transition. Both are idempotent, so a
+restarted worker can issue them with nothing in memory. A pause point per phase (``pause_in``)
+holds a phase just before it would finish (from transition ``pause_from_seq`` on) — a test
+hook for crash tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from flexpipe.schemas import TransitionPhase
+from gearbox.plans import DeploymentPlan, ExecutionPlan
+from gearbox.presets import LINK_CLASSES
+from gearbox.switch import KvAction, KvHandover
+from gearbox.types import LinkClass
+from runtime.handover import plan_handover
+from runtime.inventory import GpuInventory
+from runtime.router import ReplicaRole
+from runtime.serving import ServingCore
+from runtime.timing import ReplicaTiming
+from runtime.transition import AbortPhase, PhaseDone, PhaseFailed, RollBack, RunPhase
+from runtime.types import HandoverTally
+
+TimingFor = Callable[[ExecutionPlan], ReplicaTiming | None]
+Result = PhaseDone | PhaseFailed | None
+P, S, C = TransitionPhase.PREPARE, TransitionPhase.SWITCH, TransitionPhase.CLEANUP
+
+
+class SwitchStep(StrEnum):
+    """Where a switch stands."""
+
+    CANARY = "canary"
+    MIGRATE = "migrate"
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorSettings:
+    """Knobs of the hand-over, in the caller's clock."""
+
+    canary_s: float = 2.0  # how long the canary share runs before the old entry freezes
+    short_sequence_tokens: int = 32  # sequences this close to done finish on the old replica
+    max_handovers_per_poll: int = 64  # cap per batch (KV-queue backlog pitfall)
+    drain_timeout_s: float = 60.0  # graceful drain, then remaining sequences are replayed
+    inter_domain_link: LinkClass = LINK_CLASSES["ethernet"]
+
+
+@dataclass
+class _Job:
+    effect: RunPhase
+    added: tuple[ExecutionPlan, ...]
+    removed: tuple[ExecutionPlan, ...]
+    started_s: float
+    step: SwitchStep = SwitchStep.CANARY
+    until_s: float = 0.0  # canary end or drain deadline
+    queue: list[tuple[KvHandover, str, str]] = field(default_factory=list)
+    link_free_s: dict[tuple[str, str], float] = field(default_factory=dict)
+    tally: HandoverTally = field(default_factory=HandoverTally)
+    paused: bool = False
+
+
+def replica_diff(
+    old: DeploymentPlan | None, new: DeploymentPlan
+) -> tuple[tuple[ExecutionPlan, ...], tuple[ExecutionPlan, ...]]:
+    """(added, removed) replicas between two deployment plans, by content hash."""
+    old_ids = {r.plan_id for r in old.replicas} if old else set()
+    new_ids = {r.plan_id for r in new.replicas}
+    added = tuple(r for r in new.replicas if r.plan_id not in old_ids)
+    removed = tuple(r for r in old.replicas if r.plan_id not in new_ids) if old else ()
+    return added, removed
+
+
+class TransitionExecutor:
+    """Applies RunPhase/AbortPhase/RollBack to a serving core (see the module docstring)."""
+
+    def __init__(
+        self,
+        core: ServingCore,
+        timing_for: TimingFor,
+        inventory: GpuInventory,
+        settings: ExecutorSettings | None = None,
+        pause_in: TransitionPhase | None = None,
+        pause_from_seq: int = 0,
+    ) -> None:
+        self.core = core
+        self.settings = settings or ExecutorSettings()
+        self.pause_in = pause_in
+        self.pause_from_seq = pause_from_seq  # transitions before this sequence are not held
+        self._timing_for = timing_for
+        self._inventory = inventory
+        self._job: _Job | None = None
+
+    @property
+    def paused(self) -> bool:
+        """True while a phase is held at its pause point."""
+        return self._job is not None and self._job.paused
+
+    def run(self, effect: RunPhase, now_s: float) -> Result:
+        """Start a phase; a failure found at once is returned immediately."""
+        added, removed = replica_diff(effect.from_plan, effect.to_plan)
+        self._job = _Job(effect, added, removed, now_s)
+        start = {P: self._start_prepare, S: self._start_switch, C: self._start_cleanup}
+        return start[effect.phase](self._job, now_s)
+
+    def poll(self, now_s: float) -> Result:
+        """Advance the running phase; its result once it finishes or fails."""
+        job = self._job
+        if job is None:
+            return None
+        advance = {P: self._poll_prepare, S: self._poll_switch, C: self._poll_cleanup}
+        result = advance[job.effect.phase](job, now_s)
+        if result is not None:
+            self._job = None
+        return result
+
+    def _done(self, job: _Job, detail: str) -> PhaseDone:
+        e = job.effect
+        return PhaseDone(e.seq, e.phase, e.attempt, 0.0, detail)
+
+    def _failed(self, job: _Job, detail: str) -> PhaseFailed:
+        e = job.effect
+        return PhaseFailed(e.seq, e.phase, e.attempt, 0.0, detail)
+
+    def _hold(self, job: _Job) -> bool:
+        job.paused = self.pause_in is job.effect.phase and job.effect.seq >= self.pause_from_seq
+        return job.paused
+
+    # ---- prepare -------------------------------------------------------------------------------
+
+    def _start_prepare(self, job: _Job, now_s: float) -> Result:
+        deployment = self.core.deployment
+        gpus = [u for r in job.added for u in r.gpu_uuids]
+        problems = self._inventory.problems(gpus, deployment)
+        if problems:
+            return self._failed(job, "target GPUs not free: " + "; ".join(problems))
+        self._inventory.claim(gpus, deployment)
+        for replica in job.added:
+            timing = self._timing_for(replica)
+            if timing is None:
+                return self._failed(job, f"unknown model {replica.model_name!r}")
+            result = self.core.install(timing, now_s, ReplicaRole.SHADOW)
+            if not result.ok:
+                return self._failed(
+                    job, f"shadow {replica.plan_id}: {result.fault} {result.detail}"
+                )
+        return None
+
+    def _poll_prepare(self, job: _Job, now_s: float) -> Result:
+        for replica in job.added:
+            fault = self.core.health(replica.plan_id)
+            if fault is not None:
+                return self._failed(job, f"shadow {replica.plan_id}: {fault}")
+        if not all(self.core.is_ready(r.plan_id, now_s) for r in job.added) or self._hold(job):
+            return None
+        return self._done(job, f"{len(job.added)} shadow replicas loaded")
+
+    def _undo_prepare(self, added: tuple[ExecutionPlan, ...], now_s: float) -> None:
+        for replica in added:
+            self.core.evacuate(replica.plan_id, now_s)
+            self.core.unplace_all(replica.plan_id)
+            self.core.retire(replica.plan_id)
+        self._inventory.release([u for r in added for u in r.gpu_uuids], self.core.deployment)
+
+    # ---- switch --------------------------------------------------------------------------------
+
+    def _check_added(self, job: _Job, now_s: float) -> Result:
+        for replica in job.added:
+            fault = self.core.health(replica.plan_id)
+            if fault is not None or not self.core.is_ready(replica.plan_id, now_s):
+                return self._failed(job, f"new replica {replica.plan_id}: {fault or 'not ready'}")
+        return None
+
+    def _start_switch(self, job: _Job, now_s: float) -> Result:
+        failed = self._check_added(job, now_s)
+        if failed is not None:
+            return failed
+        for replica in job.added:
+            self.core.set_role(replica.plan_id, ReplicaRole.CANARY)
+        job.until_s = now_s + self.settings.canary_s
+        return None
+
+    def _poll_switch(self, job: _Job, now_s: float) -> Result:
+        failed = self._check_added(job, now_s)
+        if failed is not None:
+            return failed
+        if job.step is SwitchStep.CANARY:
+            if now_s < job.until_s:
+                return None
+            self._freeze(job)
+        self._start_handovers(job, now_s)
+        if job.queue or not self.core.staged_ready(now_s) or self._hold(job):
+            return None
+        return self._swap(job, now_s)
+
+    def _freeze(self, job: _Job) -> None:
+        for replica in job.removed:
+            self.core.set_role(replica.plan_id, ReplicaRole.FROZEN)
+        for replica in job.added:
+            self.core.set_role(replica.plan_id, ReplicaRole.ACTIVE)
+        job.step = SwitchStep.MIGRATE
+        job.queue = self._handover_queue(job)
+
+    def _handover_queue(self, job: _Job) -> list[tuple[KvHandover, str, str]]:
+        targets = [r.plan_id for r in job.added] or [
+            r.plan_id for r in job.effect.to_plan.replicas if self.core.has(r.plan_id)
+        ]
+        if not targets:
+            return []
+        load = dict.fromkeys(targets, 0)
+        queue: list[tuple[KvHandover, str, str]] = []
+        for replica in job.removed:
+            moving = [
+                (p.seq_id, p.context_tokens)
+                for p in self.core.running_progress(replica.plan_id)
+                if p.remaining_tokens > self.settings.short_sequence_tokens
+            ]
+            by_target: dict[str, list[tuple[str, int]]] = {}
+            for seq in sorted(moving, key=lambda s: (-s[1], s[0])):  # longest first
+                target = min(targets, key=lambda t: (load[t], t))
+                load[target] += seq[1]
+                by_target.setdefault(target, []).append(seq)
+            for target, seqs in by_target.items():
+                timing = self._timing_for(self.core.plan_of(target))
+                assert timing is not None  # installed replicas always have a timing
+                plan = plan_handover(
+                    seqs,
+                    replica,
+                    self.core.plan_of(target),
+                    timing.model,
+                    timing.config,
+                    self.settings.inter_domain_link,
+                )
+                queue.extend((h, replica.plan_id, target) for h in plan)
+        return sorted(queue, key=lambda q: (-q[0].num_tokens, q[0].seq_id))
+
+    def _start_handovers(self, job: _Job, now_s: float) -> None:
+        batch, job.queue = (
+            job.queue[: self.settings.max_handovers_per_poll],
+            job.queue[self.settings.max_handovers_per_poll :],
+        )
+        for handover, source, target in batch:
+            transfer_s = 0.0
+            if handover.action is KvAction.MIGRATE:  # one link, transfers queue behind each other
+                free = max(now_s, job.link_free_s.get((source, target), now_s))
+                job.link_free_s[(source, target)] = free + handover.est_s
+                transfer_s = free + handover.est_s - now_s
+            moved = self.core.stage(
+                handover.seq_id, source, target, handover.action, transfer_s, now_s
+            )
+            if moved is None:
+                job.tally.skipped += 1
+            elif handover.action is KvAction.MIGRATE:
+                job.tally.migrated += 1
+                job.tally.migrated_bytes += moved
+            else:
+                job.tally.replayed += 1
+
+    def _swap(self, job: _Job, now_s: float) -> PhaseDone:
+        self.core.commit_staged()
+        for replica in job.removed:
+            self.core.set_role(replica.plan_id, ReplicaRole.DRAINING)
+            self.core.close_admission(replica.plan_id)
+            self.core.move_queued(replica.plan_id, now_s)
+        self.core.serving_plan_id = job.effect.to_plan.plan_id
+        t = job.tally
+        return self._done(
+            job,
+            f"migrated {t.migrated} ({t.migrated_bytes} B), replayed {t.replayed}, "
+            f"left to finish on old {t.skipped}",
+        )
+
+    def _undo_switch(self, effect: RunPhase | RollBack, now_s: float) -> None:
+        added, removed = replica_diff(effect.from_plan, effect.to_plan)
+        self.core.abort_staged()
+        for replica in removed:
+            self.core.set_role(replica.plan_id, ReplicaRole.ACTIVE)
+        for replica in added:
+            self.core.set_role(replica.plan_id, ReplicaRole.SHADOW)
+            self.core.evacuate(replica.plan_id, now_s)
+        self.core.serving_plan_id = effect.from_plan.plan_id if effect.from_plan else None
+
+    # ---- cleanup -------------------------------------------------------------------------------
+
+    def _start_cleanup(self, job: _Job, now_s: float) -> Result:
+        for replica in job.removed:
+            self.core.set_role(replica.plan_id, ReplicaRole.DRAINING)
+            self.core.close_admission(replica.plan_id)
+            self.core.move_queued(replica.plan_id, now_s)
+        self.core.serving_plan_id = job.effect.to_plan.plan_id
+        job.until_s = now_s if job.effect.force else now_s + self.settings.drain_timeout_s
+        return None
+
+    def _poll_cleanup(self, job: _Job, now_s: float) -> Result:
+        busy = [r.plan_id for r in job.removed if self.core.router.owned(r.plan_id)]
+        if busy and now_s < job.until_s:
+            return None
+        if self._hold(job):
+            return None
+        for rid in busy:  # drain deadline passed: replay what is left on the new plan
+            self.core.evacuate(rid, now_s)
+            self.core.unplace_all(rid)  # only when no replica of the new plan can take them
+        for replica in job.removed:
+            self.core.retire(replica.plan_id)
+        kept = set(job.effect.to_plan.gpu_uuids)
+        freed = [u for r in job.removed for u in r.gpu_uuids if u not in kept]
+        self._inventory.release(freed, self.core.deployment)
+        detail = f"released {len(job.removed)} replicas, {len(freed)} GPUs"
+        return self._done(job, detail + (f"; {len(busy)} drained by force" if busy else ""))
+
+    # ---- compensation --------------------------------------------------------------------------
+
+    def abort(self, effect: AbortPhase, now_s: float) -> None:
+        """Undo a failed attempt so the phase can start again (cleanup needs no undo)."""
+        job, self._job = self._job, None
+        if job is None or job.effect.seq != effect.seq:
+            return
+        if effect.phase is P:
+            self._undo_prepare(job.added, now_s)
+        elif effect.phase is S:
+            self._undo_switch(job.effect, now_s)
+
+    def rollback(self, effect: RollBack, now_s: float) -> None:
+        """Undo the whole transition; the old plan's replicas serve again."""
+        self._job = None
+        added, _ = replica_diff(effect.from_plan, effect.to_plan)
+        self._undo_switch(effect, now_s)
+        self._undo_prepare(added, now_s)
+
+    def status(self) -> dict[str, Any]:
+        """Phase step, migration queue and shadow plan state (for /status)."""
+        job = self._job
+        if job is None:
+            return {"phase": None, "migration_queue": 0, "staged": self.core.num_staged}
+        return {
+            "phase": str(job.effect.phase),
+            "attempt": job.effect.attempt,
+            "step": str(job.step) if job.effect.phase is S else None,
+            "paused": job.paused,
+            "migration_queue": len(job.queue),
+            "staged": self.core.num_staged,
+            "shadow_replicas": [r.plan_id for r in job.added],
+            "migrated": job.tally.migrated,
+            "replayed": job.tally.replayed,
+        }

@@ -1,0 +1,214 @@
+"""Sequence-ownership journal: a compacted topic of admitted-but-unfinished sequences.
+
+Why a topic of its own: the transitions log records *plans*, not the thousands of sequences
+admitted between transitions, and a worker's engines die with it (the simulated ones always do),
+so after a ``kill -9`` the only way to know which sequences were in flight is a durable record
+written when each was admitted. Key ``<deployment>/<request id>``; value the request (prompt
+tokens, output budget, arrival, first owner); a tombstone when it finishes. Compaction keeps
+exactly the in-flight set, so recovery reads a small topic to its end, replays each sequence on
+the serving plan and gives it exactly one owner. Records use the envelope's shape (``v``,
+``kind``, ``event_time_ms``, ``source``, ``seq``, ``payload``) so they can move into
+:mod:`flexpipe.schemas` unchanged.
+
+The Kafka helpers here only read a topic to its end and create this one topic; producers and
+consumers come from :mod:`flexpipe.kafka`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import orjson
+import pydantic
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+from pydantic import ConfigDict
+
+from flexpipe.config import FlexPipeConfig
+from flexpipe.errors import ValidationError
+from flexpipe.kafka import client_kwargs, make_consumer
+from flexpipe.schemas import STRICT
+from runtime.types import OwnershipEvent, OwnershipKind, Request, RequestKind
+
+OWNERSHIP_TOPIC = "flexpipe.runtime.ownership"
+OWNERSHIP_KIND = "runtime.ownership"
+
+
+@dataclass(frozen=True, slots=True)
+class OwnershipRecord:
+    """An admitted sequence, as journaled."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    deployment: str
+    request_id: str
+    replica_id: str | None
+    prompt_tokens: int
+    max_output_tokens: int
+    arrival_s: float
+    kind: RequestKind = RequestKind.CHAT
+
+    def request(self) -> Request:
+        """The request to replay."""
+        return Request(
+            self.request_id, self.prompt_tokens, self.max_output_tokens, self.arrival_s, self.kind
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Wire:
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    v: Literal[1]
+    kind: Literal["runtime.ownership"]
+    event_time_ms: int
+    source: str
+    seq: int
+    payload: OwnershipRecord
+
+
+_ADAPTER: pydantic.TypeAdapter[_Wire] = pydantic.TypeAdapter(_Wire)
+
+
+def ownership_topic(cfg: FlexPipeConfig) -> str:
+    """The journal's broker-side name (same prefix as the catalog topics)."""
+    return f"{cfg.topics.prefix}{OWNERSHIP_TOPIC}"
+
+
+def ownership_key(deployment: str, request_id: str) -> bytes:
+    """The compaction key of one sequence."""
+    return f"{deployment}/{request_id}".encode()
+
+
+def encode_event(
+    deployment: str, event: OwnershipEvent, *, source: str, seq: int, now_ms: int
+) -> tuple[bytes, bytes | None]:
+    """(key, value) for an ownership event; a finished sequence is a tombstone (value None)."""
+    req = event.request
+    key = ownership_key(deployment, req.request_id)
+    if event.kind is OwnershipKind.FINISHED:
+        return key, None
+    record = OwnershipRecord(
+        deployment,
+        req.request_id,
+        event.replica_id,
+        req.prompt_tokens,
+        req.max_output_tokens,
+        req.arrival_s,
+        req.kind,
+    )
+    wire = {
+        "v": 1,
+        "kind": OWNERSHIP_KIND,
+        "event_time_ms": now_ms,
+        "source": source,
+        "seq": seq,
+        "payload": record,
+    }
+    return key, orjson.dumps(wire)
+
+
+def decode_record(raw: bytes) -> OwnershipRecord:
+    """Validate a journal value; raises :class:`ValidationError` naming the field."""
+    try:
+        return _ADAPTER.validate_json(raw).payload
+    except pydantic.ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        raise ValidationError(".".join(str(p) for p in err["loc"]), err["msg"]) from None
+    except ValueError as exc:
+        raise ValidationError("", f"not a JSON journal record: {exc}") from None
+
+
+def unfinished(
+    entries: Iterable[tuple[bytes | None, bytes | None]], deployment: str
+) -> list[Request]:
+    """Admitted-but-unfinished requests of ``deployment`` from (key, value) pairs in log order.
+
+    The last value per key wins; a tombstone means finished. Malformed values are skipped
+    (the journal is advisory per record; one bad record must not stop a recovery).
+    """
+    latest: dict[bytes, bytes | None] = {}
+    prefix = f"{deployment}/".encode()
+    for key, value in entries:
+        if key is not None and key.startswith(prefix):
+            latest[key] = value
+    out = []
+    for value in latest.values():
+        if value is None:
+            continue
+        try:
+            out.append(decode_record(value).request())
+        except ValidationError:
+            continue
+    return sorted(out, key=lambda r: (r.arrival_s, r.request_id))
+
+
+async def ensure_ownership_topic(cfg: FlexPipeConfig) -> None:
+    """Create the compacted journal topic when missing (idempotent, race-safe)."""
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg))
+    await admin.start()
+    try:
+        if ownership_topic(cfg) in set(await admin.list_topics()):
+            return
+        topic = NewTopic(
+            name=ownership_topic(cfg),
+            num_partitions=cfg.topics.partitions,
+            replication_factor=cfg.topics.replication_factor,
+            topic_configs={"cleanup.policy": "compact"},
+        )
+        # NOTE: another worker may create it first; that is the idempotent outcome.
+        with contextlib.suppress(TopicAlreadyExistsError):
+            await admin.create_topics([topic])
+    finally:
+        await admin.close()
+
+
+async def read_to_end(
+    cfg: FlexPipeConfig, topic: str, timeout_s: float = 60.0
+) -> list[tuple[bytes | None, bytes | None]]:
+    """Every (key, value) of ``topic`` from the beginning up to its end at call time."""
+    # NOTE: subscribing (no group: every partition is assigned) makes the client track the
+    # topic's metadata, which a bare consumer does not.
+    consumer = make_consumer(cfg, topic, group_id=None)
+    await consumer.start()
+    try:
+        return await catch_up(consumer, topic, timeout_s)
+    finally:
+        await consumer.stop()
+
+
+async def catch_up(
+    consumer: AIOKafkaConsumer, topic: str, timeout_s: float = 60.0
+) -> list[tuple[bytes | None, bytes | None]]:
+    """Read a started, subscribed consumer's topic from the beginning to its end at call time;
+    the consumer stays positioned there, so live consumption continues without a gap.
+    """
+    partitions = consumer.partitions_for_topic(topic) or set()
+    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    if not tps:
+        return []
+    end = await consumer.end_offsets(tps)
+    await consumer.seek_to_beginning(*tps)
+    out: list[tuple[bytes | None, bytes | None]] = []
+    async with asyncio.timeout(timeout_s):
+        while not await _reached(consumer, tps, end):
+            records = await consumer.getmany(*tps, timeout_ms=200)
+            for tp, batch in records.items():
+                out.extend((r.key, r.value) for r in batch if r.offset < end[tp])
+                if batch and batch[-1].offset >= end[tp]:
+                    consumer.seek(tp, end[tp])  # overshot: live consumption re-reads those
+    return out
+
+
+async def _reached(
+    consumer: AIOKafkaConsumer, tps: list[TopicPartition], end: dict[TopicPartition, int]
+) -> bool:
+    for tp in tps:
+        if await consumer.position(tp) < end[tp]:
+            return False
+    return True

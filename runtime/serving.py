@@ -1,0 +1,509 @@
+"""The data plane of one deployment: replicas, admission, engine stepping and KV hand-over.
+
+:class:`ServingCore` joins the router (ownership, queues), the VMM ledger (reservations and
+per-request commits), the watermark throttle and one engine per replica. It is synchronous and
+clock-free — every call takes ``now_s`` — so the worker drives it under the wall clock and a
+discrete-event benchmark under a simulated one. The transition executor calls its replica
+lifecycle and hand-over methods; it never touches engines or the router directly.
+
+Admission: candidates in predicted-completion order; a replica is skipped when its GPUs would
+pass the watermark or its queue is full; the first whose VMM commit succeeds owns the request.
+No candidate → a rejection naming the rule (``THROTTLED_WATERMARK``, ``REJECTED_OOM_RISK``...),
+which the HTTP layer turns into 429. Sequences moved by a hand-over or a failure are never
+rejected: they wait in their new owner's queue until its VMM can commit them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gearbox.plans import ExecutionPlan
+from gearbox.switch import KvAction
+from runtime.engine.base import (
+    Engine,
+    EngineFault,
+    OpResult,
+    SeqProgress,
+    SeqSpec,
+    SeqState,
+    StepOutput,
+)
+from runtime.router import ROUTABLE, ReplicaRole, Router
+from runtime.stats import ServingWindow
+from runtime.throttle import check_watermark
+from runtime.timing import ReplicaTiming
+from runtime.types import (
+    Admission,
+    Completion,
+    OwnershipEvent,
+    OwnershipKind,
+    Reason,
+    Request,
+    ServingSettings,
+)
+from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager
+
+EngineFactory = Callable[[ReplicaTiming], Engine]
+_RUNS = frozenset(
+    {ReplicaRole.CANARY, ReplicaRole.ACTIVE, ReplicaRole.FROZEN, ReplicaRole.DRAINING}
+)
+# Most specific rejection wins when several replicas refused for different reasons.
+_REJECTION_ORDER = (
+    Reason.REJECTED_OOM_RISK,
+    Reason.THROTTLED_WATERMARK,
+    Reason.QUEUE_FULL,
+    Reason.TOO_LONG,
+)
+
+
+@dataclass
+class _Live:
+    request: Request
+    generated: int = 0  # output tokens known to exist (a replay continues after them)
+    first_token_s: float | None = None
+    admissions: int = 0  # times an engine took it (more than one = replayed)
+
+
+@dataclass
+class _Slot:
+    plan: ExecutionPlan
+    timing: ReplicaTiming
+    engine: Engine
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    source: str
+    target: str
+    action: KvAction
+
+
+class ServingCore:
+    """One deployment's serving replicas (see the module docstring)."""
+
+    def __init__(
+        self,
+        deployment: str,
+        engine_factory: EngineFactory,
+        vmm: ReservationManager,
+        router: Router | None = None,
+        settings: ServingSettings | None = None,
+    ) -> None:
+        self.deployment = deployment
+        self.settings = settings or ServingSettings()
+        self.router = router or Router()
+        self.vmm = vmm
+        self.serving_plan_id: str | None = None
+        self.model_name = ""
+        self.window = ServingWindow(start_s=0.0)
+        self.ownership_events: list[OwnershipEvent] = []
+        self.completions: list[Completion] = []
+        self.rejections: Counter[Reason] = Counter()
+        self.engine_oom_events = 0
+        self._factory = engine_factory
+        self._slots: dict[str, _Slot] = {}
+        self._live: dict[str, _Live] = {}
+        self._unplaced: dict[str, _Live] = {}  # recovered before any replica could take them
+        self._staged: dict[str, _Staged] = {}
+
+    # ---- replica lifecycle ---------------------------------------------------------------------
+
+    def has(self, replica_id: str) -> bool:
+        """True while the replica is installed."""
+        return replica_id in self._slots
+
+    def install(
+        self, timing: ReplicaTiming, now_s: float, role: ReplicaRole = ReplicaRole.SHADOW
+    ) -> OpResult:
+        """Reserve VMM, commit the weights, start loading shards and building groups."""
+        rid = timing.replica_id
+        if rid in self._slots:
+            return OpResult(True, 0.0)
+        mem = timing.memory_bytes_per_gpu
+        if not self.vmm.reserve_replica(rid, {u: (m, m) for u, m in mem.items()}):
+            return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=self._vmm_detail())
+        overhead = timing.config.runtime_overhead_bytes
+        weights = {u: b + overhead for u, b in timing.weight_bytes_per_gpu.items()}
+        if not self.vmm.commit(rid, WEIGHTS_REQUEST, weights):
+            self.vmm.unreserve_replica(rid)
+            return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=self._vmm_detail())
+        engine = self._factory(timing)
+        ready = 0.0
+        for index in range(len(timing.plan.stages)):
+            result = engine.load_shard(index, now_s)
+            if not result.ok:
+                self._discard(rid, engine, timing)
+                return result
+        result = engine.build_comm_groups(now_s)
+        if not result.ok:
+            self._discard(rid, engine, timing)
+            return result
+        ready = result.ready_at_s
+        self._slots[rid] = _Slot(timing.plan, timing, engine)
+        self.router.add_replica(timing, role)
+        self.model_name = timing.model.name
+        return OpResult(True, ready)
+
+    def _vmm_detail(self) -> str:
+        failure = self.vmm.last_failure
+        if failure is None:
+            return "VMM refused"
+        return f"VMM refused on {failure.gpu_uuid}: {failure.error}"
+
+    def _discard(self, rid: str, engine: Engine, timing: ReplicaTiming) -> None:
+        for index in range(len(timing.plan.stages)):
+            engine.unload_shard(index)
+        self.vmm.unreserve_replica(rid)
+
+    def retire(self, replica_id: str) -> bool:
+        """Unload and release a replica that owns nothing; False while it still owns sequences."""
+        slot = self._slots.get(replica_id)
+        if slot is None:
+            return True
+        if self.router.owned(replica_id) or any(
+            s.source == replica_id or s.target == replica_id for s in self._staged.values()
+        ):
+            return False
+        slot.engine.drop([p.seq_id for p in slot.engine.progress()])
+        self._discard(replica_id, slot.engine, slot.timing)
+        self.router.remove_replica(replica_id)
+        del self._slots[replica_id]
+        return True
+
+    def is_ready(self, replica_id: str, now_s: float) -> bool:
+        """Installed, loaded and healthy."""
+        slot = self._slots.get(replica_id)
+        return slot is not None and slot.engine.is_ready(now_s)
+
+    def health(self, replica_id: str) -> EngineFault | None:
+        """The replica's engine fault (``NOT_READY`` when not installed)."""
+        slot = self._slots.get(replica_id)
+        return slot.engine.health() if slot is not None else EngineFault.NOT_READY
+
+    def set_role(self, replica_id: str, role: ReplicaRole) -> None:
+        """Move an installed replica in the route table (failed replicas stay failed)."""
+        if replica_id in self._slots and self.router.role(replica_id) is not ReplicaRole.FAILED:
+            self.router.set_role(replica_id, role)
+
+    def close_admission(self, replica_id: str) -> None:
+        """The replica's engine stops admitting (it drains)."""
+        if replica_id in self._slots:
+            self._slots[replica_id].engine.close_admission()
+
+    def replica_ids(self) -> tuple[str, ...]:
+        """Installed replicas."""
+        return tuple(self._slots)
+
+    def plan_of(self, replica_id: str) -> ExecutionPlan:
+        """The replica's execution plan."""
+        return self._slots[replica_id].plan
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def submit(self, request: Request, now_s: float) -> Admission:
+        """Route and commit a new request, or reject it with the rule that refused."""
+        reason = self._try_admit(request, now_s)
+        self.window.on_arrival(request, reason.reason)
+        if not reason.admitted:
+            self.rejections[reason.reason] += 1
+        return reason
+
+    def _try_admit(self, request: Request, now_s: float) -> Admission:
+        rid_ = request.request_id
+        if rid_ in self._live or rid_ in self._unplaced:
+            return Admission(rid_, False, Reason.DUPLICATE_REQUEST)
+        choices = self.router.candidates(request, now_s)
+        if not choices:
+            return Admission(rid_, False, Reason.NO_SERVING_PLAN)
+        refused: set[Reason] = set()
+        memory = self.vmm.memory()
+        for choice in choices:
+            timing = self._slots[choice.replica_id].timing
+            need = timing.kv_bytes_for(request.total_tokens)
+            if request.total_tokens > timing.kv_capacity_tokens:
+                refused.add(Reason.TOO_LONG)
+            elif len(self.router.queued(choice.replica_id)) >= self.settings.max_queue_per_replica:
+                refused.add(Reason.QUEUE_FULL)
+            elif not check_watermark(memory, need, self.settings.watermark).allowed:
+                refused.add(Reason.THROTTLED_WATERMARK)
+            elif not self.vmm.commit(choice.replica_id, rid_, need):
+                refused.add(Reason.REJECTED_OOM_RISK)
+            else:
+                self.router.enqueue(request, choice.replica_id)
+                self._live[rid_] = _Live(request)
+                self.ownership_events.append(
+                    OwnershipEvent(OwnershipKind.ADMITTED, request, choice.replica_id)
+                )
+                return Admission(
+                    rid_, True, Reason.ADMITTED, choice.replica_id, choice.predicted_completion_s
+                )
+        worst = next(r for r in _REJECTION_ORDER if r in refused)
+        return Admission(rid_, False, worst)
+
+    def readmit(self, request: Request, now_s: float) -> None:
+        """Take back a sequence recovered from the journal; it is replayed, never rejected."""
+        if request.request_id in self._live or request.request_id in self._unplaced:
+            return
+        live = _Live(request)
+        if not self._place(request.request_id, live, now_s):
+            self._unplaced[request.request_id] = live
+
+    def _place(self, seq_id: str, live: _Live, now_s: float, exclude: str | None = None) -> bool:
+        """Queue a sequence (new or moving) at the best routable replica; False when none."""
+        choices = [
+            c for c in self.router.candidates(live.request, now_s) if c.replica_id != exclude
+        ]
+        if not choices:
+            return False
+        target = choices[0].replica_id
+        self._live[seq_id] = live
+        if self.router.owner(seq_id) is None:
+            self.router.enqueue(live.request, target, front=True)
+        else:
+            self.router.transfer(seq_id, target, running=False, prompt_tokens=self._ctx(live))
+        return True
+
+    @staticmethod
+    def _ctx(live: _Live) -> int:
+        return live.request.prompt_tokens + live.generated
+
+    # ---- stepping ------------------------------------------------------------------------------
+
+    def step(self, now_s: float) -> None:
+        """Admit queued sequences into ready engines and run them up to ``now_s``."""
+        for rid, slot in self._slots.items():
+            if self.router.role(rid) is not ReplicaRole.FAILED and slot.engine.health() is not None:
+                self._fail_replica(rid, now_s)
+        for seq_id, live in list(self._unplaced.items()):
+            if self._place(seq_id, live, now_s):
+                del self._unplaced[seq_id]
+        for rid, slot in self._slots.items():
+            if self.router.role(rid) in _RUNS and slot.engine.is_ready(now_s):
+                self._feed(rid, slot, now_s)
+                self._absorb(rid, slot.engine.step(now_s))
+
+    def _feed(self, rid: str, slot: _Slot, now_s: float) -> None:
+        for seq_id in self.router.queued(rid):
+            if not slot.engine.has_capacity():
+                return
+            live = self._live[seq_id]
+            req = live.request
+            if not self.vmm.holds(rid, seq_id):
+                need = slot.timing.kv_bytes_for(req.total_tokens)
+                if not self.vmm.commit(rid, seq_id, need):
+                    continue  # waits for memory; later queue entries may still fit
+            spec = SeqSpec(seq_id, req.prompt_tokens, req.max_output_tokens, live.generated)
+            if slot.engine.admit(spec, now_s) is not None:
+                return
+            live.admissions += 1
+            self.router.mark_running(seq_id)
+
+    def _absorb(self, rid: str, out: StepOutput) -> None:
+        self.window.on_step(out.prefill_tokens, out.decode_tokens, out.decode_step_s)
+        for first in out.first_tokens:
+            live = self._live.get(first.seq_id)
+            if live is not None and live.first_token_s is None:
+                live.first_token_s = first.t_s
+        for done in out.finished:
+            self._finish(rid, done.seq_id, done.t_s, done.output_tokens)
+        for failed in out.failed:
+            live = self._live.get(failed.seq_id)
+            if live is None or self.router.owner(failed.seq_id) != rid:
+                continue
+            if failed.fault is EngineFault.OUT_OF_MEMORY:
+                self.engine_oom_events += 1
+            live.generated = max(live.generated, failed.generated_tokens)
+            self.vmm.release(rid, failed.seq_id)
+            self.router.mark_waiting(failed.seq_id, self._ctx(live))
+
+    def _finish(self, rid: str, seq_id: str, t_s: float, output_tokens: int) -> None:
+        live = self._live.pop(seq_id, None)
+        if live is None:
+            return
+        self.router.finish(seq_id)
+        self.vmm.release(rid, seq_id)
+        req = live.request
+        done = Completion(
+            request_id=seq_id,
+            replica_id=rid,
+            plan_id=self.serving_plan_id,
+            prompt_tokens=req.prompt_tokens,
+            output_tokens=output_tokens,
+            arrival_s=req.arrival_s,
+            first_token_s=live.first_token_s if live.first_token_s is not None else t_s,
+            finish_s=t_s,
+            replays=max(0, live.admissions - 1),
+        )
+        self.completions.append(done)
+        self.window.on_completion(done)
+        self.ownership_events.append(OwnershipEvent(OwnershipKind.FINISHED, req, rid))
+
+    def _fail_replica(self, rid: str, now_s: float) -> None:
+        """An engine died: its memory is gone; its sequences wait for replay elsewhere."""
+        self.router.set_role(rid, ReplicaRole.FAILED)
+        self.vmm.unreserve_replica(rid)
+        for seq_id, staged in list(self._staged.items()):
+            # NOTE: a hand-over touching the dead replica is abandoned: the sequence is replayed
+            # from the queue below (or resumes at a live source), never kept in two places.
+            if rid in (staged.source, staged.target):
+                self._unstage(seq_id, staged)
+        for seq_id in self.router.owned(rid):
+            live = self._live[seq_id]
+            if seq_id in self.router.running(rid):
+                self.router.mark_waiting(seq_id, self._ctx(live))
+            self._place(seq_id, live, now_s, exclude=rid)
+
+    # ---- hand-over (used by the transition executor) -------------------------------------------
+
+    def running_progress(self, replica_id: str) -> tuple[SeqProgress, ...]:
+        """Decoding sequences the replica owns and that are not already being handed over."""
+        slot = self._slots.get(replica_id)
+        if slot is None:
+            return ()
+        owned = self.router.running(replica_id)
+        return tuple(
+            p
+            for p in slot.engine.progress()
+            if p.state is SeqState.RUNNING and p.seq_id in owned and p.seq_id not in self._staged
+        )
+
+    def stage(
+        self,
+        seq_id: str,
+        source: str,
+        target: str,
+        action: KvAction,
+        transfer_s: float,
+        now_s: float,
+    ) -> int | None:
+        """Copy (migrate) or re-prefill (replay) a sequence onto ``target`` without moving its
+        ownership; returns the bytes migrated (0 for a replay), ``None`` when it cannot be staged.
+        """
+        src, dst = self._slots[source].engine, self._slots[target]
+        live = self._live[seq_id]
+        need = dst.timing.kv_bytes_for(live.request.total_tokens)
+        if not self.vmm.commit(target, seq_id, need):
+            return None
+        exports = src.export_kv([seq_id], now_s)  # pauses it at the source until commit/abort
+        if not exports:
+            self.vmm.release(target, seq_id)
+            return None
+        if action is KvAction.MIGRATE:
+            ok = dst.engine.import_kv(exports, now_s, transfer_s).ok
+        else:  # replay: re-prefill prompt + generated tokens on the target, held until the swap
+            ok = dst.engine.admit(exports[0].spec, now_s, staged=True) is None
+        if not ok:
+            src.resume([seq_id])
+            self.vmm.release(target, seq_id)
+            return None
+        self._staged[seq_id] = _Staged(source, target, action)
+        return exports[0].num_bytes if action is KvAction.MIGRATE else 0
+
+    def staged_ready(self, now_s: float) -> bool:
+        """Every staged copy is complete on its target."""
+        return all(
+            self._slots[s.target].engine.staged_ready([sid], now_s)
+            for sid, s in self._staged.items()
+        )
+
+    @property
+    def num_staged(self) -> int:
+        """Sequences being handed over."""
+        return len(self._staged)
+
+    def commit_staged(self) -> int:
+        """Flip ownership of every staged sequence to its target (the swap); returns the count."""
+        for seq_id, s in self._staged.items():
+            live = self._live[seq_id]
+            self.router.transfer(seq_id, s.target, running=True)
+            self._slots[s.target].engine.activate([seq_id])
+            self._slots[s.source].engine.drop([seq_id])
+            self.vmm.release(s.source, seq_id)
+            live.admissions += 1
+        count = len(self._staged)
+        self._staged.clear()
+        return count
+
+    def abort_staged(self) -> None:
+        """Abandon every staged copy; the sequences continue at their sources."""
+        for seq_id, s in list(self._staged.items()):
+            self._unstage(seq_id, s)
+
+    def _unstage(self, seq_id: str, s: _Staged) -> None:
+        self._slots[s.target].engine.drop([seq_id])
+        self.vmm.release(s.target, seq_id)
+        self._slots[s.source].engine.resume([seq_id])
+        del self._staged[seq_id]
+
+    def move_queued(self, source: str, now_s: float) -> int:
+        """Re-route the replica's waiting sequences to routable replicas; returns the count."""
+        if source not in self._slots:
+            return 0
+        moved = 0
+        for seq_id in self.router.queued(source):
+            self.vmm.release(source, seq_id)
+            if self._place(seq_id, self._live[seq_id], now_s, exclude=source):
+                moved += 1
+        return moved
+
+    def evacuate(self, source: str, now_s: float) -> int:
+        """Move everything the replica owns elsewhere, running sequences as replays."""
+        slot = self._slots.get(source)
+        if slot is None:
+            return 0
+        for seq_id, s in list(self._staged.items()):
+            if source in (s.source, s.target):
+                self._unstage(seq_id, s)
+        progress = {p.seq_id: p for p in slot.engine.progress()}
+        for seq_id in self.router.running(source):
+            live = self._live[seq_id]
+            if seq_id in progress:
+                live.generated = max(live.generated, progress[seq_id].generated_tokens)
+            slot.engine.drop([seq_id])
+            self.router.mark_waiting(seq_id, self._ctx(live))
+        return self.move_queued(source, now_s)
+
+    def unplace_all(self, source: str) -> int:
+        """Take every sequence the replica owns out of the route table into the holding area
+        (no replica left to take them: e.g. a rolled-back first placement); returns the count.
+        """
+        slot = self._slots.get(source)
+        moved = 0
+        for seq_id in self.router.owned(source):
+            live = self._live.pop(seq_id)
+            if slot is not None:
+                slot.engine.drop([seq_id])
+            self.vmm.release(source, seq_id)
+            self.router.finish(seq_id)
+            self._unplaced[seq_id] = live
+            moved += 1
+        return moved
+
+    # ---- views ---------------------------------------------------------------------------------
+
+    def queue_len(self) -> int:
+        """Sequences waiting for an engine, across replicas and unplaced."""
+        queued = sum(len(self.router.queued(r)) for r in self._slots)
+        return queued + len(self._unplaced)
+
+    def active_sequences(self) -> int:
+        """Sequences inside engines."""
+        return sum(len(self.router.running(r)) for r in self._slots)
+
+    def kv_bytes(self) -> int:
+        """KV bytes held by all engines."""
+        return sum(s.engine.kv_bytes() for s in self._slots.values())
+
+    def unplaced(self) -> tuple[str, ...]:
+        """Recovered sequences still waiting for a replica to exist."""
+        return tuple(self._unplaced)
+
+    def engine(self, replica_id: str) -> Engine:
+        """The replica's engine."""
+        return self._slots[replica_id].engine
+
+    def routable(self) -> tuple[str, ...]:
+        """Replicas taking new requests."""
+        return self.router.replicas(*ROUTABLE)

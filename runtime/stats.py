@@ -1,0 +1,96 @@
+"""Serving-load window: what a runtime worker reports to the streams for one deployment.
+
+Counters and latency samples accumulate between reports; :meth:`ServingWindow.report` turns them
+into a :class:`flexpipe.schemas.ServingLoad` and starts a new window. Pure; time is an input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from flexpipe.schemas import ServingLoad
+from runtime.types import Completion, Reason, Request
+
+MAX_SAMPLES = 4096  # latency samples kept per window (the oldest are dropped beyond it)
+
+
+def p95(samples: list[float]) -> float | None:
+    """The 95th percentile by nearest rank, ``None`` without samples."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+@dataclass
+class ServingWindow:
+    """Accumulates one window of serving activity."""
+
+    start_s: float
+    arrivals: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    completions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    rejections: dict[Reason, int] = field(default_factory=dict)
+    ttft_ms: list[float] = field(default_factory=list)
+    tbt_ms: list[float] = field(default_factory=list)
+
+    def on_arrival(self, request: Request, reason: Reason) -> None:
+        """Count an arrival and, when refused, its reason."""
+        self.arrivals += 1
+        self.prompt_tokens += request.prompt_tokens
+        if reason is not Reason.ADMITTED:
+            self.rejected += 1
+            self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def on_completion(self, done: Completion) -> None:
+        """Count a finished request and its time to first token."""
+        self.completions += 1
+        self.output_tokens += done.output_tokens
+        if len(self.ttft_ms) < MAX_SAMPLES:
+            self.ttft_ms.append(done.ttft_s * 1000.0)
+
+    def on_step(
+        self, prefill_tokens: int, decode_tokens: int, decode_step_s: tuple[float, ...]
+    ) -> None:
+        """Count engine work and decode-step durations (time between tokens)."""
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += decode_tokens
+        room = MAX_SAMPLES - len(self.tbt_ms)
+        self.tbt_ms.extend(s * 1000.0 for s in decode_step_s[:room])
+
+    def report(
+        self,
+        deployment: str,
+        model: str,
+        now_s: float,
+        *,
+        queue_len: int,
+        active_sequences: int,
+        kv_bytes: int,
+        plan_id: str | None,
+    ) -> ServingLoad:
+        """The window as a ServingLoad (call :meth:`reset` to start the next one)."""
+        window = max(now_s - self.start_s, 1e-9)
+        return ServingLoad(
+            deployment=deployment,
+            model=model,
+            window_s=window,
+            arrivals=self.arrivals,
+            arrival_rate_rps=self.arrivals / window,
+            queue_len=queue_len,
+            active_sequences=active_sequences,
+            prefill_tokens_per_s=self.prefill_tokens / window,
+            decode_tokens_per_s=self.decode_tokens / window,
+            mean_prompt_tokens=self.prompt_tokens / self.arrivals if self.arrivals else 0.0,
+            mean_output_tokens=self.output_tokens / self.completions if self.completions else 0.0,
+            ttft_p95_ms=p95(self.ttft_ms),
+            tbt_p95_ms=p95(self.tbt_ms),
+            kv_bytes=kv_bytes,
+            rejected=self.rejected,
+            plan_id=plan_id,
+        )

@@ -1,0 +1,1 @@
+"""Virtual-memory reservations: address space per plan, pages committed per request."""

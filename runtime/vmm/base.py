@@ -1,0 +1,124 @@
+"""The reservation backend interface and the address-range bookkeeping both backends share.
+
+A backend serves one device (a GPU, or a simulated one). ``reserve`` takes address space for a
+plan without backing it; ``commit`` backs a range of it with physical pages for one request and
+returns ``None`` when it cannot — the caller rejects that request (HTTP 429), the worker never
+crashes. ``release_commit`` and ``unreserve`` are idempotent, so compensation can run twice after
+a retry or a restart.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+MIB = 1024**2
+DEFAULT_GRANULARITY_BYTES = 2 * MIB  # CUDA's minimum VMM granularity on current GPUs
+
+
+class CommitError(StrEnum):
+    """Why the last reserve or commit failed (kept on the backend for diagnostics)."""
+
+    OUT_OF_MEMORY = "out_of_memory"  # the device has no physical pages left
+    RESERVATION_FULL = "reservation_full"  # the plan's address range has no free span
+    UNKNOWN_RESERVATION = "unknown_reservation"  # released or never made
+    DUPLICATE_COMMIT = "duplicate_commit"  # the request already holds pages here
+    DRIVER_ERROR = "driver_error"  # the driver returned an error code
+    ADDRESS_SPACE = "address_space"  # the OS/driver refused the address reservation
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Address space reserved for one plan on one device."""
+
+    reservation_id: str
+    plan_id: str
+    device: str
+    size_bytes: int  # rounded up to the backend's granularity
+    base_address: int  # start of the range (0 where the backend has no real address)
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Physical pages backing part of a reservation for one request."""
+
+    reservation_id: str
+    request_id: str
+    offset_bytes: int  # from the reservation's base
+    size_bytes: int  # rounded up to the granularity
+    handle: int = 0  # backend's physical allocation handle (CUDA), 0 otherwise
+
+
+class ReservationBackend(Protocol):
+    """One device's VMM: reserve address space, commit pages, release both."""
+
+    device: str
+    granularity_bytes: int
+    last_error: CommitError | None
+
+    def reserve(self, plan_id: str, size_bytes: int) -> Reservation | None:
+        """Reserve address space for ``plan_id``; ``None`` (and ``last_error``) on failure."""
+        ...
+
+    def commit(self, reservation: Reservation, request_id: str, size_bytes: int) -> Commit | None:
+        """Back ``size_bytes`` of the reservation with pages; ``None`` when it cannot."""
+        ...
+
+    def release_commit(self, commit: Commit) -> None:
+        """Return a commit's pages; a second call is a no-op."""
+        ...
+
+    def unreserve(self, reservation: Reservation) -> None:
+        """Release every commit of the reservation and its address space; idempotent."""
+        ...
+
+    def committed_bytes(self) -> int:
+        """Physical bytes committed on the device through this backend."""
+        ...
+
+    def capacity_bytes(self) -> int:
+        """Physical bytes the backend may commit on the device in all."""
+        ...
+
+
+def round_up(size_bytes: int, granularity_bytes: int) -> int:
+    """``size_bytes`` rounded up to a multiple of the granularity (at least one granule)."""
+    granules = max(1, -(-size_bytes // granularity_bytes))
+    return granules * granularity_bytes
+
+
+class RangeAllocator:
+    """First-fit allocator of offsets inside one reservation (free spans kept sorted, merged)."""
+
+    def __init__(self, size_bytes: int) -> None:
+        self._free: list[tuple[int, int]] = [(0, size_bytes)] if size_bytes > 0 else []
+
+    def allocate(self, size_bytes: int) -> int | None:
+        """Offset of a free span of ``size_bytes``, or ``None`` when no span is large enough."""
+        for i, (start, length) in enumerate(self._free):
+            if length >= size_bytes:
+                if length == size_bytes:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + size_bytes, length - size_bytes)
+                return start
+        return None
+
+    def free(self, offset: int, size_bytes: int) -> None:
+        """Give a span back, merging it with its neighbours."""
+        i = bisect.bisect_left(self._free, (offset, 0))
+        self._free.insert(i, (offset, size_bytes))
+        merged: list[tuple[int, int]] = []
+        for start, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not allocated."""
+        return sum(length for _, length in self._free)

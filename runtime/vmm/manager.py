@@ -1,0 +1,144 @@
+"""Reservation manager: one backend per GPU, reservations per replica, commits per request.
+
+A replica reserves address space on each of its GPUs (prepare) and commits its weight shard;
+each request then commits its KV pages on every GPU of the replica at once — all or nothing, so
+a request never holds pages on half a pipeline. The manager's ledger is what the watermark
+throttle reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.throttle import GpuMemory
+from runtime.vmm.base import Commit, CommitError, Reservation, ReservationBackend
+from runtime.vmm.cuda import open_cuda_backend
+from runtime.vmm.host import HostReservationBackend
+
+BackendFactory = Callable[[str, int], ReservationBackend | None]  # (gpu uuid, capacity bytes)
+WEIGHTS_REQUEST = "__weights__"  # request id under which a replica's weight shard is committed
+
+
+def host_backend_factory(gpu_uuid: str, capacity_bytes: int) -> ReservationBackend:
+    """Host accounting backend standing for a (simulated) GPU of ``capacity_bytes``."""
+    return HostReservationBackend(gpu_uuid, capacity_bytes)
+
+
+def cuda_backend_factory(
+    ordinals: Mapping[str, int],
+    fallback: BackendFactory = host_backend_factory,
+    driver: Any | None = None,
+) -> BackendFactory:
+    """CUDA VMM for the local GPUs (by UUID); ``fallback`` for any other (simulated) GPU.
+
+    A local GPU whose backend cannot be opened gets ``None``: its reservations are refused,
+    which fails the transition's prepare rather than faking memory that is not there.
+    """
+
+    def make(gpu_uuid: str, capacity_bytes: int) -> ReservationBackend | None:
+        if gpu_uuid in ordinals:
+            return open_cuda_backend(
+                ordinals[gpu_uuid], device=gpu_uuid, limit_bytes=capacity_bytes, driver=driver
+            )
+        return fallback(gpu_uuid, capacity_bytes)
+
+    return make
+
+
+@dataclass(frozen=True, slots=True)
+class CommitFailure:
+    """Which GPU refused a commit and why."""
+
+    gpu_uuid: str
+    error: CommitError | None
+
+
+class ReservationManager:
+    """Per-GPU VMM backends behind one ledger (no policy: callers decide what to reserve)."""
+
+    def __init__(self, factory: BackendFactory = host_backend_factory) -> None:
+        self._factory = factory
+        self._backends: dict[str, ReservationBackend] = {}
+        self._reservations: dict[str, dict[str, Reservation]] = {}  # replica → gpu → resv
+        self._commits: dict[tuple[str, str], dict[str, Commit]] = {}  # (replica, req) → gpu → c
+        self.last_failure: CommitFailure | None = None
+
+    def backend(self, gpu_uuid: str, capacity_bytes: int) -> ReservationBackend | None:
+        """The GPU's backend, created on first use."""
+        if gpu_uuid not in self._backends:
+            made = self._factory(gpu_uuid, capacity_bytes)
+            if made is None:
+                return None
+            self._backends[gpu_uuid] = made
+        return self._backends[gpu_uuid]
+
+    def reserve_replica(self, replica_id: str, sizes: Mapping[str, tuple[int, int]]) -> bool:
+        """Reserve ``size`` on each GPU (``sizes``: gpu → (reserve bytes, capacity bytes)).
+
+        All or nothing: a refusal on one GPU releases what the others reserved.
+        """
+        if replica_id in self._reservations:
+            return True
+        held: dict[str, Reservation] = {}
+        for uuid in sorted(sizes):
+            size, capacity = sizes[uuid]
+            backend = self.backend(uuid, capacity)
+            resv = backend.reserve(replica_id, size) if backend is not None else None
+            if resv is None or backend is None:
+                self.last_failure = CommitFailure(uuid, backend.last_error if backend else None)
+                for gpu, done in held.items():
+                    self._backends[gpu].unreserve(done)
+                return False
+            held[uuid] = resv
+        self._reservations[replica_id] = held
+        return True
+
+    def commit(self, replica_id: str, request_id: str, bytes_per_gpu: Mapping[str, int]) -> bool:
+        """Commit pages for ``request_id`` on each GPU; all or nothing. False = reject."""
+        resv = self._reservations.get(replica_id)
+        key = (replica_id, request_id)
+        if resv is None or key in self._commits:
+            return resv is not None
+        done: dict[str, Commit] = {}
+        for uuid in sorted(bytes_per_gpu):
+            backend = self._backends.get(uuid)
+            commit = None
+            if backend is not None and uuid in resv:
+                commit = backend.commit(resv[uuid], request_id, bytes_per_gpu[uuid])
+            if commit is None:
+                self.last_failure = CommitFailure(uuid, backend.last_error if backend else None)
+                for gpu, c in done.items():
+                    self._backends[gpu].release_commit(c)
+                return False
+            done[uuid] = commit
+        self._commits[key] = done
+        return True
+
+    def holds(self, replica_id: str, request_id: str) -> bool:
+        """True when the request has pages committed on the replica."""
+        return (replica_id, request_id) in self._commits
+
+    def release(self, replica_id: str, request_id: str) -> None:
+        """Return a request's pages on a replica; idempotent."""
+        for uuid, commit in self._commits.pop((replica_id, request_id), {}).items():
+            self._backends[uuid].release_commit(commit)
+
+    def unreserve_replica(self, replica_id: str) -> None:
+        """Release every commit and reservation of the replica; idempotent."""
+        for key in [k for k in self._commits if k[0] == replica_id]:
+            self.release(*key)
+        for uuid, resv in self._reservations.pop(replica_id, {}).items():
+            self._backends[uuid].unreserve(resv)
+
+    def has_reservation(self, replica_id: str) -> bool:
+        """True while the replica holds address space."""
+        return replica_id in self._reservations
+
+    def memory(self) -> dict[str, GpuMemory]:
+        """The ledger per GPU: capacity and committed bytes."""
+        return {
+            uuid: GpuMemory(b.capacity_bytes(), b.committed_bytes())
+            for uuid, b in self._backends.items()
+        }

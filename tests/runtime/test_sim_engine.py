@@ -1,0 +1,148 @@
+"""Unit: the simulated engine — cost-model timing, per-token KV against memory, faults."""
+
+from __future__ import annotations
+
+import pytest
+
+from gearbox.config import DEFAULT_CONFIG
+from gearbox.presets import MODEL_7B_MHA
+from runtime.engine.base import EngineFault, SeqSpec, SeqState
+from runtime.engine.sim import SimEngine
+from runtime.engine.simgpu import SimGpuPool
+from runtime.timing import ReplicaTiming
+from tests.runtime.builders import make_replica
+
+pytestmark = pytest.mark.unit
+
+
+def _engine(
+    gpus: tuple[str, ...] = ("G0",), pool: SimGpuPool | None = None, gpu_class: str = "h100-sxm"
+) -> tuple[SimEngine, SimGpuPool, ReplicaTiming]:
+    timing = ReplicaTiming.build(
+        make_replica(gpus, gpu_class=gpu_class), MODEL_7B_MHA, DEFAULT_CONFIG
+    )
+    pool = pool or SimGpuPool()
+    engine = SimEngine(timing, pool)
+    for i in range(len(timing.plan.stages)):
+        assert engine.load_shard(i, 0.0).ok
+    ready = engine.build_comm_groups(0.0)
+    assert ready.ok
+    assert not engine.is_ready(ready.ready_at_s - 1e-6) and engine.is_ready(ready.ready_at_s)
+    engine.step(ready.ready_at_s)
+    return engine, pool, timing
+
+
+def test_loading_takes_the_weight_load_time_plus_comm_setup() -> None:
+    timing = ReplicaTiming.build(make_replica(["G0"]), MODEL_7B_MHA, DEFAULT_CONFIG)
+    engine = SimEngine(timing, SimGpuPool())
+    assert engine.load_shard(0, 10.0).ready_at_s == pytest.approx(10.0 + timing.weight_load_s())
+    ready = engine.build_comm_groups(10.0).ready_at_s
+    assert ready == pytest.approx(10.0 + timing.weight_load_s() + DEFAULT_CONFIG.comm_setup_s)
+
+
+def test_iterations_are_timed_by_gearbox_cost_model() -> None:
+    engine, _, timing = _engine()
+    t0 = 100.0
+    assert engine.admit(SeqSpec("s", 1000, 3), t0) is None
+    out = engine.step(t0 + 10.0)
+    assert out.first_tokens[0].t_s == pytest.approx(t0 + timing.prefill_s(1000))
+    step = timing.decode_cycle_s(1, 1001)
+    assert out.finished[0].t_s == pytest.approx(t0 + timing.prefill_s(1000) + 2 * step, rel=1e-3)
+    assert out.finished[0].output_tokens == 3
+    assert engine.is_drained() and engine.kv_bytes() == 0
+
+
+def test_a_sequence_never_starts_before_it_was_admitted() -> None:
+    engine, _, timing = _engine()
+    engine.step(50.0)
+    engine.admit(SeqSpec("late", 200, 1), 80.0)
+    out = engine.step(90.0)
+    assert out.first_tokens[0].t_s == pytest.approx(80.0 + timing.prefill_s(200))
+
+
+def test_kv_is_allocated_per_token_against_the_gpu_memory_limit() -> None:
+    engine, pool, timing = _engine(gpu_class="l40s")  # 48 GB: 7B weights leave ~30 GB of KV
+    per_token = timing.kv_bytes_per_token_per_gpu["G0"]
+    before = pool.used_bytes("G0")
+    engine.admit(SeqSpec("one", 1000, 5000), 10.0)
+    engine.step(10.5)
+    assert pool.used_bytes("G0") - before >= 1000 * per_token
+    # Bypassing admission control, long prompts overrun the GPU: the engine refuses the KV.
+    for i in range(40):
+        engine.admit(SeqSpec(f"long{i}", 8000, 2000), 11.0)
+    out = engine.step(60.0)
+    assert pool.oom_events > 0
+    assert {f.fault for f in out.failed} == {EngineFault.OUT_OF_MEMORY}
+    assert pool.used_bytes("G0") <= pool.total_bytes("G0")
+
+
+def test_a_lost_gpu_kills_the_engine_and_frees_its_memory() -> None:
+    pool = SimGpuPool()
+    engine, _, _ = _engine(("G0", "G1"), pool)
+    engine.admit(SeqSpec("a", 500, 100), 10.0)
+    engine.step(10.2)
+    pool.preempt(["G1"])
+    assert engine.health() is EngineFault.GPU_LOST
+    assert pool.used_bytes("G0") == 0  # weights and KV gone with the process
+    assert engine.admit(SeqSpec("b", 10, 1), 11.0) is EngineFault.GPU_LOST
+    assert engine.load_shard(0, 11.0).fault is EngineFault.GPU_LOST
+
+
+def test_export_import_is_copy_then_commit() -> None:
+    pool = SimGpuPool()
+    src, _, _ = _engine(("G0",), pool)
+    dst, _, _ = _engine(("G1",), pool)
+    src.admit(SeqSpec("m", 2000, 500), 10.0)
+    src.step(11.0)
+    exports = src.export_kv(["m"], 11.0)
+    assert exports and exports[0].spec.generated_tokens > 0
+    paused = {p.seq_id: p.state for p in src.progress()}
+    assert paused["m"] is SeqState.PAUSED
+    generated = exports[0].spec.generated_tokens
+    src.step(12.0)  # a paused sequence does not advance
+    assert src.progress()[0].generated_tokens == generated
+    assert dst.import_kv(exports, 12.0, transfer_s=0.5).ok
+    assert not dst.staged_ready(["m"], 12.2) and dst.staged_ready(["m"], 12.5)
+    dst.activate(["m"])
+    src.drop(["m"])
+    assert src.kv_bytes() == 0
+    out = dst.step(40.0)
+    assert out.finished and out.finished[0].output_tokens == 500
+
+
+def test_abandoned_hand_over_resumes_at_the_source() -> None:
+    src, _, _ = _engine()
+    src.admit(SeqSpec("m", 100, 500), 10.0)
+    src.step(10.5)
+    assert src.progress()[0].state is SeqState.RUNNING
+    src.export_kv(["m"], 10.5)
+    src.resume(["m"])
+    assert src.step(30.0).finished[0].seq_id == "m"
+
+
+def test_a_replay_is_held_after_prefill_until_activated() -> None:
+    engine, _, _ = _engine()
+    engine.admit(SeqSpec("r", 700, 40, generated_tokens=10), 10.0, staged=True)
+    engine.step(11.0)
+    assert engine.staged_ready(["r"], 11.0)
+    assert engine.progress()[0].generated_tokens == 10  # nothing generated while staged
+    engine.activate(["r"])
+    assert engine.step(30.0).finished[0].output_tokens == 40
+
+
+def test_injected_load_failures_surface_as_faults() -> None:
+    pool = SimGpuPool()
+    pool.fail_loads(["G0"])
+    timing = ReplicaTiming.build(make_replica(["G0"]), MODEL_7B_MHA, DEFAULT_CONFIG)
+    assert SimEngine(timing, pool).load_shard(0, 0.0).fault is EngineFault.LOAD_FAILED
+    pool.fail_loads(["G0"], failing=False)
+    assert SimEngine(timing, pool).load_shard(0, 0.0).ok
+
+
+def test_draining_refuses_new_sequences_but_finishes_its_own() -> None:
+    engine, _, _ = _engine()
+    engine.admit(SeqSpec("a", 100, 5), 10.0)
+    engine.close_admission()
+    assert engine.admit(SeqSpec("b", 100, 5), 10.0) is EngineFault.DRAINING
+    engine.step(20.0)
+    assert engine.is_drained()

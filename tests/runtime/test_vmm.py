@@ -1,0 +1,299 @@
+"""Unit: VMM reservations — host backend, manager, and the CUDA backend's error mapping."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runtime.vmm.base import MIB, CommitError, RangeAllocator, round_up
+from runtime.vmm.cuda import CudaReservationBackend, local_gpu_ordinals, open_cuda_backend
+from runtime.vmm.host import HostReservationBackend
+from runtime.vmm.manager import ReservationManager, cuda_backend_factory
+
+GIB = 1024**3
+
+
+@pytest.mark.unit
+def test_host_backend_reserves_address_space_and_accounts_commits() -> None:
+    backend = HostReservationBackend("g0", 80 * GIB)
+    resv = backend.reserve("plan-a", 80 * GIB)  # address space only: nothing committed
+    assert resv is not None and backend.committed_bytes() == 0
+    first = backend.commit(resv, "r1", 3 * MIB)
+    assert first is not None and first.size_bytes == 4 * MIB  # 2 MiB granules
+    assert backend.commit(resv, "r1", MIB) is None
+    assert backend.last_error is CommitError.DUPLICATE_COMMIT
+    assert backend.commit(resv, "big", 80 * GIB) is None  # past the device: rejected, no raise
+    assert backend.last_error is CommitError.OUT_OF_MEMORY
+    backend.release_commit(first)
+    backend.release_commit(first)  # idempotent
+    assert backend.committed_bytes() == 0
+    backend.commit(resv, "r2", GIB)
+    backend.unreserve(resv)
+    backend.unreserve(resv)  # idempotent
+    assert backend.committed_bytes() == 0
+    assert backend.commit(resv, "r3", MIB) is None
+    assert backend.last_error is CommitError.UNKNOWN_RESERVATION
+
+
+@pytest.mark.unit
+def test_host_reservation_caps_commits_at_its_address_range() -> None:
+    backend = HostReservationBackend("g0", 80 * GIB)
+    resv = backend.reserve("plan-a", 8 * MIB)
+    assert resv is not None
+    assert backend.commit(resv, "a", 8 * MIB) is not None
+    assert backend.commit(resv, "b", 2 * MIB) is None
+    assert backend.last_error is CommitError.RESERVATION_FULL
+
+
+@pytest.mark.unit
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 64)), max_size=60))
+def test_range_allocator_never_overlaps_and_merges_back(ops: list[tuple[bool, int]]) -> None:
+    total = 256
+    alloc = RangeAllocator(total)
+    held: list[tuple[int, int]] = []
+    for release, size in ops:
+        if release and held:
+            offset, length = held.pop(size % len(held))
+            alloc.free(offset, length)
+            continue
+        got = alloc.allocate(size)
+        if got is not None:
+            held.append((got, size))
+    spans = sorted(held)
+    for (a, la), (b, _) in itertools.pairwise(spans):
+        assert a + la <= b
+    assert all(o >= 0 and o + n <= total for o, n in spans)
+    assert alloc.free_bytes == total - sum(n for _, n in held)
+    for offset, length in held:
+        alloc.free(offset, length)
+    assert alloc.allocate(total) == 0  # fully merged again
+
+
+@pytest.mark.unit
+def test_round_up_to_granules() -> None:
+    assert round_up(1, 2 * MIB) == 2 * MIB
+    assert round_up(0, 2 * MIB) == 2 * MIB
+    assert round_up(4 * MIB, 2 * MIB) == 4 * MIB
+
+
+@pytest.mark.unit
+def test_manager_commits_all_or_nothing_across_a_replica() -> None:
+    small = {"g0": 80 * GIB, "g1": 4 * GIB}
+    manager = ReservationManager(lambda uuid, cap: HostReservationBackend(uuid, small[uuid]))
+    assert manager.reserve_replica("x", {u: (80 * GIB, c) for u, c in small.items()})
+    assert not manager.commit("x", "r1", {"g0": 2 * GIB, "g1": 8 * GIB})  # g1 refuses
+    assert manager.last_failure is not None and manager.last_failure.gpu_uuid == "g1"
+    memory = manager.memory()
+    assert memory["g0"].committed_bytes == 0 and memory["g1"].committed_bytes == 0
+    assert manager.commit("x", "r2", {"g0": GIB, "g1": GIB})
+    manager.unreserve_replica("x")
+    manager.unreserve_replica("x")
+    assert all(m.committed_bytes == 0 for m in manager.memory().values())
+    assert not manager.commit("x", "r3", {"g0": GIB})
+
+
+# ---- CUDA backend against a fake driver module --------------------------------------------------
+
+
+class CUresult(enum.Enum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NO_DEVICE = 100
+
+
+class FakeDriver:
+    """Just enough of ``cuda.bindings.driver`` for the VMM calls, with injectable failures."""
+
+    CUresult = CUresult
+    CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
+    CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+    CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+    CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
+
+    def __init__(self, device_bytes: int = 8 * GIB) -> None:
+        self.fail: dict[str, CUresult] = {}
+        self.raise_on: set[str] = set()
+        self.calls: list[str] = []
+        self.device_bytes = device_bytes
+        self.created = 0
+        self.handles = itertools.count(1)
+        self.live_handles: set[int] = set()
+
+    class CUdeviceptr:
+        def __init__(self, address: int = 0) -> None:
+            self.address = address
+
+        def __int__(self) -> int:
+            return self.address
+
+    @staticmethod
+    def CUmemAllocationProp() -> Any:
+        return SimpleNamespace(type=None, location=SimpleNamespace(type=None, id=None))
+
+    @staticmethod
+    def CUmemAccessDesc() -> Any:
+        return SimpleNamespace(flags=None, location=SimpleNamespace(type=None, id=None))
+
+    def _result(self, name: str, *values: Any) -> tuple[Any, ...]:
+        self.calls.append(name)
+        if name in self.raise_on:
+            raise RuntimeError(f"{name} exploded")
+        return (self.fail.get(name, CUresult.CUDA_SUCCESS), *values)
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+        return lambda *args: self._call(name, *args)
+
+    def _call(self, name: str, *args: Any) -> tuple[Any, ...]:
+        if name == "cuMemCreate":
+            size = args[0]
+            if name not in self.fail and self.created + size > self.device_bytes:
+                self.calls.append(name)
+                return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+            handle = next(self.handles)
+            out = self._result(name, handle)
+            if out[0] is CUresult.CUDA_SUCCESS:
+                self.created += size
+                self.live_handles.add(handle)
+            return out
+        if name == "cuMemRelease":
+            self.live_handles.discard(args[0])
+            return self._result(name)
+        if name == "cuDeviceGetUuid":
+            ordinal = args[0]
+            return self._result(
+                name, SimpleNamespace(bytes=bytes(range(ordinal * 16, ordinal * 16 + 16)))
+            )
+        values = {
+            "cuDeviceGetCount": (2,),
+            "cuDeviceGet": (args[0] if args else 0,),
+            "cuDevicePrimaryCtxRetain": ("ctx",),
+            "cuMemGetAllocationGranularity": (2 * MIB,),
+            "cuDeviceTotalMem": (self.device_bytes,),
+            "cuMemAddressReserve": (self.CUdeviceptr(0x7F0000000000),),
+        }.get(name, ())
+        return self._result(name, *values)
+
+
+@pytest.mark.unit
+def test_cuda_backend_maps_the_driver_calls() -> None:
+    drv = FakeDriver()
+    backend = open_cuda_backend(0, device="GPU-0", driver=drv)
+    assert backend is not None and backend.granularity_bytes == 2 * MIB
+    resv = backend.reserve("plan-a", 4 * GIB)
+    assert resv is not None and resv.base_address == 0x7F0000000000
+    commit = backend.commit(resv, "r1", 3 * MIB)
+    assert commit is not None and commit.size_bytes == 4 * MIB
+    assert drv.calls[-3:] == ["cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+    backend.release_commit(commit)
+    assert drv.calls[-2:] == ["cuMemUnmap", "cuMemRelease"] and not drv.live_handles
+    backend.commit(resv, "r2", MIB)
+    backend.unreserve(resv)
+    assert drv.calls[-1] == "cuMemAddressFree" and not drv.live_handles
+    backend.unreserve(resv)  # idempotent: no second free
+    assert drv.calls.count("cuMemAddressFree") == 1
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("failing", "raises", "cleanup"),
+    [
+        ("cuMemCreate", False, []),
+        ("cuMemMap", False, ["cuMemRelease"]),
+        ("cuMemSetAccess", False, ["cuMemUnmap", "cuMemRelease"]),
+        ("cuMemMap", True, ["cuMemRelease"]),
+    ],
+)
+def test_cuda_driver_errors_become_rejected_commits_never_exceptions(
+    failing: str, raises: bool, cleanup: list[str]
+) -> None:
+    drv = FakeDriver()
+    backend = open_cuda_backend(0, driver=drv)
+    assert backend is not None
+    resv = backend.reserve("plan-a", GIB)
+    assert resv is not None
+    if raises:
+        drv.raise_on.add(failing)
+    else:
+        drv.fail[failing] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    before = len(drv.calls)
+    assert backend.commit(resv, "r1", MIB) is None
+    if cleanup:  # partial work undone, in reverse order
+        assert drv.calls[before:][-len(cleanup) :] == cleanup
+    assert not drv.live_handles and backend.committed_bytes() == 0
+    assert backend.last_driver_error is not None and failing in backend.last_driver_error
+    drv.fail.clear()
+    drv.raise_on.clear()
+    assert backend.commit(resv, "r1", MIB) is not None  # the address span was given back
+
+
+@pytest.mark.unit
+def test_cuda_device_out_of_memory_is_a_rejection() -> None:
+    drv = FakeDriver(device_bytes=16 * MIB)
+    backend = open_cuda_backend(0, driver=drv, limit_bytes=GIB)
+    assert backend is not None and backend.capacity_bytes() == 16 * MIB
+    resv = backend.reserve("plan-a", GIB)
+    assert resv is not None
+    assert backend.commit(resv, "r1", 32 * MIB) is None
+    assert backend.last_error is CommitError.OUT_OF_MEMORY
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("failing", ["cuInit", "cuDeviceGet", "cuMemGetAllocationGranularity"])
+def test_no_usable_gpu_means_no_backend(failing: str) -> None:
+    drv = FakeDriver()
+    drv.fail[failing] = CUresult.CUDA_ERROR_NO_DEVICE
+    assert open_cuda_backend(0, driver=drv) is None
+    drv = FakeDriver()
+    drv.raise_on.add("cuInit")  # a missing libcuda raises inside the bindings
+    assert open_cuda_backend(0, driver=drv) is None
+
+
+@pytest.mark.unit
+def test_reserve_failure_is_reported_not_raised() -> None:
+    drv = FakeDriver()
+    backend = open_cuda_backend(0, driver=drv)
+    assert isinstance(backend, CudaReservationBackend)
+    drv.fail["cuMemAddressReserve"] = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    assert backend.reserve("plan-a", GIB) is None
+    assert backend.last_error is CommitError.ADDRESS_SPACE
+
+
+@pytest.mark.unit
+def test_local_gpus_get_cuda_vmm_and_others_host_accounting() -> None:
+    drv = FakeDriver()
+    ordinals = local_gpu_ordinals(drv)
+    assert ordinals == {
+        "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f": 0,
+        "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f": 1,
+    }
+    manager = ReservationManager(cuda_backend_factory(ordinals, driver=drv))
+    local, simulated = "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f", "GPU-sim-A-node-a1-0"
+    assert isinstance(manager.backend(local, GIB), CudaReservationBackend)
+    assert isinstance(manager.backend(simulated, GIB), HostReservationBackend)
+    drv.fail["cuInit"] = CUresult.CUDA_ERROR_NO_DEVICE
+    assert local_gpu_ordinals(drv) == {}
+
+
+@pytest.mark.gpu
+def test_cuda_vmm_on_a_real_gpu() -> None:
+    backend = open_cuda_backend(0)
+    if backend is None:
+        pytest.skip("no NVIDIA GPU/driver on this machine")
+    resv = backend.reserve("plan-gpu-test", 4 * GIB)
+    assert resv is not None and resv.base_address != 0
+    commit = backend.commit(resv, "r1", 64 * MIB)
+    assert commit is not None and backend.committed_bytes() == commit.size_bytes
+    too_big = backend.commit(resv, "huge", backend.capacity_bytes() * 2)
+    assert too_big is None  # refused with an error code, the process lives on
+    backend.release_commit(commit)
+    backend.unreserve(resv)
+    assert backend.committed_bytes() == 0
