@@ -1,0 +1,352 @@
+"""The Faust app: topics, tables, agents and timers wired to the :class:`~streams.engine.Engine`.
+
+Thin on purpose — it decodes nothing itself (every topic is raw bytes), routes each message to
+the engine, and adapts Faust tables, topic sends and partition assignment to the engine's ports.
+
+Keys: telemetry by GPU uuid, cluster events by node, everything else by deployment. All topics
+(and so all table changelogs) have ``topics.partitions`` partitions, which Faust assigns
+co-partitioned: partition *p* of every topic goes to one worker, so one worker owns everything
+about a deployment — its serving load, transitions, control commands, triggers and decisions.
+
+Delivery: Faust's at-least-once processing, an idempotent ``acks=all`` producer, and
+deterministic decision ids made unique by :mod:`streams.decider` (see the README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import faust
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from prometheus_client import CollectorRegistry
+
+from flexpipe.config import FlexPipeConfig
+from flexpipe.kafka import bootstrap_servers, client_kwargs, create_topics
+from flexpipe.topics import Topic, topic_name
+from gearbox.config import DEFAULT_CONFIG, GearboxConfig
+from probes.scenario import load_scenario
+from streams.catalog import Catalog, default_catalog, scenario_catalog
+from streams.deployments import Deployment, deployments_from_config
+from streams.engine import Engine, EngineTopics
+from streams.intake import DeadLetterReason, Rejected, SourceTopic
+from streams.metrics import StreamsMetrics
+from streams.ports import Message, TableName
+from streams.readers import KafkaDecisionLog, ViewReader, partition_for
+
+__all__ = ["StreamsApp", "Wiring", "create_app", "ensure_topics", "resolve_deployments"]
+
+log = logging.getLogger(__name__)
+CLOCK_POLL_S = 0.1  # how often the periodic-tick check runs (wall seconds)
+GAUGES_S = 2.0  # how often view/table/clock gauges are refreshed
+# NOTE: small per-agent buffers and fetches: a message for the control agent (or the triggers
+# agent) waits behind at most this much queued telemetry in Faust's single fetch loop.
+STREAM_BUFFER = 512
+MAX_POLL_RECORDS = 500
+TRIGGER_BATCH = 512
+
+_SOURCES: dict[SourceTopic, Topic] = {
+    SourceTopic.GPU: Topic.GPU,
+    SourceTopic.LAUNCHES: Topic.LAUNCHES,
+    SourceTopic.SERVING: Topic.SERVING,
+    SourceTopic.CLUSTER: Topic.CLUSTER,
+    SourceTopic.TRANSITIONS: Topic.TRANSITIONS,
+    SourceTopic.CONTROL: Topic.CONTROL,
+}
+
+
+class DurableProducer(faust_aiokafka.Producer):
+    """Faust's producer with ``acks=all`` and idempotence (Faust enables them only inside
+    transactions; aiokafka's defaults are ``acks=1`` without idempotence)."""
+
+    def _settings_extra(self) -> Mapping[str, Any]:
+        return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
+
+
+class StreamsApp(faust.App):
+    """A Faust app whose producer is durable."""
+
+    def _new_producer(self) -> DurableProducer:
+        return DurableProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+
+@dataclass(frozen=True, slots=True)
+class Wiring:
+    """The app and what the worker entry point and tests need to reach."""
+
+    app: StreamsApp
+    engine: Engine
+    app_id: str
+    triggers_topic: str
+
+
+def app_id(cfg: FlexPipeConfig) -> str:
+    """Faust app id = consumer group = changelog topic prefix."""
+    return f"{cfg.topics.prefix}{cfg.streams.app_id}"
+
+
+def triggers_topic(cfg: FlexPipeConfig) -> str:
+    """The internal topic carrying topology triggers to each deployment's owner."""
+    return f"{app_id(cfg)}-triggers"
+
+
+async def ensure_topics(cfg: FlexPipeConfig) -> None:
+    """Create the catalog topics and the internal triggers topic (Faust needs its sources to
+    exist before it starts)."""
+    await create_topics(cfg)
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg))
+    await admin.start()
+    try:
+        name = triggers_topic(cfg)
+        if name not in set(await admin.list_topics()):
+            topic = NewTopic(
+                name,
+                num_partitions=cfg.topics.partitions,
+                replication_factor=cfg.topics.replication_factor,
+                topic_configs={"cleanup.policy": "delete", "retention.ms": str(86_400_000)},
+            )
+            with contextlib.suppress(TopicAlreadyExistsError):  # another worker won the race
+                await admin.create_topics([topic])
+    finally:
+        await admin.close()
+
+
+def resolve_deployments(cfg: FlexPipeConfig) -> tuple[Catalog, tuple[Deployment, ...]]:
+    """The catalog and deployments from the config (and its scenario file, if any)."""
+    scenario = load_scenario(cfg.streams.scenario) if cfg.streams.scenario else None
+    catalog = scenario_catalog(scenario) if scenario else default_catalog()
+    return catalog, deployments_from_config(cfg.streams, catalog, scenario)
+
+
+def _faust_app(cfg: FlexPipeConfig) -> StreamsApp:
+    s = cfg.streams
+    brokers = [f"kafka://{h.strip()}" for h in bootstrap_servers(cfg).split(",") if h.strip()]
+    return StreamsApp(
+        app_id(cfg),
+        broker=brokers,
+        store="memory://",
+        web_enabled=False,
+        autodiscover=False,
+        topic_partitions=cfg.topics.partitions,
+        topic_replication_factor=cfg.topics.replication_factor,
+        topic_allow_declare=True,
+        producer_acks=-1,
+        producer_linger=0.002,
+        consumer_auto_offset_reset="earliest",
+        processing_guarantee="at_least_once",
+        broker_session_timeout=s.session_timeout_s,
+        broker_heartbeat_interval=max(0.5, s.session_timeout_s / 10),
+        broker_commit_interval=1.0,
+        table_standby_replicas=0,
+        stream_buffer_maxsize=STREAM_BUFFER,
+        broker_max_poll_records=MAX_POLL_RECORDS,
+        broker_credentials=_credentials(cfg),
+    )
+
+
+def _credentials(cfg: FlexPipeConfig) -> Any:
+    k = cfg.kafka
+    ssl_context = client_kwargs(cfg).get("ssl_context")
+    if k.security_protocol.startswith("SASL"):
+        return faust.SASLCredentials(
+            username=k.sasl_username,
+            password=k.sasl_password,
+            mechanism=k.sasl_mechanism,
+            ssl_context=ssl_context,
+        )
+    return faust.SSLCredentials(ssl_context) if ssl_context is not None else None
+
+
+class _FaustTables:
+    """The engine's Tables port over Faust tables of raw bytes."""
+
+    def __init__(self, tables: Mapping[TableName, Any]) -> None:
+        self._tables = tables
+
+    def get(self, table: TableName, key: bytes) -> bytes | None:
+        value: bytes | None = self._tables[table].get(key)
+        return value
+
+    def set(self, table: TableName, key: bytes, value: bytes) -> None:
+        self._tables[table][key] = value  # NOTE: reassignment is what publishes to the changelog
+
+    def keys(self, table: TableName) -> Iterable[bytes]:
+        keys: Iterable[bytes] = self._tables[table].keys()
+        return keys
+
+
+def _raw(app: StreamsApp, name: str) -> Any:
+    return app.topic(
+        name, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw"
+    )
+
+
+def create_app(
+    cfg: FlexPipeConfig,
+    registry: CollectorRegistry,
+    *,
+    worker_id: str | None = None,
+    gearbox_config: GearboxConfig = DEFAULT_CONFIG,
+) -> Wiring:
+    """Build the Faust app (call :func:`ensure_topics` before starting it)."""
+    app = _faust_app(cfg)
+    catalog, deployments = resolve_deployments(cfg)
+    worker = worker_id or cfg.streams.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    n = cfg.topics.partitions
+    tables = {
+        name: app.Table(
+            name.value,
+            key_type=bytes,  # bytes in, bytes out: Faust serialises nothing ("raw")
+            value_type=bytes,
+            partitions=n,
+            use_partitioner=True,  # writes from timers and batches, outside one event's scope
+        )
+        for name in TableName
+    }
+    send_topics: dict[str, Any] = {}
+
+    async def send(topic: str, key: bytes | None, value: bytes, *, wait: bool) -> None:
+        channel = send_topics.get(topic) or send_topics.setdefault(topic, _raw(app, topic))
+        fut = await channel.send(key=key, value=value)
+        if wait:
+            await fut
+
+    triggers = triggers_topic(cfg)
+    owned: dict[str, set[int]] = {"partitions": set()}
+
+    def owns(name: str) -> bool:
+        return partition_for(name, n) in owned["partitions"]
+
+    topics = EngineTopics(
+        topic_name(cfg, Topic.DECISIONS), topic_name(cfg, Topic.DEADLETTER), triggers
+    )
+    decision_log = KafkaDecisionLog(cfg, topics.decisions, n)
+    engine = Engine(
+        cfg,
+        catalog=catalog,
+        deployments=deployments,
+        tables=_FaustTables(tables),
+        send=send,
+        decision_log=decision_log,
+        owns=owns,
+        topics=topics,
+        metrics=StreamsMetrics(registry),
+        worker=worker,
+    )
+    engine.decider.gearbox_config = gearbox_config
+    _agents(app, cfg, engine)
+    _triggers_agent(app, cfg, engine, triggers)
+    _housekeeping(app, cfg, engine, tables, decision_log)
+
+    async def _revoked(_sender: Any, /, *_args: Any, signal: Any, **_kwargs: Any) -> None:
+        await engine.decider.on_revoked()
+
+    async def _assigned(_sender: Any, /, *_args: Any, signal: Any, **_kwargs: Any) -> None:
+        current = app.consumer.assignment()  # the whole assignment, not only the news
+        owned["partitions"] = {tp.partition for tp in current if tp.topic == triggers}
+        engine.decider.on_assigned()
+
+    app.on_partitions_revoked.connect(_revoked)
+    app.on_partitions_assigned.connect(_assigned)
+
+    return Wiring(app, engine, app_id(cfg), triggers)
+
+
+def _agents(app: StreamsApp, cfg: FlexPipeConfig, engine: Engine) -> None:
+    by_topic = {topic_name(cfg, topic): src for src, topic in _SOURCES.items()}
+
+    async def agent(stream: Any) -> None:
+        async for event in stream.events():
+            m = event.message
+            src = by_topic[m.topic]
+            msg = Message(m.topic, m.partition, m.offset, event.key, event.value)
+            try:
+                await engine.on_message(src, msg)
+            except Exception as exc:  # NOTE: a stream never stops on input
+                log.exception("%s: message at offset %s failed", src.value, m.offset)
+                detail = f"{type(exc).__name__}: {exc}"[:500]
+                bad = Rejected(DeadLetterReason.INTERNAL_ERROR, "", detail)
+                await engine.reject(bad, msg, src.value)
+
+    # NOTE: one agent over the high-volume telemetry topics and one over the rest: fewer
+    # agents means less per-event scheduling in Faust, and control events never queue behind
+    # a telemetry backlog inside one agent's buffer.
+    hot = (SourceTopic.GPU, SourceTopic.LAUNCHES)
+    for name, sources in (
+        ("telemetry", hot),
+        ("control", tuple(s for s in _SOURCES if s not in hot)),
+    ):
+        names = [topic_name(cfg, _SOURCES[s]) for s in sources]
+        channel = app.topic(
+            *names,
+            key_type=bytes,
+            value_type=bytes,
+            key_serializer="raw",
+            value_serializer="raw",
+        )
+        app.agent(channel, name=f"streams.{name}")(agent)
+
+
+def _triggers_agent(app: StreamsApp, cfg: FlexPipeConfig, engine: Engine, name: str) -> None:
+    within_s = max(cfg.streams.debounce_ms / 1000.0, 0.001)
+
+    async def triggers(stream: Any) -> None:
+        # NOTE: take() is the debounce: a burst of topology events inside one window becomes
+        # one decision per deployment, and the batch is acknowledged only after deciding.
+        async for values in stream.take(TRIGGER_BATCH, within=within_s):
+            msgs = [Message(name, -1, -1, None, v) for v in values]
+            try:
+                await engine.decider.on_triggers(msgs, engine.wall())
+            except Exception:  # NOTE: keep deciding on later triggers
+                log.exception("trigger batch failed")
+
+    app.agent(_raw(app, name), name="streams.triggers")(triggers)
+
+
+def _housekeeping(
+    app: StreamsApp,
+    cfg: FlexPipeConfig,
+    engine: Engine,
+    tables: Mapping[TableName, Any],
+    decision_log: KafkaDecisionLog,
+) -> None:
+    @app.timer(interval=cfg.streams.flush_interval_s, name="streams.flush")
+    async def _flush() -> None:
+        engine.sweep()
+        engine.flush()
+
+    @app.timer(interval=GAUGES_S, name="streams.gauges")
+    async def _gauges() -> None:
+        engine.export_gauges()
+
+    @app.timer(interval=CLOCK_POLL_S, name="streams.tick")
+    async def _tick() -> None:
+        try:
+            await engine.decider.tick()
+        except Exception:  # NOTE: a failed tick must not stop the next one
+            log.exception("tick failed")
+
+    def caught_up() -> None:
+        engine.view_caught_up = True
+
+    reader = ViewReader(
+        cfg,
+        tables[TableName.GPUS].changelog_topic.get_topic_name(),
+        tables[TableName.NODES].changelog_topic.get_topic_name(),
+        engine.view,
+        caught_up,
+    )
+
+    @app.task
+    async def _view() -> None:
+        try:
+            await reader.run()
+        finally:
+            await decision_log.close()

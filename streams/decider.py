@@ -1,0 +1,338 @@
+"""The decision loop's I/O side: when to decide, for which deployments, and publishing.
+
+Runs :func:`streams.loop.step` on periodic ticks (every ``intervals.decision_s`` of event time)
+and on topology triggers (debounced by the trigger agent's batching). A deployment is decided by
+the worker that owns its partition; on the first decision after every rebalance the worker reads
+the deployment's last decision back from the decisions topic and rolls its tables forward
+(:func:`streams.loop.reconcile`). Tables are written only after the broker acknowledged the
+decision, and a revoked worker stops deciding before it gives its partitions up — so no decision
+id is ever published twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flexpipe import envelope
+from gearbox.config import DEFAULT_CONFIG, GearboxConfig
+from gearbox.decisions import Trigger
+from gearbox.history import GearState
+from gearbox.types import TopologySnapshot
+from streams import codec
+from streams.intake import DeadLetterReason, Rejected
+from streams.load import ServingWindows
+from streams.loop import (
+    Cursor,
+    DeploymentTables,
+    OverrideState,
+    PlanState,
+    StepOutput,
+    TriggerInfo,
+    make_input,
+    reconcile,
+    step,
+    tick_due_ms,
+    view_timeout_s,
+)
+from streams.ports import DecisionLog, Message, TableName
+from streams.snapshot import build_topology
+from streams.state import NodeState
+
+if TYPE_CHECKING:
+    from streams.engine import Engine
+
+__all__ = ["Decider", "TriggerMessage"]
+
+log = logging.getLogger(__name__)
+MAX_TRIGGER_TEXT = 300
+GEAR_STATE_EVERY_S = 30.0  # event time between block-history writes when nothing else moved
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerMessage:
+    """What the cluster agent sends each deployment's owner when the topology changed; it
+    carries the node's new record so the owner decides on it even before its view has it."""
+
+    deployment: str
+    kind: Trigger
+    time_ms: int
+    description: str
+    node: NodeState | None = None
+
+
+class Decider:
+    """Decides for the deployments this worker owns, one batch of triggers at a time."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        decision_log: DecisionLog,
+        owns: Callable[[str], bool],
+        gearbox_config: GearboxConfig = DEFAULT_CONFIG,
+    ) -> None:
+        self.engine = engine
+        self.decision_log = decision_log
+        self.owns = owns
+        self.gearbox_config = gearbox_config
+        self.accepting = True
+        self.generation = 0
+        self._verified: dict[str, int] = {}
+        # NOTE: one lock for all deciding: it is CPU-bound anyway, and a revocation waits on it.
+        self._lock = asyncio.Lock()
+        self._pending: dict[str, list[TriggerInfo]] = {}
+        self._pending_since_s = 0.0
+        self._debounce: asyncio.Task[None] | None = None
+        self._topology: tuple[tuple[int, int], TopologySnapshot] | None = None
+        self._by_name = {d.name: d for d in engine.deployments}
+        self._gear_written: dict[str, tuple[int, object, float | None]] = {}
+        self._gear_unwritten: set[str] = set()
+
+    # ---- rebalance --------------------------------------------------------------------------
+
+    async def on_revoked(self) -> None:
+        """Stop deciding and let decisions in flight reach the broker before partitions move."""
+        self.accepting = False
+        self._pending.clear()
+        async with self._lock:
+            for name in sorted(self._gear_unwritten):
+                gear = self.engine.load(TableName.GEAR_STATE, name, GearState)
+                if gear is not None:
+                    self.engine.store(TableName.GEAR_STATE, name, gear)
+            self._gear_unwritten.clear()
+            self._gear_written.clear()
+            self.engine.flush()
+            self.engine.forget()
+
+    def on_assigned(self) -> None:
+        """A new assignment: re-read every deployment's last decision before deciding again."""
+        self.generation += 1
+        self.accepting = True
+
+    # ---- triggers ---------------------------------------------------------------------------
+
+    def submit(self, name: str, trigger: TriggerInfo, received_wall_s: float) -> None:
+        """Decide for a topology change after the debounce, in this process (the fast path).
+
+        The same trigger also travels the triggers topic (the durable path); whichever arrives
+        second finds it decided and is skipped.
+        """
+        if not self._pending:
+            self._pending_since_s = received_wall_s
+        self._pending.setdefault(name, []).append(trigger)
+        if self._debounce is None or self._debounce.done():
+            self._debounce = asyncio.ensure_future(self._after_debounce())
+
+    async def _after_debounce(self) -> None:
+        await asyncio.sleep(self.engine.cfg.streams.debounce_ms / 1000.0)
+        pending, self._pending = self._pending, {}
+        try:
+            await self.evaluate_many(
+                {name: _merge(triggers) for name, triggers in pending.items()},
+                self._pending_since_s,
+            )
+        except Exception:  # NOTE: the triggers topic still carries these triggers
+            log.exception("debounced decision failed")
+
+    async def on_triggers(self, batch: Sequence[Message], received_wall_s: float) -> None:
+        """A debounced batch from the triggers topic: one decision per deployment in it."""
+        by_name: dict[str, list[TriggerInfo]] = defaultdict(list)
+        for msg in batch:
+            try:
+                trigger = codec.loads(TriggerMessage, msg.value or b"")
+            except ValueError as exc:
+                bad = Rejected(DeadLetterReason.INVALID_FIELD, "", f"trigger: {exc}"[:500])
+                await self.engine.reject(bad, msg, "triggers")
+                continue
+            if trigger.node is not None:
+                self.engine.view.apply_node(trigger.node)
+            self.engine.clock = self.engine.clock.observe(trigger.time_ms, received_wall_s)
+            info = TriggerInfo(trigger.kind, trigger.time_ms, trigger.description)
+            by_name[trigger.deployment].append(info)
+        merged = {name: _merge(triggers) for name, triggers in by_name.items()}
+        await self.evaluate_many(merged, received_wall_s)
+
+    async def tick(self) -> None:
+        """Decide for every owned deployment whose periodic tick is due."""
+        now_ms = self.engine.now_ms()
+        if now_ms < 0:
+            return
+        due = tick_due_ms(now_ms, self.engine.cfg.intervals.decision_s)
+        todo = {}
+        for dep in self.engine.deployments:
+            cursor = self.engine.load(TableName.CURSORS, dep.name, Cursor) or Cursor()
+            # NOTE: a topology change waiting out its debounce decides first (and explains why).
+            if dep.name in self._pending:
+                continue
+            if cursor.admits(Trigger.TIMER, due) and self.owns(dep.name):
+                todo[dep.name] = TriggerInfo(Trigger.TIMER, due, "periodic tick")
+        if todo:
+            await self.evaluate_many(todo, self.engine.wall())
+
+    # ---- deciding ---------------------------------------------------------------------------
+
+    async def evaluate(self, name: str, trigger: TriggerInfo, received_wall_s: float) -> None:
+        """Decide once for ``trigger`` if this worker owns ``name`` and is ready."""
+        await self.evaluate_many({name: trigger}, received_wall_s)
+
+    def _admissible(self, triggers: Mapping[str, TriggerInfo]) -> dict[str, TriggerInfo]:
+        metrics = self.engine.metrics
+        wanted = {}
+        for name, trigger in triggers.items():
+            if name not in self._by_name or not self.accepting or not self.owns(name):
+                metrics.skipped.labels("not_owner").inc()
+            elif not self.engine.ready():
+                metrics.skipped.labels("not_ready").inc()
+            else:
+                wanted[name] = trigger
+        return wanted
+
+    async def evaluate_many(
+        self, triggers: Mapping[str, TriggerInfo], received_wall_s: float
+    ) -> None:
+        """Decide for each (deployment, trigger); publish all, then store each acknowledged one."""
+        async with self._lock:
+            wanted = self._admissible(triggers)
+            if not wanted:
+                return
+            e = self.engine
+            # NOTE: sweep and publish first, so timed-out heartbeats are judged at the decision's
+            # own clock (as the offline replay does), not at the last housekeeping timer's.
+            e.sweep()
+            e.flush()
+            outs = []
+            for name, trigger in wanted.items():
+                out = await self._decide(name, trigger)
+                if out is None:
+                    e.metrics.skipped.labels("already_decided").inc()
+                else:
+                    outs.append((name, out, trigger))
+            if not self.accepting:
+                return
+            results = await asyncio.gather(
+                *(self._send(name, out) for name, out, _ in outs), return_exceptions=True
+            )
+            for (name, out, trigger), result in zip(outs, results, strict=True):
+                if isinstance(result, BaseException):
+                    log.error("%s: decision %s not published: %r", name, out.decision.seq, result)
+                    continue
+                self._stored(name, out, trigger, received_wall_s)
+
+    async def _state(self, name: str) -> tuple[Cursor, PlanState, GearState]:
+        e = self.engine
+        cursor = e.load(TableName.CURSORS, name, Cursor) or Cursor()
+        plan = e.load(TableName.PLANS, name, PlanState) or PlanState()
+        gear = e.load(TableName.GEAR_STATE, name, GearState) or GearState()
+        if self._verified.get(name) != self.generation:
+            last = await self.decision_log.last(name)
+            fixed = reconcile(cursor, plan, gear, last)
+            if fixed != (cursor, plan, gear):
+                log.info("%s: tables rolled forward to decision %s", name, fixed[0].seq)
+                cursor, plan, gear = fixed
+                e.store(TableName.CURSORS, name, cursor)
+                e.store(TableName.PLANS, name, plan)
+                e.store(TableName.GEAR_STATE, name, gear)
+            self._verified[name] = self.generation
+        return cursor, plan, gear
+
+    def _topology_at(self, now_ms: int) -> TopologySnapshot:
+        e = self.engine
+        key = (now_ms, e.view.version)
+        if self._topology is None or self._topology[0] != key:
+            timeout_s = view_timeout_s(e.cfg)
+            snap = build_topology(e.view.gpus, e.view.nodes, e.catalog, now_ms / 1000, timeout_s)
+            self._topology = (key, snap)
+        return self._topology[1]
+
+    async def _decide(self, name: str, trigger: TriggerInfo) -> StepOutput | None:
+        e = self.engine
+        cursor, plan, gear = await self._state(name)
+        if not cursor.admits(trigger.kind, trigger.time_ms):
+            return None
+        tables = DeploymentTables(
+            plan,
+            gear,
+            e.load(TableName.OVERRIDES, name, OverrideState) or OverrideState(),
+            cursor,
+            e.load(TableName.SERVING, name, ServingWindows) or ServingWindows(),
+        )
+        now_ms = max(e.now_ms(), trigger.time_ms)
+        inp = make_input(
+            self._by_name[name],
+            e.deployments,
+            tables,
+            (e.view.gpus, e.view.nodes),
+            e.catalog,
+            e.load_window,
+            now_ms,
+            trigger,
+            view_timeout_s(e.cfg),
+            self.gearbox_config,
+            e.worker,
+            topology=self._topology_at(now_ms),
+        )
+        return step(inp)
+
+    async def _send(self, name: str, out: StepOutput) -> None:
+        e = self.engine
+        env = envelope.make(
+            out.decision,
+            event_time_ms=out.event_time_ms,
+            source=f"streams/{e.worker}",
+            seq=out.decision.seq,
+        )
+        await e.send(e.topics.decisions, name.encode(), envelope.encode(env), wait=True)
+
+    def _stored(
+        self, name: str, out: StepOutput, trigger: TriggerInfo, received_wall_s: float
+    ) -> None:
+        e = self.engine
+        # NOTE: only after the acknowledgement: the topic stays ahead of the tables, never behind.
+        e.store(TableName.CURSORS, name, out.cursor)
+        e.store(TableName.PLANS, name, out.plan)
+        self._store_gear(name, out.gear, out.event_time_ms)
+        wall_s = e.wall()
+        kind = trigger.kind.value
+        e.metrics.decisions.labels(out.decision.reason, kind).inc()
+        e.metrics.decision_latency.labels(kind).observe(max(0.0, wall_s - trigger.time_ms / 1000))
+        e.metrics.decision_processing.labels(kind).observe(max(0.0, wall_s - received_wall_s))
+        e.metrics.set_blocks([(b.block_id, b.domain_id, b.num_gpus) for b in out.gear.blocks])
+        self.show_plan(name, out.plan)
+        d = out.decision
+        log.info("%s %s: %s", d.decision_id, d.reason, d.to_plan_id)
+
+    def _store_gear(self, name: str, gear: GearState, t_ms: int) -> None:
+        """Write the block history when blocks or the last switch changed, else at most every
+        ``GEAR_STATE_EVERY_S`` of event time (the topic restores the last switch after a crash;
+        a few lost history samples do not matter)."""
+        e = self.engine
+        last = self._gear_written.get(name)
+        changed = last is None or (last[1], last[2]) != (gear.blocks, gear.last_switch_s)
+        if changed or last is None or t_ms - last[0] >= GEAR_STATE_EVERY_S * 1000:
+            e.store(TableName.GEAR_STATE, name, gear)
+            self._gear_written[name] = (t_ms, gear.blocks, gear.last_switch_s)
+            self._gear_unwritten.discard(name)
+        else:
+            e.remember(TableName.GEAR_STATE, name, gear)
+            self._gear_unwritten.add(name)
+
+    def show_plan(self, name: str, plan: PlanState) -> None:
+        """Export ``plan`` as the deployment's current plan."""
+        current = plan.current
+        self.engine.metrics.set_plan(
+            name,
+            current.plan_id if current is not None else None,
+            plan.source.value,
+            current.num_gpus if current is not None else 0,
+        )
+
+
+def _merge(triggers: Sequence[TriggerInfo]) -> TriggerInfo:
+    """Several triggers of one debounce window as one: the newest time, every description."""
+    texts = list(dict.fromkeys(t.description for t in triggers))
+    kind = triggers[-1].kind
+    return TriggerInfo(kind, max(t.time_ms for t in triggers), "; ".join(texts)[:MAX_TRIGGER_TEXT])

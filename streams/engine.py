@@ -1,0 +1,380 @@
+"""The stream engine: admits messages, folds them into tables, keeps the view and the clock.
+
+Independent of Faust (tables, sending and ownership are injected, see :mod:`streams.ports`), so
+unit tests drive it directly. Per-GPU telemetry is the hot path: it folds into in-memory
+caches, and :meth:`Engine.flush` writes a GPU's record to its table — and so to every worker's
+view — only when a field the planner uses moved or its last-seen time fell ``view_refresh_s``
+behind. Low-volume state (nodes, serving load, plans, overrides) is written on every change.
+Decisions are :class:`streams.decider.Decider`'s job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from flexpipe.config import FlexPipeConfig
+from flexpipe.envelope import Envelope
+from flexpipe.schemas import ClusterEvent, ControlCommand, GearTransition, Kind
+from gearbox.decisions import Trigger
+from streams import codec
+from streams.catalog import Catalog
+from streams.clock import EventClock
+from streams.decider import Decider, TriggerMessage
+from streams.deployments import Deployment
+from streams.intake import Accepted, DeadLetterReason, Rejected, SourceTopic, admit, dead_letter
+from streams.load import LaunchWindow, ServingWindows, fold_launches, fold_serving
+from streams.loop import OverrideState, PlanState, TriggerInfo, fold_control, fold_transition
+from streams.metrics import StreamsMetrics
+from streams.ports import DecisionLog, Message, Sender, TableName, Tables
+from streams.state import (
+    FoldOutcome,
+    GpuState,
+    NodeState,
+    fold_cluster_event,
+    fold_gpu_sample,
+    mark_timed_out,
+    material_gpu_change,
+)
+from streams.view import ClusterView
+from streams.windows import HoppingWindow
+
+__all__ = ["Engine", "EngineTopics"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTopics:
+    """Broker-side names of the topics the engine writes."""
+
+    decisions: str
+    deadletter: str
+    triggers: str
+
+
+class Engine:
+    """One worker's stream state and folds; single-threaded on the worker's event loop."""
+
+    def __init__(
+        self,
+        cfg: FlexPipeConfig,
+        *,
+        catalog: Catalog,
+        deployments: tuple[Deployment, ...],
+        tables: Tables,
+        send: Sender,
+        decision_log: DecisionLog,
+        owns: Callable[[str], bool],
+        topics: EngineTopics,
+        metrics: StreamsMetrics,
+        worker: str,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        s = cfg.streams
+        self.cfg = cfg
+        self.catalog = catalog
+        self.deployments = deployments
+        self.names = frozenset(d.name for d in deployments)
+        self.tables = tables
+        self.send = send
+        self.topics = topics
+        self.metrics = metrics
+        self.worker = worker
+        self.wall = wall
+        self.view = ClusterView()
+        self.clock = EventClock(idle_grace_s=2 * cfg.intervals.heartbeat_s)
+        self.gpu_window = HoppingWindow(s.gpu_window_s, s.gpu_step_s)
+        self.load_window = HoppingWindow(s.load_window_s, s.load_step_s)
+        self.view_caught_up = False
+        self._gpus: dict[str, GpuState] = {}
+        self._published: dict[str, GpuState] = {}
+        self._dirty_gpus: set[str] = set()
+        self._loads: dict[str, LaunchWindow] = {}
+        self._load_written_ms: dict[str, int] = {}
+        self._dirty_loads: set[str] = set()
+        self._cache: dict[tuple[TableName, str], Any] = {}
+        self._kinds = {k: metrics.events.labels(k.value) for k in Kind}
+        self.decider = Decider(self, decision_log, owns)
+
+    # ---- tables -----------------------------------------------------------------------------
+
+    def load(self, table: TableName, key: str, cls: type[T]) -> T | None:
+        """A table value through the decode cache; None when absent or unreadable."""
+        hit = self._cache.get((table, key))
+        if hit is not None:
+            value: T = hit
+            return value
+        raw = self.tables.get(table, key.encode())
+        if raw is None:
+            return None
+        try:
+            value = codec.loads(cls, raw)
+        except ValueError as exc:  # a changelog record from an older layout: start afresh
+            log.warning("table %s key %s unreadable, reset: %s", table.value, key, exc)
+            return None
+        self._cache[(table, key)] = value
+        return value
+
+    def store(self, table: TableName, key: str, value: object) -> None:
+        """Write through the cache to the table (and its changelog)."""
+        self._cache[(table, key)] = value
+        self.tables.set(table, key.encode(), codec.dumps(value))
+
+    def remember(self, table: TableName, key: str, value: object) -> None:
+        """Update the cache only; the caller writes the table later (or accepts losing it)."""
+        self._cache[(table, key)] = value
+
+    def _gpu(self, uuid: str) -> GpuState | None:
+        if uuid in self._gpus:
+            return self._gpus[uuid]
+        raw = self.tables.get(TableName.GPUS, uuid.encode())
+        if raw is None:
+            return None
+        try:
+            state = codec.loads(GpuState, raw)
+        except ValueError:
+            return None
+        self._gpus[uuid] = self._published[uuid] = state
+        return state
+
+    # ---- intake -----------------------------------------------------------------------------
+
+    async def on_message(self, src: SourceTopic, msg: Message) -> None:
+        """Admit, fold and route one consumed message; bad input ends in the dead-letter topic."""
+        wall_s = self.wall()
+        verdict = admit(
+            src,
+            msg.key,
+            msg.value,
+            wall_s,
+            self.clock.watermark_ms / 1000.0,
+            self.cfg.streams.max_future_skew_s,
+            self.names,
+        )
+        if isinstance(verdict, Rejected):
+            await self.reject(verdict, msg, src.value)
+            return
+        await self._fold(src, verdict, msg, wall_s)
+
+    async def reject(self, rejected: Rejected, msg: Message, topic_label: str) -> None:
+        """Send ``msg`` to the dead-letter topic with the reason; count it."""
+        record = dead_letter(
+            rejected,
+            topic=msg.topic,
+            partition=msg.partition,
+            offset=msg.offset,
+            key=msg.key,
+            value=msg.value,
+            worker=self.worker,
+            wall_ms=round(self.wall() * 1000),
+        )
+        await self.send(self.topics.deadletter, msg.key, record, wait=False)
+        self.metrics.dead_letters.labels(rejected.reason.value, topic_label).inc()
+
+    async def _fold(self, src: SourceTopic, ok: Accepted, msg: Message, wall_s: float) -> None:
+        env = ok.env
+        self.clock = self.clock.observe(env.event_time_ms, wall_s)
+        if src is SourceTopic.GPU:
+            self._fold_gpu(env)
+        elif src is SourceTopic.LAUNCHES:
+            self._fold_launches(env)
+        elif src is SourceTopic.CLUSTER:
+            await self._fold_cluster(env)
+        elif src is SourceTopic.SERVING:
+            self._fold_serving(env)
+        elif src is SourceTopic.TRANSITIONS:
+            await self._fold_transition(env, msg)
+        else:
+            await self._fold_control(env, wall_s)
+
+    def _count(self, env: Envelope[Any], outcome: FoldOutcome | bool) -> None:
+        if outcome is FoldOutcome.DUPLICATE or outcome is False:
+            self.metrics.duplicates.labels(env.kind.value).inc()
+        else:
+            self._kinds[env.kind].inc()
+
+    def _fold_gpu(self, env: Envelope[Any]) -> None:
+        uuid = env.payload.gpu_uuid
+        new, outcome = fold_gpu_sample(
+            self._gpu(uuid), env.payload, env.source, env.seq, env.event_time_ms
+        )
+        self._count(env, outcome)
+        if outcome is FoldOutcome.APPLIED and new is not None:
+            self._gpus[uuid] = new
+            self._dirty_gpus.add(uuid)
+
+    def _fold_launches(self, env: Envelope[Any]) -> None:
+        uuid = env.payload.gpu_uuid
+        state = (
+            self._loads.get(uuid)
+            or self.load(TableName.GPU_LOAD, uuid, LaunchWindow)
+            or LaunchWindow()
+        )
+        new, applied = fold_launches(
+            state, self.gpu_window, env.payload, env.source, env.seq, env.event_time_ms
+        )
+        if new.late > state.late:
+            self.metrics.late.labels("gpu_launches").inc()
+        duplicate = not applied and new.late == state.late
+        self._count(env, not duplicate)
+        self._loads[uuid] = new
+        self._dirty_loads.add(uuid)
+
+    async def _fold_cluster(self, env: Envelope[Any]) -> None:
+        ev: ClusterEvent = env.payload
+        state = self.load(TableName.NODES, ev.node, NodeState)
+        new, outcome = fold_cluster_event(state, ev, env.source, env.seq, env.event_time_ms)
+        self._count(env, outcome)
+        if outcome is FoldOutcome.DUPLICATE:
+            return
+        if outcome is not FoldOutcome.APPLIED:
+            self._cache[(TableName.NODES, ev.node)] = new  # dedupe moved; nothing to publish
+            return
+        new = replace(new, rev=(state.rev if state is not None else 0) + 1)
+        self.store(TableName.NODES, ev.node, new)
+        self.view.apply_node(new)
+        description = _describe(ev)
+        info = TriggerInfo(Trigger.TOPOLOGY_CHANGE, env.event_time_ms, description)
+        for dep in self.deployments:
+            if self.decider.owns(dep.name):
+                self.decider.submit(dep.name, info, self.wall())
+        for dep in self.deployments:
+            message = TriggerMessage(
+                dep.name, Trigger.TOPOLOGY_CHANGE, env.event_time_ms, description, new
+            )
+            raw = codec.dumps(message)
+            await self.send(self.topics.triggers, dep.name.encode(), raw, wait=False)
+
+    def _fold_serving(self, env: Envelope[Any]) -> None:
+        name = env.payload.deployment
+        state = self.load(TableName.SERVING, name, ServingWindows) or ServingWindows()
+        new, applied = fold_serving(
+            state, self.load_window, env.payload, env.source, env.seq, env.event_time_ms
+        )
+        if new.late > state.late:
+            self.metrics.late.labels("serving").inc()
+        self._count(env, applied or new.late > state.late)
+        if new != state:
+            self.store(TableName.SERVING, name, new)
+
+    async def _fold_transition(self, env: Envelope[Any], msg: Message) -> None:
+        tr: GearTransition = env.payload
+        plan = self.load(TableName.PLANS, tr.deployment, PlanState) or PlanState()
+        try:
+            new = fold_transition(plan, tr)
+        except (TypeError, ValueError) as exc:
+            detail = f"plan does not parse: {exc}"[:500]
+            await self.reject(
+                Rejected(DeadLetterReason.BAD_PLAN, "payload.plan", detail), msg, "transitions"
+            )
+            return
+        self._count(env, True)
+        if new != plan:
+            self.store(TableName.PLANS, tr.deployment, new)
+            self.decider.show_plan(tr.deployment, new)
+
+    async def _fold_control(self, env: Envelope[Any], wall_s: float) -> None:
+        cmd: ControlCommand = env.payload
+        name = cmd.deployment
+        plan = self.load(TableName.PLANS, name, PlanState) or PlanState()
+        overrides = self.load(TableName.OVERRIDES, name, OverrideState) or OverrideState()
+        self._count(env, True)
+        self.store(TableName.OVERRIDES, name, fold_control(overrides, plan, cmd, env.event_time_ms))
+        detail = f"operator {cmd.issued_by}: {cmd.action.value} {cmd.plan_id or ''}".rstrip()
+        info = TriggerInfo(Trigger.OPERATOR, env.event_time_ms, f"{detail} {cmd.reason}".strip())
+        await self.decider.evaluate(name, info, wall_s)
+
+    # ---- periodic work ----------------------------------------------------------------------
+
+    def now_ms(self) -> int:
+        """Event time now: this worker's clock, or newer last-seen times in the shared view."""
+        return max(self.clock.now_ms(self.wall()), self.view.max_seen_ms)
+
+    def sweep(self) -> int:
+        """Mark owned GPUs whose heartbeat timed out; returns how many were marked."""
+        now_ms = self.now_ms()
+        if now_ms < 0:
+            return 0
+        for raw in list(self.tables.keys(TableName.GPUS)):
+            self._gpu(raw.decode())  # hydrate keys recovered after a rebalance
+        marked = 0
+        timeout_s = self.cfg.intervals.heartbeat_timeout_s
+        for uuid, state in self._gpus.items():
+            new = mark_timed_out(state, now_ms / 1000.0, timeout_s)
+            if new is not None:
+                self._gpus[uuid] = new
+                self._dirty_gpus.add(uuid)
+                marked += 1
+        return marked
+
+    def flush(self) -> int:
+        """Write dirty per-GPU records that changed materially (see the module docstring)."""
+        refresh_s = self.cfg.streams.view_refresh_s
+        written = 0
+        for uuid in self._dirty_gpus:
+            state = self._gpus[uuid]
+            published = self._published.get(uuid)
+            if not material_gpu_change(published, state, refresh_s):
+                continue
+            state = replace(state, rev=max(state.rev, published.rev if published else 0) + 1)
+            self._gpus[uuid] = self._published[uuid] = state
+            self.tables.set(TableName.GPUS, uuid.encode(), codec.dumps(state))
+            self.view.apply_gpu(state)
+            written += 1
+        self._dirty_gpus.clear()
+        refresh_ms = round(refresh_s * 1000)
+        still_dirty = set()
+        for uuid in self._dirty_loads:
+            newest = self._loads[uuid].dedupe.event_time_ms
+            if newest - self._load_written_ms.get(uuid, -refresh_ms) >= refresh_ms:
+                self.store(TableName.GPU_LOAD, uuid, self._loads[uuid])
+                self._load_written_ms[uuid] = newest
+            else:
+                still_dirty.add(uuid)
+        self._dirty_loads = still_dirty
+        return written
+
+    def export_gauges(self) -> None:
+        """Refresh the view, table and clock gauges (a few times a minute is plenty)."""
+        now_s = self.now_ms() / 1000.0
+        timeout_s = self.cfg.intervals.heartbeat_timeout_s + self.cfg.streams.view_refresh_s
+        live = sum(
+            1
+            for g in self.view.gpus.values()
+            if not g.timed_out and now_s - g.last_seen_s <= timeout_s
+        )
+        self.metrics.view_gpus.labels("known").set(len(self.view.gpus))
+        self.metrics.view_gpus.labels("heard_from").set(live)
+        self.metrics.clock.set(max(0.0, now_s))
+        for table in TableName:
+            self.metrics.table_keys.labels(table.value).set(sum(1 for _ in self.tables.keys(table)))
+        self.metrics.ready.set(1 if self.ready() else 0)
+
+    def ready(self) -> bool:
+        """Whether decisions may be made: the shared view caught up and holds GPUs, and this
+        worker saw ``warmup_s`` of event time (so the first snapshot is not half-built)."""
+        if not (self.view_caught_up and self.view.gpus and self.clock.started):
+            return False
+        warmup_ms = round(self.cfg.streams.warmup_s * 1000)
+        return self.clock.watermark_ms - self.clock.first_ms >= warmup_ms
+
+    def forget(self) -> None:
+        """Drop every cache (after a rebalance: partitions may have moved)."""
+        self._gpus.clear()
+        self._published.clear()
+        self._dirty_gpus.clear()
+        self._loads.clear()
+        self._dirty_loads.clear()
+        self._load_written_ms.clear()
+        self._cache.clear()
+
+
+def _describe(ev: ClusterEvent) -> str:
+    gpus = f" ({len(ev.gpu_uuids)} GPUs)" if ev.gpu_uuids else ""
+    detail = f": {ev.detail}" if ev.detail else ""
+    return f"{ev.type.value} on {ev.node}{gpus}{detail}"[:300]

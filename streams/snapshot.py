@@ -1,0 +1,145 @@
+"""Building gearbox's snapshots from folded state (pure; ``now_s`` is an input).
+
+A GPU is schedulable when its node is up (or unknown), the scheduler has not isolated it, no
+other tenant holds it and its heartbeat has not timed out; it is healthy when its latest sample
+says so and no fatal XID is open. Domain links come from the node agents' NODE_UP reports; when
+nodes disagree on a domain's bandwidth the slowest report wins (conservative).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import orjson
+
+from gearbox.model import ModelSpec
+from gearbox.types import Domain, Gpu, LinkClass, LoadSnapshot, TopologySnapshot
+from streams.catalog import DEFAULT_INTER_DOMAIN_LINK, Catalog
+from streams.load import ServingAggregate
+from streams.state import GpuState, NodeState
+
+__all__ = [
+    "INTER_DOMAIN_ID",
+    "LoadSource",
+    "NominalLoad",
+    "build_load",
+    "build_topology",
+    "gpu_domain",
+    "snapshot_digest",
+]
+
+INTER_DOMAIN_ID = "inter-domain"  # DomainInfo id agents use for the network between domains
+
+
+def gpu_domain(state: GpuState) -> str:
+    """The GPU's interconnect domain; a GPU without one is alone with its host."""
+    return state.domain or f"host:{state.node}"
+
+
+def _gpu(state: GpuState, node: NodeState | None, catalog: Catalog) -> Gpu:
+    uuid = state.uuid
+    schedulable = not state.timed_out and (
+        node is None or (node.up and uuid not in node.isolated and uuid not in node.reserved)
+    )
+    healthy = state.healthy and (node is None or uuid not in node.failed)
+    return Gpu(
+        uuid=uuid,
+        node=state.node,
+        gpu_class=catalog.gpu_class(state.gpu_class, state.total_memory_bytes),
+        domain=gpu_domain(state),
+        total_memory_bytes=state.total_memory_bytes,
+        free_memory_bytes=min(state.free_memory_bytes, state.total_memory_bytes),
+        healthy=healthy,
+        schedulable=schedulable,
+        utilisation=state.utilisation,
+        last_seen_s=state.last_seen_s,
+    )
+
+
+def _links(nodes: Iterable[NodeState], catalog: Catalog) -> dict[str, LinkClass]:
+    links: dict[str, LinkClass] = {}
+    for node in sorted(nodes, key=lambda n: n.node):
+        for d in node.domains:
+            link = catalog.link(d.link, d.bandwidth_gbps)
+            known = links.get(d.domain_id)
+            if known is None or (link.bandwidth_gbps, link.name) < (
+                known.bandwidth_gbps,
+                known.name,
+            ):
+                links[d.domain_id] = link
+    return links
+
+
+def build_topology(
+    gpus: Mapping[str, GpuState],
+    nodes: Mapping[str, NodeState],
+    catalog: Catalog,
+    now_s: float,
+    heartbeat_timeout_s: float,
+) -> TopologySnapshot:
+    """The schedulable resource tree at ``now_s``, GPUs sorted by uuid."""
+    links = _links(nodes.values(), catalog)
+    inter = links.pop(INTER_DOMAIN_ID, None) or catalog.link(DEFAULT_INTER_DOMAIN_LINK)
+    return TopologySnapshot(
+        now_s=now_s,
+        gpus=tuple(_gpu(gpus[u], nodes.get(gpus[u].node), catalog) for u in sorted(gpus)),
+        domains=tuple(Domain(d, link) for d, link in sorted(links.items())),
+        inter_domain_link=inter,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class NominalLoad:
+    """A deployment's configured load, used until serving telemetry arrives."""
+
+    arrival_rps: float
+    prompt_tokens: float
+    output_tokens: float
+
+
+class LoadSource:
+    """Where a LoadSnapshot's numbers came from (shown in explanations)."""
+
+    WINDOW = "window"
+    NOMINAL = "nominal"
+
+
+def build_load(
+    agg: ServingAggregate, nominal: NominalLoad, model: ModelSpec, now_s: float
+) -> tuple[LoadSnapshot, str]:
+    """The deployment's LoadSnapshot and its source: the window when it holds reports, else
+    the nominal load. Token means fall back to nominal when the window saw no arrivals."""
+    if not agg.reports:
+        return (
+            LoadSnapshot(
+                now_s=now_s,
+                arrival_rate_rps=nominal.arrival_rps,
+                mean_prompt_tokens=max(1.0, nominal.prompt_tokens),
+                mean_output_tokens=max(1.0, nominal.output_tokens),
+            ),
+            LoadSource.NOMINAL,
+        )
+    kv_tokens = agg.kv_bytes // max(1, model.kv_bytes_per_token)
+    return (
+        LoadSnapshot(
+            now_s=now_s,
+            arrival_rate_rps=agg.arrival_rate_rps,
+            mean_prompt_tokens=max(1.0, agg.mean_prompt_tokens or nominal.prompt_tokens),
+            mean_output_tokens=max(1.0, agg.mean_output_tokens or nominal.output_tokens),
+            queue_len=agg.queue_len,
+            active_sequences=agg.active_sequences,
+            active_kv_tokens=int(kv_tokens),
+            ttft_p95_ms=agg.ttft_p95_ms,
+            tbt_p95_ms=agg.tbt_p95_ms,
+        ),
+        LoadSource.WINDOW,
+    )
+
+
+def snapshot_digest(topology: TopologySnapshot, load: LoadSnapshot) -> str:
+    """A short content hash of a decision's inputs, so live and replay can be compared."""
+    # NOTE: orjson serialises (slotted) dataclasses natively, in field order: fast and stable.
+    return hashlib.sha256(orjson.dumps([topology, load])).hexdigest()[:16]

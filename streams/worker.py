@@ -1,0 +1,53 @@
+"""`python -m streams.worker` / `flexpipe streams worker`: run one stream-processing worker.
+
+Creates the topics it needs, serves Prometheus metrics when ``streams.metrics_port`` is set,
+and runs the Faust worker until SIGINT/SIGTERM. Start several (same config, same app id) to
+share partitions; each deployment is decided by the worker owning its partition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from flexpipe.config import FlexPipeConfig, load_config
+from flexpipe.errors import FlexPipeError
+
+__all__ = ["main", "run_worker"]
+
+
+def run_worker(cfg: FlexPipeConfig, worker_id: str | None = None) -> int:
+    """Run a worker in this process until it is stopped; returns the exit code."""
+    from faust.worker import Worker
+
+    from streams.app import create_app, ensure_topics
+
+    asyncio.run(ensure_topics(cfg))
+    registry = CollectorRegistry()
+    if cfg.streams.metrics_port:
+        start_http_server(cfg.streams.metrics_port, registry=registry)
+    wiring = create_app(cfg, registry, worker_id=worker_id)
+    worker = Worker(wiring.app, loglevel=cfg.streams.loglevel, quiet=True)
+    worker.execute_from_commandline()  # NOTE: installs signal handlers; exits the process
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m streams.worker``."""
+    parser = argparse.ArgumentParser(prog="python -m streams.worker", description=__doc__)
+    parser.add_argument("--config", help="YAML config file (default $FLEXPIPE_CONFIG)")
+    parser.add_argument("--worker-id", help="names this worker in decisions (default host-pid)")
+    args = parser.parse_args(argv)
+    try:
+        return run_worker(load_config(args.config), args.worker_id)
+    except FlexPipeError as exc:
+        print(f"streams worker: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

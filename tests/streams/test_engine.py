@@ -1,0 +1,221 @@
+"""The engine over fake ports: folding, throttled publication, dead letters, deciding, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+import pytest
+
+from flexpipe import envelope
+from flexpipe.envelope import Envelope
+from flexpipe.schemas import ClusterEventType
+from gearbox.decisions import Trigger
+from streams.app import resolve_deployments
+from streams.engine import Engine
+from streams.intake import SourceTopic
+from streams.loop import TriggerInfo
+from streams.ports import Message, TableName
+from tests.streams.builders import (
+    T0_MS,
+    cluster_envelopes,
+    env,
+    gpu_uuid,
+    heartbeats,
+    make_event,
+    make_sample,
+    streams_config,
+)
+from tests.streams.fakes import TOPICS, FakeBroker, FakeTables, make_engine
+
+pytestmark = pytest.mark.unit
+
+CFG = streams_config()
+CATALOG, DEPLOYMENTS = resolve_deployments(CFG)
+_TOPIC = {
+    "gpu.sample": SourceTopic.GPU,
+    "kernel.launches": SourceTopic.LAUNCHES,
+    "cluster.event": SourceTopic.CLUSTER,
+    "serving.load": SourceTopic.SERVING,
+    "gear.transition": SourceTopic.TRANSITIONS,
+    "control.command": SourceTopic.CONTROL,
+}
+
+
+def key_of(e: Envelope[Any]) -> bytes:
+    p = e.payload
+    for attr in ("gpu_uuid", "deployment", "node"):
+        if hasattr(p, attr):
+            return str(getattr(p, attr)).encode()
+    raise AssertionError(p)
+
+
+async def feed(
+    engine: Engine, envs: Iterable[Envelope[Any]], wall: list[float] | None = None
+) -> None:
+    for i, e in enumerate(envs):
+        if wall is not None:
+            wall[0] = e.event_time_ms / 1000
+        src = _TOPIC[e.kind.value]
+        await engine.on_message(src, Message(src.value, 0, i, key_of(e), envelope.encode(e)))
+
+
+async def started() -> tuple[Engine, FakeTables, FakeBroker, list[float]]:
+    """An engine that has seen the cluster come up, before it owned any deployment (so the
+    NODE_UP topology changes decided nothing)."""
+    wall = [T0_MS / 1000]
+    owned: set[str] = set()
+    engine, tables, broker = make_engine(CFG, CATALOG, DEPLOYMENTS, wall=wall, owned=owned)
+    await feed(engine, cluster_envelopes(), wall)
+    engine.flush()
+    owned.update(d.name for d in DEPLOYMENTS)
+    return engine, tables, broker, wall
+
+
+async def test_samples_reach_the_view_only_on_material_change_or_refresh() -> None:
+    engine, tables, _, wall = await started()
+    assert len(engine.view.gpus) == 12 and tables.writes[TableName.GPUS] == 12
+    await feed(engine, heartbeats(T0_MS + 1000, 100), wall)  # same values, 1 s later
+    engine.flush()
+    assert tables.writes[TableName.GPUS] == 12
+    await feed(engine, heartbeats(T0_MS + 6000, 200), wall)  # past view_refresh_s
+    engine.flush()
+    assert tables.writes[TableName.GPUS] == 24
+    assert all(g.rev == 2 for g in engine.view.gpus.values())
+
+
+async def test_topology_change_is_stored_and_triggers_every_deployment() -> None:
+    engine, _, broker, wall = await started()
+    before = len(broker.sent[TOPICS.triggers])  # one per NODE_UP so far
+    preempt = make_event(ClusterEventType.PREEMPT, "node-a1", (gpu_uuid("A", "node-a1", 0),))
+    ev = env(preempt, T0_MS + 5, "s", 500)
+    await feed(engine, [ev, ev], wall)  # the second is a redelivery
+    assert len(broker.sent[TOPICS.triggers]) == before + 1
+    assert engine.view.nodes["node-a1"].reserved == (gpu_uuid("A", "node-a1", 0),)
+    assert engine.metrics.duplicates.labels("cluster.event")._value.get() == 1
+
+
+async def test_topology_change_is_decided_in_process_after_the_debounce() -> None:
+    engine, _, broker, wall = await started()
+    preempt = make_event(ClusterEventType.PREEMPT, "node-a1", (gpu_uuid("A", "node-a1", 0),))
+    await feed(engine, [env(preempt, T0_MS + 5, "s", 500)], wall)
+    assert broker.decisions() == []
+    await asyncio.sleep(CFG.streams.debounce_ms / 1000 + 0.05)
+    (decision,) = broker.decisions()
+    assert decision.trigger == "topology_change" and "preempt on node-a1" in decision.explanation
+    # The durable copy from the triggers topic arrives later and is recognised as decided.
+    triggers = [
+        Message("triggers", 0, i, k, v) for i, (k, v) in enumerate(broker.sent[TOPICS.triggers])
+    ]
+    await engine.decider.on_triggers(triggers[-1:], wall[0])
+    assert len(broker.decisions()) == 1
+    assert engine.metrics.skipped.labels("already_decided")._value.get() == 1
+
+
+async def test_bad_input_is_dead_lettered_and_the_stream_goes_on() -> None:
+    engine, _, broker, wall = await started()
+    await engine.on_message(SourceTopic.GPU, Message("gpu", 2, 41, b"k", b"{nope"))
+    await feed(engine, heartbeats(T0_MS + 6000, 300), wall)
+    ((_, value),) = broker.sent[TOPICS.deadletter]
+    record = orjson.loads(value)
+    assert record["reason"] == "not_json" and record["offset"] == 41 and record["partition"] == 2
+    assert engine.metrics.dead_letters.labels("not_json", "gpu")._value.get() == 1
+    assert engine.metrics.events.labels("gpu.sample")._value.get() == 24
+
+
+async def test_ticks_decide_once_per_boundary_after_the_ack() -> None:
+    engine, tables, broker, wall = await started()
+    await engine.decider.tick()
+    await engine.decider.tick()
+    decisions = broker.decisions()
+    assert [d.decision_id for d in decisions] == ["chat:1"]
+    assert tables.writes[TableName.CURSORS] == 1
+    await feed(engine, heartbeats(T0_MS + 15_000, 400), wall)
+    await engine.decider.tick()
+    assert [d.decision_id for d in broker.decisions()] == ["chat:1", "chat:2"]
+
+
+async def test_failed_send_writes_nothing_and_the_retry_reuses_the_id() -> None:
+    engine, tables, broker, _ = await started()
+    broker.fail_next = True
+    await engine.decider.tick()  # logged, not raised: the next trigger or tick decides again
+    assert tables.writes[TableName.CURSORS] == 0
+    await engine.decider.tick()
+    assert [d.decision_id for d in broker.decisions()] == ["chat:1"]
+
+
+async def test_restart_after_ack_before_table_write_rolls_forward_from_the_log() -> None:
+    engine, tables, broker, wall = await started()
+    await engine.decider.tick()
+    before_second = copy.deepcopy(tables)  # the worker dies after the ack of chat:2 ...
+    await feed(engine, heartbeats(T0_MS + 15_000, 400), wall)
+    await engine.decider.tick()
+    assert len(broker.decisions()) == 2
+    # ... and a new worker starts from the changelogs as they were, plus the same topic.
+    again, _, _ = make_engine(
+        CFG, CATALOG, DEPLOYMENTS, tables=before_second, broker=broker, wall=wall
+    )
+    await feed(again, heartbeats(T0_MS + 16_000, 500), wall)
+    await again.decider.tick()  # boundary 15 s: already decided as chat:2 -> refused
+    await feed(again, heartbeats(T0_MS + 30_000, 600), wall)
+    await again.decider.tick()
+    ids = [d.decision_id for d in broker.decisions()]
+    assert ids == ["chat:1", "chat:2", "chat:3"]
+
+
+async def test_topology_trigger_decides_immediately_and_revocation_stops_deciding() -> None:
+    engine, _, broker, wall = await started()
+    await engine.decider.tick()
+    info = TriggerInfo(Trigger.TOPOLOGY_CHANGE, T0_MS + 2000, "preempt")
+    await engine.decider.on_revoked()
+    await engine.decider.evaluate("chat", info, wall[0])
+    assert len(broker.decisions()) == 1
+    reads = engine.decider.decision_log.reads  # type: ignore[attr-defined]
+    engine.decider.on_assigned()
+    await feed(engine, heartbeats(T0_MS + 2000, 700), wall)
+    await engine.decider.evaluate("chat", info, wall[0])
+    assert [d.trigger for d in broker.decisions()] == ["timer", "topology_change"]
+    assert engine.decider.decision_log.reads == reads + 1  # type: ignore[attr-defined]
+
+
+async def test_not_ready_and_not_owner_do_not_decide() -> None:
+    wall = [T0_MS / 1000]
+    cfg = streams_config(warmup_s=10.0)
+    engine, _, broker = make_engine(cfg, CATALOG, DEPLOYMENTS, wall=wall, owned=set())
+    await feed(engine, cluster_envelopes(), wall)
+    await engine.decider.tick()
+    assert broker.decisions() == []
+    engine.decider.owns = lambda name: True
+    await engine.decider.tick()  # owner now, but only 0 s of the 10 s warm-up seen
+    assert broker.decisions() == []
+    await feed(engine, heartbeats(T0_MS + 10_000, 100), wall)
+    engine.flush()
+    await engine.decider.tick()
+    assert len(broker.decisions()) == 1
+
+
+async def test_heartbeat_sweep_marks_silent_gpus() -> None:
+    engine, _, _, wall = await started()
+    silent = gpu_uuid("B", "node-b2", 1)
+    later = [e for e in heartbeats(T0_MS + 50_000, 800) if e.payload.gpu_uuid != silent]
+    await feed(engine, later, wall)
+    assert engine.sweep() == 1
+    engine.flush()
+    assert engine.view.gpus[silent].timed_out
+    await feed(
+        engine,
+        [
+            env(
+                make_sample(silent, node="node-b2", gpu_class="a100-80g", domain="B", index=1),
+                T0_MS + 51_000,
+                "x",
+                1,
+            )
+        ],
+        wall,
+    )
+    engine.flush()
+    assert not engine.view.gpus[silent].timed_out

@@ -1,0 +1,70 @@
+"""Windowed load: launch rates per GPU, serving load per deployment across sources."""
+
+from __future__ import annotations
+
+import pytest
+
+from streams.load import (
+    LaunchWindow,
+    ServingWindows,
+    fold_launches,
+    fold_serving,
+    launch_rate,
+    serving_aggregate,
+)
+from streams.windows import HoppingWindow
+from tests.streams.builders import make_launches, make_load
+
+pytestmark = pytest.mark.unit
+
+GPU_WINDOW = HoppingWindow(10.0, 2.0)
+LOAD_WINDOW = HoppingWindow(60.0, 10.0)
+
+
+def test_launch_rate_over_the_window_and_dedupe() -> None:
+    state = LaunchWindow()
+    for i in range(50):  # 10 s of 0.2 s drains at 500 launches/s
+        state, applied = fold_launches(
+            state, GPU_WINDOW, make_launches(launches=100), "a", i, 200 * i
+        )
+        assert applied
+    assert launch_rate(state, GPU_WINDOW, 9.8) == pytest.approx(500.0)
+    again, applied = fold_launches(state, GPU_WINDOW, make_launches(launches=100), "a", 49, 9800)
+    assert not applied and again == state
+    assert launch_rate(state, GPU_WINDOW, 1000.0) == 0.0  # nothing in a window far ahead
+
+
+def test_serving_sums_sources_and_weights_token_means() -> None:
+    state = ServingWindows()
+    for i in range(6):
+        t = 10_000 * i
+        state, _ = fold_serving(state, LOAD_WINDOW, make_load(arrivals=20), "w1", i + 1, t)
+        state, _ = fold_serving(
+            state,
+            LOAD_WINDOW,
+            make_load(arrivals=10, mean_prompt_tokens=2000.0, queue_len=7),
+            "w2",
+            i + 1,
+            t,
+        )
+    agg = serving_aggregate(state, LOAD_WINDOW, 55.0)
+    assert agg.arrival_rate_rps == pytest.approx(2.0 + 1.0)
+    assert agg.mean_prompt_tokens == pytest.approx((20 * 500 + 10 * 2000) / 30)
+    assert agg.queue_len == 3 + 7  # latest gauge of each source, summed
+    assert agg.prefill_tokens_per_s == pytest.approx(2000.0)
+    assert agg.ttft_p95_ms == 300.0
+
+
+def test_silent_source_leaves_the_state() -> None:
+    state = ServingWindows()
+    state, _ = fold_serving(state, LOAD_WINDOW, make_load(), "old", 1, 0)
+    for i in range(20):
+        state, _ = fold_serving(state, LOAD_WINDOW, make_load(), "new", i + 1, 10_000 * (i + 1))
+    assert [s.source for s in state.sources] == ["new"]
+    assert serving_aggregate(state, LOAD_WINDOW, 200.0).arrival_rate_rps == pytest.approx(2.0)
+
+
+def test_late_report_is_counted_not_folded() -> None:
+    state, _ = fold_serving(ServingWindows(), LOAD_WINDOW, make_load(), "w", 5, 1_000_000)
+    late, applied = fold_serving(state, LOAD_WINDOW, make_load(), "w", 6, 1000)
+    assert not applied and late.late == 1

@@ -1,0 +1,73 @@
+"""Golden trace: recorded telemetry → the live decision core, offline → the pinned decisions.
+
+The replay folds and decides through the very functions the live decider calls
+(:func:`streams.loop.make_input`, :func:`streams.loop.step`); ``test_e2e`` checks that a live
+run's recorded decisions are reached again by this replay. Regenerate the golden file after an
+intended change with ``FLEXPIPE_UPDATE_GOLDEN=1``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from flexpipe import envelope
+from flexpipe.envelope import Envelope
+from gearbox.decisions import DecisionReason
+from probes.scenarios import SEED_FRAGMENTED
+from streams.app import resolve_deployments
+from streams.loop import LoggedDecision, StepOutput
+from streams.replay import Replayer, compare, run_free
+from tests.streams.builders import streams_config
+from tests.streams.golden.record import DECISIONS, TRACE
+
+pytestmark = pytest.mark.unit
+
+CFG = streams_config(deployments=(), scenario=str(SEED_FRAGMENTED))
+CATALOG, DEPLOYMENTS = resolve_deployments(CFG)
+
+
+def trace() -> list[Envelope[Any]]:
+    with gzip.open(TRACE, "rb") as f:
+        return [envelope.decode(line) for line in f if line.strip()]
+
+
+def summary(out: StepOutput) -> dict[str, Any]:
+    d = out.decision
+    return {
+        "decision_id": d.decision_id,
+        "trigger": d.trigger,
+        "trigger_time_ms": out.event_time_ms,
+        "reason": d.reason,
+        "forced": d.forced,
+        "from_plan_id": d.from_plan_id,
+        "to_plan_id": d.to_plan_id,
+    }
+
+
+def test_golden_trace_decisions_are_pinned() -> None:
+    got = [summary(o) for o in run_free(Replayer(CFG, CATALOG, DEPLOYMENTS), trace())]
+    if os.environ.get("FLEXPIPE_UPDATE_GOLDEN"):
+        DECISIONS.write_text(json.dumps(got, indent=1) + "\n")
+    assert got == json.loads(DECISIONS.read_text())
+    forced = [d for d in got if d["reason"] == DecisionReason.FORCED_INFEASIBLE.value]
+    assert forced and forced[0]["trigger"] == "topology_change"
+
+
+def test_replay_reaches_recorded_decisions_and_names_a_difference() -> None:
+    outs = run_free(Replayer(CFG, CATALOG, DEPLOYMENTS), trace())
+    recorded = [LoggedDecision(o.event_time_ms, o.decision) for o in outs]
+    report = compare(Replayer(CFG, CATALOG, DEPLOYMENTS), trace(), recorded)
+    assert report.same and report.compared == len(outs)
+    tampered = list(recorded)
+    first = tampered[0].payload
+    tampered[0] = replace(tampered[0], payload=replace(first, reason="pinned"))
+    report = compare(Replayer(CFG, CATALOG, DEPLOYMENTS), trace(), tampered)
+    assert report.matched == len(outs) - 1
+    (mismatch,) = report.mismatches
+    assert mismatch.decision_id == first.decision_id and mismatch.same_inputs
