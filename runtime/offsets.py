@@ -10,9 +10,10 @@ from aiokafka import TopicPartition
 class SimClock:
     """Simulated seconds since start: ``speed`` simulated seconds per wall second."""
 
-    def __init__(self, speed: float = 1.0) -> None:
+    def __init__(self, speed: float = 1.0, t0: float | None = None) -> None:
         self.speed = speed
-        self._t0 = time.monotonic()
+        # A shared t0 (time.monotonic()) lets several components run one simulated clock.
+        self._t0 = time.monotonic() if t0 is None else t0
 
     def now_s(self) -> float:
         """The runtime clock now."""

@@ -103,13 +103,18 @@ class RuntimeWorker:
         pause_from_seq: int = 0,
         http_port: int | None = None,
         models: Mapping[str, ModelSpec] = MODELS,
+        clock: SimClock | None = None,
+        event_epoch_ms: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.rc = cfg.runtime
         self.deployments = tuple(deployments or self.rc.deployments)
         if not self.deployments:
             raise FlexPipeError("runtime: no deployments (set runtime.deployments or --deployment)")
-        self.clock = SimClock(self.rc.sim_speed)
+        self.clock = clock or SimClock(self.rc.sim_speed)
+        # With an epoch, event times follow the runtime clock (a simulated cluster's time line);
+        # without, they are wall-clock times as on a real cluster.
+        self._event_epoch_ms = event_epoch_ms
         self.pool = SimGpuPool()
         self.inventory = GpuInventory()
         self.vmm = ReservationManager(_backend_factory(self.rc))
@@ -164,6 +169,11 @@ class RuntimeWorker:
     def http_url(self) -> str:
         """Base URL of the HTTP API."""
         return f"http://{self.rc.http_host}:{self.http_port}"
+
+    def _event_time_ms(self) -> int:
+        if self._event_epoch_ms is None:
+            return int(time.time() * 1000)
+        return self._event_epoch_ms + round(self.clock.now_s() * 1000)
 
     def _seq(self) -> int:
         """Per-source envelope sequence: microseconds, bumped to stay increasing across restarts."""
@@ -348,7 +358,7 @@ class RuntimeWorker:
 
     async def _persist(self, record: GearTransition) -> None:
         env = envelope.make(
-            record, event_time_ms=int(time.time() * 1000), source=self.source, seq=self._seq()
+            record, event_time_ms=self._event_time_ms(), source=self.source, seq=self._seq()
         )
         key = f"{record.deployment}/{record.transition_seq}".encode()
         topic = topic_name(self.cfg, Topic.TRANSITIONS)
@@ -395,6 +405,11 @@ class RuntimeWorker:
                     if decision is None or rt is None:
                         self._offsets.done(ref)  # not ours, or malformed: nothing to do
                         continue
+                    if decision.to_plan_id is None:
+                        # A hold (hysteresis, cooldown, no better plan): audit trail only.
+                        self.metrics.decisions.labels(decision.deployment, "held").inc()
+                        self._offsets.done(ref)
+                        continue
                     try:
                         rt.on_decision(decision, self.clock.now_s(), ref)
                     except Exception:  # NOTE: one bad decision must not stop the loop
@@ -437,7 +452,7 @@ class RuntimeWorker:
                 )
                 core.window = ServingWindow(start_s=now)
                 env = envelope.make(
-                    load, event_time_ms=int(time.time() * 1000), source=self.source, seq=self._seq()
+                    load, event_time_ms=self._event_time_ms(), source=self.source, seq=self._seq()
                 )
                 with contextlib.suppress(KafkaError):
                     await self._producer.send(topic, envelope.encode(env), key=deployment.encode())
@@ -477,7 +492,7 @@ class RuntimeWorker:
     async def publish_control(self, command: ControlCommand) -> None:
         """Publish an operator command on the control topic (its own producer)."""
         env = envelope.make(
-            command, event_time_ms=int(time.time() * 1000), source=self.source, seq=self._seq()
+            command, event_time_ms=self._event_time_ms(), source=self.source, seq=self._seq()
         )
         topic = topic_name(self.cfg, Topic.CONTROL)
         await self._control.send_and_wait(
