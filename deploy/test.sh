@@ -4,8 +4,8 @@
 # and this script stops it even when pytest is killed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export FLEXPIPE_TEST_BROKER_NAME="pytest-$$"
-trap '.venv/bin/flexpipe kafka down --name "$FLEXPIPE_TEST_BROKER_NAME" >/dev/null 2>&1 || true' EXIT
+export PYTEST_KAFKA_RUN_NAME="pytest-$$"
+trap '.venv/bin/flexpipe kafka down --name "$PYTEST_KAFKA_RUN_NAME" >/dev/null 2>&1 || true' EXIT
 
 echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy .

@@ -14,7 +14,7 @@ from flexpipe.kafka_local import LocalKafka
 
 BROKER_ENV = "FLEXPIPE_KAFKA__BOOTSTRAP_SERVERS"
 # Each pytest session gets its own broker run dir, so parallel sessions never share or wipe one.
-BROKER_NAME = os.environ.get("FLEXPIPE_TEST_BROKER_NAME", f"pytest-{os.getpid()}")
+BROKER_NAME = os.environ.get("PYTEST_KAFKA_RUN_NAME", f"pytest-{os.getpid()}")
 
 
 @pytest.fixture(scope="session")
