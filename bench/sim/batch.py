@@ -1,0 +1,184 @@
+"""The decode batch of :class:`bench.sim.engine.EventSimEngine` under a virtual decode counter.
+
+Every decode iteration advances every running sequence by one token, so the batch keeps one
+counter ``v`` (iterations run) instead of per-sequence counters: a sequence that started running
+at ``v0`` with ``gen0`` tokens generated and ``kv0`` tokens of KV has ``gen0 + v − v0`` and
+``kv0 + v − v0`` now, and finishes at ``v0 + max_output − gen0``. A heap of those finish points
+gives the next finish in O(log n); the batch's total context is ``a_sum + n·v`` with
+``a_sum = Σ (kv0 − v0)``, so the mean context (what the step time depends on) is O(1).
+
+:func:`decode_segments` plans a run of decode-only iterations: it stops at the next finish, the
+first iteration that would start after a waiting sequence's admission, or ``now_s``, and splits
+the run where the mean context crosses a 64-token timing bucket (the step time changes there).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from runtime.engine.base import SeqSpec, SeqState
+from runtime.timing import TOKEN_BUCKET, ReplicaTiming
+
+EPS_S = 1e-12  # float slack when fitting whole iterations before ``now_s``
+
+
+@dataclass(slots=True)
+class SeqRecord:
+    """One sequence inside the engine."""
+
+    spec: SeqSpec
+    state: SeqState
+    order: int  # admission order: output order among events at the same instant
+    gen0: int  # generated tokens at v0 (exact while not running)
+    kv0: int  # KV tokens at v0
+    v0: int = 0  # decode counter when it (re)started running
+    stage_after_prefill: bool = False
+    ready_at_s: float = 0.0  # admission (waiting) or KV arrival (importing)
+    finish_v: int = 0  # decode counter at which it finishes (running only)
+    heap_serial: int = 0  # its live entry in the finish heap (older entries are stale)
+
+
+def context_bucket(context: float) -> int:
+    """The 64-token bucket :class:`ReplicaTiming` rounds a context up to."""
+    return max(TOKEN_BUCKET, math.ceil(context / TOKEN_BUCKET) * TOKEN_BUCKET)
+
+
+class StepTable:
+    """Decode step times of one replica by (batch, context bucket), computed once each."""
+
+    def __init__(self, timing: ReplicaTiming) -> None:
+        self._timing = timing
+        self._memo: dict[tuple[int, int], float] = {}
+
+    def step_s(self, batch: int, bucket: int) -> float:
+        """One decode iteration of ``batch`` sequences at a bucketed mean context."""
+        value = self._memo.get((batch, bucket))
+        if value is None:
+            value = self._memo[(batch, bucket)] = self._timing.decode_cycle_s(batch, bucket)
+        return value
+
+
+class RunningBatch:
+    """The running sequences of one engine (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.v = 0
+        self.seqs: dict[str, SeqRecord] = {}
+        self._a_sum = 0
+        # (finish_v, serial, seq id); live while the sequence runs with that serial — a
+        # paused-and-resumed sequence leaves a stale entry behind.
+        self._heap: list[tuple[int, int, str]] = []
+        self._serial = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def generated(self, q: SeqRecord) -> int:
+        """Output tokens ``q`` has now."""
+        return q.gen0 + self.v - q.v0 if q.state is SeqState.RUNNING else q.gen0
+
+    def kv_tokens(self, q: SeqRecord) -> int:
+        """KV tokens ``q`` holds now."""
+        return q.kv0 + self.v - q.v0 if q.state is SeqState.RUNNING else q.kv0
+
+    def start(self, q: SeqRecord) -> None:
+        """``q`` joins the batch at the current counter."""
+        q.state = SeqState.RUNNING
+        q.v0 = self.v
+        # NOTE: as in SimEngine, a running sequence decodes at least once more before finishing.
+        q.finish_v = self.v + max(1, q.spec.max_output_tokens - q.gen0)
+        self.seqs[q.spec.seq_id] = q
+        self._a_sum += q.kv0 - q.v0
+        self._serial += 1
+        q.heap_serial = self._serial
+        heapq.heappush(self._heap, (q.finish_v, self._serial, q.spec.seq_id))
+
+    def stop(self, q: SeqRecord, state: SeqState) -> None:
+        """``q`` leaves the batch; its counts are frozen at the current counter."""
+        self._a_sum -= q.kv0 - q.v0
+        q.gen0 = self.generated(q)
+        q.kv0 = self.kv_tokens(q)
+        q.state = state
+        del self.seqs[q.spec.seq_id]
+
+    def mean_context(self) -> float:
+        """Mean KV tokens per running sequence (the batch must not be empty)."""
+        n = len(self.seqs)
+        return (self._a_sum + n * self.v) / n
+
+    def steps_to_finish(self) -> int:
+        """Iterations until the next running sequence finishes (the batch must not be empty)."""
+        heap = self._heap
+        while heap:
+            _, serial, sid = heap[0]
+            q = self.seqs.get(sid)
+            if q is not None and q.heap_serial == serial:
+                return heap[0][0] - self.v
+            heapq.heappop(heap)
+        raise ValueError("steps_to_finish: the batch is empty")
+
+    def advance(self, runs: int) -> list[SeqRecord]:
+        """Run ``runs`` iterations; the sequences that finish with the last one, in order."""
+        self.v += runs
+        heap, done = self._heap, []
+        while heap and heap[0][0] <= self.v:
+            _, serial, sid = heapq.heappop(heap)
+            q = self.seqs.get(sid)
+            if q is not None and q.heap_serial == serial:
+                done.append(q)
+        return sorted(done, key=lambda s: s.order)
+
+    def largest(self) -> SeqRecord:
+        """The running sequence holding the most KV (ties: the latest admitted)."""
+        return max(self.seqs.values(), key=lambda q: (self.kv_tokens(q), q.order))
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Iterations of one run that share a step time."""
+
+    runs: int
+    step_s: float
+    context: float  # mean context at the first of them
+
+
+def decode_segments(
+    batch: RunningBatch,
+    table: StepTable,
+    clock_s: float,
+    now_s: float,
+    arrival_s: float | None,
+) -> tuple[list[Segment], float, bool]:
+    """Plan decode-only iterations from ``clock_s`` (see the module docstring).
+
+    Returns the segments, the clock after them, and whether ``now_s`` cut the run (rather than
+    a finish or an admission).
+    """
+    n = len(batch)
+    left = batch.steps_to_finish()
+    context = batch.mean_context()
+    segments: list[Segment] = []
+    end, timed_out = clock_s, False
+    while left > 0:
+        bucket = context_bucket(context)
+        step_s = table.step_s(n, bucket)
+        runs = min(left, math.floor(bucket - context) + 1)  # same timing bucket
+        fit = math.floor((now_s - end) / step_s + EPS_S)
+        while fit > 0 and end + fit * step_s > now_s:
+            fit -= 1
+        timed_out = fit < runs
+        runs, cut = min(runs, fit), timed_out
+        if arrival_s is not None:  # only iterations starting before the next admission
+            due = max(0, math.ceil((arrival_s - end) / step_s))
+            if due <= runs:
+                runs, cut, timed_out = due, True, False
+        if runs > 0:
+            segments.append(Segment(runs, step_s, context))
+            end += runs * step_s
+            left -= runs
+            context += runs
+        if cut or runs <= 0:
+            break
+    return segments, end, timed_out

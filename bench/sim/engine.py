@@ -1,0 +1,486 @@
+"""EventSimEngine: the runtime's :class:`runtime.engine.base.Engine`, stepped by events, not tokens.
+
+It is the product's SIMULATED engine, :class:`runtime.engine.sim.SimEngine` — same contract,
+same weight loading and communication groups (inherited), iteration times from
+:class:`runtime.timing.ReplicaTiming` (gearbox's cost model), KV charged to the shared
+:class:`runtime.engine.simgpu.SimGpuPool`, an iteration = the waiting prompts that fit the
+prefill budget plus one decode token for every running sequence — except that it does not loop
+over tokens. Between two events (a prompt to prefill, a sequence finishing, the context crossing
+a 64-token timing bucket, the caller's ``now_s``) every iteration decodes the same batch in the
+same time, so a run of them is advanced at once (:mod:`bench.sim.batch`). Work per simulated
+second is proportional to requests, not tokens: an eight-hour run of one system takes about a
+minute of CPU instead of a quarter of an hour or more.
+
+NOTE: SimEngine does the same arithmetic one iteration at a time; ``tests/bench`` checks the two
+give the same first-token and finish times on a trace. ``step`` is lazy: with nothing mutated
+since the last call and no event possible before ``now_s`` (a lower bound from the current
+step time, which only grows with context), it returns at once and catches up later; decode
+iterations after the last event due are likewise left for the next call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bench.sim.batch import (
+    RunningBatch,
+    Segment,
+    SeqRecord,
+    StepTable,
+    context_bucket,
+    decode_segments,
+)
+from runtime.engine.base import (
+    EngineFault,
+    Failed,
+    Finished,
+    FirstToken,
+    KvExport,
+    OpResult,
+    SeqProgress,
+    SeqSpec,
+    SeqState,
+    StepOutput,
+)
+from runtime.engine.sim import SimEngine
+from runtime.engine.simgpu import SimGpuPool
+from runtime.timing import ReplicaTiming
+
+_EMPTY = StepOutput()
+_INF = float("inf")
+
+
+class DecodeObserver(Protocol):
+    """Receives every run of decode iterations (for token-weighted TBT histograms)."""
+
+    def on_decode(self, end_s: float, step_s: float, tokens: int) -> None:
+        """``tokens`` inter-token gaps of ``step_s`` each, in iterations ending by ``end_s``."""
+        ...
+
+
+@dataclass
+class EngineStats:
+    """What the benchmark reads off an engine: busy time and work done (cumulative)."""
+
+    busy_s: float = 0.0  # time spent inside iterations
+    model_flops: float = 0.0  # forward-pass FLOPs done (gearbox's formulas: 2·N + attention)
+    iterations: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    kv_imported_bytes: int = 0  # migrated KV received
+
+
+class EventSimEngine(SimEngine):
+    """Simulated engine of one replica; see the module docstring.
+
+    Weights, communication groups, readiness and the KV ledger are the product SimEngine's own
+    (inherited); sequences and iterations are replaced by the event-stepped batch.
+    """
+
+    def __init__(
+        self,
+        timing: ReplicaTiming,
+        pool: SimGpuPool,
+        *,
+        max_batch: int | None = None,
+        max_prefill_tokens: int = 8192,
+        observer: DecodeObserver | None = None,
+    ) -> None:
+        super().__init__(timing, pool, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
+        self.stats = EngineStats()
+        self._observer = observer
+        model = timing.model
+        self._flops_per_token = 2.0 * model.num_params
+        self._attention_flops = 2.0 * model.num_layers * model.attention_dim  # × n² or 2·ctx
+        self._records: dict[str, SeqRecord] = {}
+        self._waiting: dict[str, SeqRecord] = {}
+        self._batch = RunningBatch()
+        self._steps = StepTable(timing)
+        self._order = 0
+        self._last_now_s = 0.0
+        self._next_event_s = 0.0  # no observable output can happen before this
+        self._dirty = True
+        self._pending = _Acc()  # output found while catching up outside ``step``
+        self._pool_version = -1  # pool fault state last checked (when the pool has versions)
+
+    def _check_gpus(self) -> list[Failed]:
+        """Die if a GPU was lost: every sequence fails and the engine's memory is freed."""
+        if self._dead is not None:
+            return []
+        version = getattr(self._pool, "version", None)
+        if version is not None:
+            if version == self._pool_version:
+                return []
+            self._pool_version = version
+        is_lost = self._pool.is_lost
+        if not any(is_lost(u) for u in self.timing.gpu_uuids):
+            return []
+        self._sync()
+        self._dead = EngineFault.GPU_LOST
+        generated = self._batch.generated
+        records = self._records
+        failed = [Failed(sid, EngineFault.GPU_LOST, generated(q)) for sid, q in records.items()]
+        self._drop(list(records))
+        for index in list(self._shard_ready_at):
+            self.unload_shard(index)
+        return failed
+
+    # ---- sequence bookkeeping ------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        """Catch up to the last ``step`` before a read or a mutation.
+
+        By the laziness rule nothing observable is due; anything found anyway (float slack) is
+        kept for the next ``step`` rather than lost.
+        """
+        if not self._dirty and self._clock_s is not None and self._dead is None:
+            self._advance(self._last_now_s, self._pending, partial=True)
+
+    def _mutated(self) -> None:
+        self._dirty = True
+
+    # ---- sequences -----------------------------------------------------------------------------
+
+    def has_capacity(self) -> bool:
+        """Room in the batch and admission open."""
+        return self._dead is None and self._admitting and len(self._records) < self._max_batch
+
+    def admit(self, seq: SeqSpec, now_s: float, *, staged: bool = False) -> EngineFault | None:
+        """Queue ``seq`` for prefill; ``staged`` replays wait for ``activate`` afterwards."""
+        if self._dead is not None:
+            return self._dead
+        if not self._admitting and not staged:
+            return EngineFault.DRAINING
+        if len(self._records) >= self._max_batch:
+            return EngineFault.BATCH_FULL
+        self._sync()
+        self._order += 1
+        q = SeqRecord(seq, SeqState.WAITING, self._order, seq.generated_tokens, 0)
+        q.stage_after_prefill, q.ready_at_s = staged, now_s
+        self._records[seq.seq_id] = q
+        self._waiting[seq.seq_id] = q
+        self._mutated()
+        return None
+
+    def progress(self) -> tuple[SeqProgress, ...]:
+        """Every held sequence."""
+        self._sync()
+        generated = self._batch.generated
+        return tuple(
+            SeqProgress(
+                sid,
+                q.state,
+                q.spec.prompt_tokens + generated(q),
+                generated(q),
+                q.spec.max_output_tokens,
+            )
+            for sid, q in self._records.items()
+        )
+
+    def drop(self, seq_ids: Sequence[str]) -> None:
+        """Forget sequences and free their KV; unknown ids are ignored."""
+        self._sync()
+        self._drop(seq_ids)
+
+    def _drop(self, seq_ids: Sequence[str]) -> None:
+        for sid in seq_ids:
+            q = self._records.pop(sid, None)
+            if q is None:
+                continue
+            if q.state is SeqState.RUNNING:
+                self._batch.stop(q, SeqState.RUNNING)
+            self._waiting.pop(sid, None)
+            self._free_kv(q.kv0)
+        self._mutated()
+
+    def export_kv(self, seq_ids: Sequence[str], now_s: float) -> tuple[KvExport, ...]:
+        """Pause running sequences and describe their KV; others are skipped."""
+        self._sync()
+        out = []
+        for sid in seq_ids:
+            q = self._records.get(sid)
+            if q is None or q.state is not SeqState.RUNNING:
+                continue
+            self._batch.stop(q, SeqState.PAUSED)
+            spec = SeqSpec(sid, q.spec.prompt_tokens, q.spec.max_output_tokens, q.gen0)
+            out.append(KvExport(spec, q.kv0 * self._kv_total_per_token))
+        self._mutated()
+        return tuple(out)
+
+    def import_kv(self, exports: Sequence[KvExport], now_s: float, transfer_s: float) -> OpResult:
+        """Allocate the KV here and mark it complete ``transfer_s`` from now."""
+        gpus = self.timing.gpu_uuids
+        if self._dead is not None or any(self._pool.transfer_fails(u) for u in gpus):
+            return OpResult(False, fault=EngineFault.TRANSFER_FAILED, detail="destination down")
+        self._sync()
+        taken: list[str] = []
+        for export in exports:
+            tokens = export.spec.context_tokens
+            if not self._alloc_kv(tokens):
+                self._drop(taken)
+                return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=export.spec.seq_id)
+            self._order += 1
+            generated = export.spec.generated_tokens
+            q = SeqRecord(export.spec, SeqState.IMPORTING, self._order, generated, tokens)
+            q.ready_at_s = now_s + transfer_s
+            self._records[export.spec.seq_id] = q
+            taken.append(export.spec.seq_id)
+        self.stats.kv_imported_bytes += sum(e.num_bytes for e in exports)
+        self._mutated()
+        return OpResult(True, now_s + transfer_s)
+
+    def staged_ready(self, seq_ids: Sequence[str], now_s: float) -> bool:
+        """Every sequence staged, or imported with its transfer complete."""
+        for sid in seq_ids:
+            q = self._records.get(sid)
+            if q is None or not (
+                q.state is SeqState.STAGED
+                or (q.state is SeqState.IMPORTING and now_s >= q.ready_at_s)
+            ):
+                return False
+        return self._dead is None
+
+    def activate(self, seq_ids: Sequence[str]) -> None:
+        """Staged or imported sequences start decoding."""
+        self._sync()
+        for sid in seq_ids:
+            q = self._records.get(sid)
+            if q is not None and q.state in (SeqState.STAGED, SeqState.IMPORTING):
+                self._batch.start(q)
+        self._mutated()
+
+    def resume(self, seq_ids: Sequence[str]) -> None:
+        """Exported (paused) sequences continue decoding here."""
+        self._sync()
+        for sid in seq_ids:
+            q = self._records.get(sid)
+            if q is not None and q.state is SeqState.PAUSED:
+                self._batch.start(q)
+        self._mutated()
+
+    def is_drained(self) -> bool:
+        """No sequence left."""
+        return not self._records
+
+    def kv_bytes(self) -> int:
+        """KV bytes held across the replica."""
+        self._sync()
+        tokens = sum(self._batch.kv_tokens(q) for q in self._records.values())
+        return tokens * self._kv_total_per_token
+
+    # ---- iterations ----------------------------------------------------------------------------
+
+    def step(self, now_s: float) -> StepOutput:
+        """Run every iteration that completes by ``now_s``."""
+        failed = self._check_gpus()
+        if self._dead is not None or self._comm_ready_at is None:
+            acc, self._pending = self._pending, _Acc()
+            acc.failed.extend(failed)
+            return acc.output()
+        if not self._dirty and now_s < self._next_event_s and self._clock_s is not None:
+            self._last_now_s = now_s
+            return _EMPTY
+        if self._clock_s is None:
+            self._clock_s = now_s
+        self._clock_s = max(self._clock_s, self._comm_ready_at)
+        acc, self._pending = self._pending, _Acc()
+        self._advance(now_s, acc, partial=False)
+        self._last_now_s = now_s
+        self._dirty = False
+        self._next_event_s = self._earliest_event_s()
+        return acc.output()
+
+    def _advance(self, now_s: float, acc: _Acc, *, partial: bool) -> None:
+        """Run iterations from the engine clock up to ``now_s`` (see the module docstring).
+
+        Without ``partial``, decode iterations after the last event due by ``now_s`` are left
+        for later (nothing observable happens in them); with it, the clock is brought as close
+        to ``now_s`` as whole iterations allow, as SimEngine's is.
+        """
+        assert self._clock_s is not None
+        clock = self._clock_s
+        while True:
+            picked = self._due_prefills(clock)
+            if picked:
+                end = self._mixed_iteration(picked, clock, now_s, acc)
+                if end is None:
+                    break
+                clock = end
+                continue
+            if not self._batch:
+                arrival = self._next_arrival(clock)
+                if arrival is not None and arrival <= now_s:
+                    clock = arrival  # idle until this sequence was admitted
+                    continue
+                clock = max(clock, now_s)  # idle: the engine waits at the present
+                break
+            if not partial and self._finish_bound(clock) > now_s:
+                arrival = self._next_arrival(clock)
+                if arrival is None or arrival > now_s:
+                    break  # nothing observable before now_s: leave these iterations for later
+            end = self._decode_run(clock, now_s, acc, partial)
+            if end is None:
+                break
+            clock = end
+        self._clock_s = clock
+
+    def _earliest_event_s(self) -> float:
+        """A lower bound on the time of the next first token, finish or prefill."""
+        assert self._clock_s is not None
+        if self._waiting:
+            return self._clock_s  # a prefill may start as soon as one is due: do not skip
+        if not self._batch:
+            return _INF
+        return self._finish_bound(self._clock_s)
+
+    def _finish_bound(self, clock_s: float) -> float:
+        """A lower bound on when the next running sequence finishes, decoding from ``clock_s``:
+        the step time at the current context bucket (it only grows with the context)."""
+        batch = self._batch
+        step_s = self._step_s(len(batch), batch.mean_context())
+        return clock_s + batch.steps_to_finish() * step_s - 1e-9
+
+    def _step_s(self, batch: int, context: float) -> float:
+        return self._steps.step_s(batch, context_bucket(context))
+
+    def _next_arrival(self, clock_s: float) -> float | None:
+        later = [q.ready_at_s for q in self._waiting.values() if q.ready_at_s > clock_s]
+        return min(later) if later else None
+
+    def _due_prefills(self, clock_s: float) -> list[SeqRecord]:
+        picked: list[SeqRecord] = []
+        budget = self._max_prefill_tokens
+        for q in self._waiting.values():
+            # NOTE: a sequence joins the first iteration that starts after its admission.
+            if q.ready_at_s <= clock_s:
+                tokens = q.spec.prompt_tokens + q.gen0
+                if picked and tokens > budget:
+                    break
+                picked.append(q)
+                budget -= tokens
+        return picked
+
+    def _mixed_iteration(
+        self, picked: list[SeqRecord], clock: float, now_s: float, acc: _Acc
+    ) -> float | None:
+        """One iteration with prefills (exact, as SimEngine); None if it ends after ``now_s``."""
+        t = self.timing
+        duration = sum(t.prefill_s(q.spec.prompt_tokens + q.gen0) for q in picked)
+        n = len(self._batch)
+        if n:
+            duration += self._step_s(n, self._batch.mean_context())
+        if clock + duration > now_s:
+            return None
+        end = clock + duration
+        if n:
+            self._commit_decode([Segment(1, duration, self._batch.mean_context())], clock, acc)
+        else:
+            self._count_busy(duration, 1, acc)
+        for q in picked:
+            self._complete_prefill(q, end, acc)
+        return end
+
+    def _decode_run(self, clock: float, now_s: float, acc: _Acc, partial: bool) -> float | None:
+        """Advance decode-only iterations up to the next finish, admission or ``now_s``.
+
+        Returns the clock after them, or None when nothing was run: not one iteration fits
+        before ``now_s``, or (without ``partial``) the run would end at ``now_s`` with no event.
+        """
+        arrival = self._next_arrival(clock)
+        segments, end, timed_out = decode_segments(self._batch, self._steps, clock, now_s, arrival)
+        if not segments or (timed_out and not partial):
+            return None
+        self._commit_decode(segments, clock, acc)
+        return end
+
+    def _count_busy(self, duration_s: float, iterations: int, acc: _Acc) -> None:
+        self.stats.busy_s += duration_s
+        self.stats.iterations += iterations
+        acc.iterations += iterations
+
+    def _commit_decode(self, segments: list[Segment], start_s: float, acc: _Acc) -> None:
+        """Account the planned decode iterations: time, FLOPs, TBT, KV and finishes."""
+        n = len(self._batch)
+        clock, done = start_s, 0
+        for seg in segments:
+            clock += seg.runs * seg.step_s
+            done += seg.runs
+            per_token = self._flops_per_token + 2.0 * self._attention_flops * (
+                seg.context + (seg.runs - 1) / 2
+            )
+            self.stats.model_flops += seg.runs * n * per_token
+            acc.decode_step_s.append(seg.step_s)
+            if self._observer is not None:
+                self._observer.on_decode(clock, seg.step_s, seg.runs * n)
+        self._count_busy(clock - start_s, done, acc)
+        self._decode(done, clock, acc)
+
+    def _decode(self, runs: int, end_s: float, acc: _Acc) -> None:
+        """KV for ``runs`` iterations of the whole batch, and the sequences that finish."""
+        batch = self._batch
+        tokens = runs * len(batch)
+        while not self._alloc_kv(tokens):  # NOTE: the VMM commit makes this rare
+            # SimEngine fails the sequences whose next token does not fit; here the run's KV
+            # is allocated at once, so the largest sequence goes first until the run fits.
+            victim = batch.largest()
+            generated = batch.generated(victim)
+            acc.failed.append(Failed(victim.spec.seq_id, EngineFault.OUT_OF_MEMORY, generated))
+            self._drop([victim.spec.seq_id])
+            tokens = runs * len(batch)
+            if not batch:
+                return
+        acc.decode_tokens += tokens
+        self.stats.decode_tokens += tokens
+        for q in batch.advance(runs):
+            acc.finished.append(Finished(q.spec.seq_id, end_s, batch.generated(q)))
+            self._drop([q.spec.seq_id])
+
+    def _complete_prefill(self, q: SeqRecord, end_s: float, acc: _Acc) -> None:
+        sid = q.spec.seq_id
+        del self._waiting[sid]
+        tokens = q.spec.prompt_tokens + q.gen0
+        if not self._alloc_kv(tokens):
+            acc.failed.append(Failed(sid, EngineFault.OUT_OF_MEMORY, q.gen0))
+            del self._records[sid]
+            return
+        q.kv0 = tokens
+        acc.prefill_tokens += tokens
+        self.stats.prefill_tokens += tokens
+        self.stats.model_flops += tokens * self._flops_per_token + self._attention_flops * tokens**2
+        if q.stage_after_prefill:
+            q.state = SeqState.STAGED
+            return
+        if q.gen0 == 0:  # the prefill's logits give the first output token
+            q.gen0 = 1
+            acc.first_tokens.append(FirstToken(sid, end_s))
+            if q.gen0 >= q.spec.max_output_tokens:
+                acc.finished.append(Finished(sid, end_s, q.gen0))
+                self._drop([sid])
+                return
+        self._batch.start(q)
+
+
+@dataclass
+class _Acc:
+    iterations: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    first_tokens: list[FirstToken] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
+    failed: list[Failed] = field(default_factory=list)
+    decode_step_s: list[float] = field(default_factory=list)
+
+    def output(self) -> StepOutput:
+        if not (self.iterations or self.failed):
+            return _EMPTY
+        return StepOutput(
+            self.iterations,
+            self.prefill_tokens,
+            self.decode_tokens,
+            tuple(self.first_tokens),
+            tuple(self.finished),
+            tuple(self.failed),
+            tuple(self.decode_step_s),
+        )

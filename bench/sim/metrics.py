@@ -1,0 +1,165 @@
+"""Latency histograms per simulated minute, request counters and GPU utilisation.
+
+Latencies go into log-spaced histograms (2 % wide buckets, so a quantile is within 2 % of the
+exact one) keyed by minute: TTFT per completed request, at the minute its first token came out
+(what a dashboard shows then); TBT per generated token — every decode iteration contributes its
+duration once per sequence it advanced, so quantiles are over inter-token gaps, prefill stalls
+included. Utilisation is integrated over the run from samples of the GPUs a system holds (any
+replica installed on them, serving, loading or draining): memory = bytes allocated in the
+simulated pool (weights, runtime overhead, KV) over their capacity; compute = model FLOPs done
+(2·params per token plus attention) over their peak bf16 FLOP/s — a model-FLOPs utilisation;
+``busy_fraction`` is the share of time their engines were inside an iteration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from runtime.types import Admission, Completion, Reason, RequestKind
+
+_LOG_RATIO = math.log(1.02)
+_MIN_MS = 1e-3
+Histogram = dict[int, float]  # bucket index → weight
+
+
+def bucket_of(value_ms: float) -> int:
+    """Bucket index of a latency in milliseconds."""
+    return math.floor(math.log(max(value_ms, _MIN_MS)) / _LOG_RATIO)
+
+
+def bucket_value_ms(index: int) -> float:
+    """Geometric middle of a bucket."""
+    return math.exp((index + 0.5) * _LOG_RATIO)
+
+
+def merge(histograms: Iterable[Histogram]) -> Histogram:
+    """Sum of histograms."""
+    out: Histogram = defaultdict(float)
+    for h in histograms:
+        for index, weight in h.items():
+            out[index] += weight
+    return dict(out)
+
+
+def weight(histogram: Histogram) -> float:
+    """Total weight (samples)."""
+    return sum(histogram.values())
+
+
+def quantile_ms(histogram: Histogram, q: float) -> float | None:
+    """The ``q`` quantile (nearest rank on weights), ``None`` when empty."""
+    total = weight(histogram)
+    if total <= 0:
+        return None
+    target = q * total
+    seen = 0.0
+    for index in sorted(histogram):
+        seen += histogram[index]
+        if seen >= target:
+            return bucket_value_ms(index)
+    return bucket_value_ms(max(histogram))
+
+
+@dataclass
+class DeploymentMetrics:
+    """One deployment's latencies and counters (also the engines' :class:`DecodeObserver`)."""
+
+    ttft: dict[int, Histogram] = field(default_factory=lambda: defaultdict(dict))
+    tbt: dict[int, Histogram] = field(default_factory=lambda: defaultdict(dict))
+    arrivals: Counter[int] = field(default_factory=Counter)
+    rejected: Counter[int] = field(default_factory=Counter)
+    completions: Counter[int] = field(default_factory=Counter)
+    tokens: Counter[int] = field(default_factory=Counter)  # prompt + output of completions
+    rejections: Counter[str] = field(default_factory=Counter)
+    chat_ttft: Histogram = field(default_factory=dict)
+    summarisation_ttft: Histogram = field(default_factory=dict)
+    replays: int = 0
+    _step_buckets: dict[float, int] = field(default_factory=dict)
+
+    def on_decode(self, end_s: float, step_s: float, tokens: int) -> None:
+        """``tokens`` inter-token gaps of ``step_s`` (decode observer)."""
+        h = self.tbt[int(end_s // 60.0)]
+        index = self._step_buckets.get(step_s)
+        if index is None:  # step times repeat (memoised timing): bucket each value once
+            index = self._step_buckets[step_s] = bucket_of(step_s * 1000.0)
+        h[index] = h.get(index, 0.0) + tokens
+
+    def on_admission(self, admission: Admission, arrival_s: float) -> None:
+        """A submitted request, admitted or not."""
+        minute = int(arrival_s // 60.0)
+        self.arrivals[minute] += 1
+        if admission.reason is not Reason.ADMITTED:
+            self.rejected[minute] += 1
+            self.rejections[admission.reason.value] += 1
+
+    def on_completion(self, done: Completion, kind: RequestKind) -> None:
+        """A finished request."""
+        index = bucket_of(done.ttft_s * 1000.0)
+        h = self.ttft[int(done.first_token_s // 60.0)]
+        h[index] = h.get(index, 0.0) + 1.0
+        by_kind = self.chat_ttft if kind is RequestKind.CHAT else self.summarisation_ttft
+        by_kind[index] = by_kind.get(index, 0.0) + 1.0
+        minute = int(done.finish_s // 60.0)
+        self.completions[minute] += 1
+        self.tokens[minute] += done.prompt_tokens + done.output_tokens
+        self.replays += done.replays
+
+    def window(self, series: Mapping[int, Histogram], start_s: float, end_s: float) -> Histogram:
+        """Histograms of the minutes starting in ``[start_s, end_s)``, merged."""
+        first, last = math.floor(start_s / 60.0), math.ceil(end_s / 60.0)
+        return merge(series[m] for m in range(first, last) if m in series)
+
+
+@dataclass
+class Utilisation:
+    """GPU-seconds held, and the memory and compute used on them, integrated over a run."""
+
+    held_gpu_s: float = 0.0
+    memory_used_byte_s: float = 0.0
+    memory_capacity_byte_s: float = 0.0
+    busy_gpu_s: float = 0.0
+    model_flops: float = 0.0
+    peak_flops: float = 0.0  # peak bf16 FLOP/s of the held GPUs × time
+    cluster_gpu_s: float = 0.0  # schedulable GPU-seconds of the whole cluster
+    sampled_s: float = 0.0
+    gpus_by_minute: dict[int, int] = field(default_factory=dict)
+
+    def add(
+        self,
+        now_s: float,
+        dt_s: float,
+        held: Mapping[str, tuple[int, int, float]],
+        work: tuple[float, float],
+        schedulable: int,
+    ) -> None:
+        """A sample over the last ``dt_s``.
+
+        ``held`` maps each GPU the system holds → (used bytes, capacity bytes, peak FLOP/s);
+        ``work`` is (busy GPU-seconds, model FLOPs) done since the previous sample.
+        """
+        self.held_gpu_s += len(held) * dt_s
+        self.memory_used_byte_s += sum(h[0] for h in held.values()) * dt_s
+        self.memory_capacity_byte_s += sum(h[1] for h in held.values()) * dt_s
+        self.peak_flops += sum(h[2] for h in held.values()) * dt_s
+        self.busy_gpu_s += work[0]
+        self.model_flops += work[1]
+        self.cluster_gpu_s += schedulable * dt_s
+        self.sampled_s += dt_s
+        self.gpus_by_minute[int(now_s // 60.0)] = len(held)
+
+    def summary(self) -> dict[str, float]:
+        """Utilisation ratios over the run (held GPUs, and the whole schedulable cluster)."""
+
+        def ratio(a: float, b: float) -> float:
+            return a / b if b > 0 else 0.0
+
+        return {
+            "memory_utilisation": ratio(self.memory_used_byte_s, self.memory_capacity_byte_s),
+            "compute_utilisation": ratio(self.model_flops, self.peak_flops),
+            "busy_fraction": ratio(self.busy_gpu_s, self.held_gpu_s),
+            "mean_gpus_held": ratio(self.held_gpu_s, self.sampled_s),
+            "cluster_compute_utilisation": ratio(self.busy_gpu_s, self.cluster_gpu_s),
+        }

@@ -1,0 +1,236 @@
+"""The comparison: headline figures, targets and the side-by-side table.
+
+Headline latencies are the TTFT of the deployment serving the largest model (chat-70b in the
+seed scenario) — the one the article's baseline (TP8 on block A) serves and the preemptions hit;
+the other deployment's figures are in the table and the file. Every ratio compares systems of
+the same run (same trace, seeds and cost model).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from bench.sim.summary import rnd
+
+SYSTEM_ORDER = ("fixed", "static_rr", "flexpipe", "no_hysteresis", "replay_only", "no_pd_split")
+
+# The article's figures (DESIGN.md §0.1): baseline = fixed TP8 on block A.
+ARTICLE: dict[str, Any] = {
+    "throughput_ratio": 1.49,  # baseline total tokens ≈ 67 % of FlexPipe's
+    "steady_p95_ms": 380.0,
+    "fixed_peak_p95_ms": 2100.0,
+    "flexpipe_peak_p95_ms": 850.0,
+    "p95_peak_ratio": 850.0 / 380.0,
+    "p95_peak_vs_fixed": 850.0 / 2100.0,
+    "decision_delay_s": 40.0,
+    "shift_s_7b": "3-5",
+    "shift_s_70b": "8-15",
+    "memory_utilisation_gain": 0.22,
+    "compute_utilisation_gain": 0.18,
+    "fixed_recovery": "10+ min after the GPUs return",
+}
+
+
+def _first_preemption(system: Mapping[str, Any], name: str) -> dict[str, Any]:
+    events = system["deployments"][name]["preemptions"]
+    return events[0] if events else {}
+
+
+def _ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, digits)
+
+
+def _median_shift(
+    system: Mapping[str, Any], deployment: str | None, *, cutover: bool = False
+) -> float | None:
+    """Median switch-phase duration of executed shifts (``cutover``: prepare + switch)."""
+    values = [
+        s["switch_s"] + ((s["prepare_s"] or 0.0) if cutover else 0.0)
+        for s in system["shifts"]
+        if s["switch_s"] is not None and s["outcome"] == "done" and s["deployment"] == deployment
+    ]
+    return rnd(statistics.median(values), 2) if values else None
+
+
+def headline(systems: Mapping[str, Any], big: str, small: str | None) -> dict[str, Any]:
+    """The figures the last JSON line carries (all from this run); ``big``/``small`` name the
+    deployments of the 70B- and 7B-class models."""
+    fixed, flex = systems["fixed"], systems["flexpipe"]
+    name = big
+    flex_event, fixed_event = _first_preemption(flex, name), _first_preemption(fixed, name)
+    flex_peak, steady = flex_event.get("peak_p95_ms"), flex_event.get("steady_p95_ms")
+    fixed_util, flex_util = fixed["utilisation"], flex["utilisation"]
+    return {
+        "throughput_ratio": _ratio(flex["tokens"], fixed["tokens"]),
+        "p95_peak_ratio": _ratio(flex_peak, steady),
+        "p95_peak_vs_fixed": _ratio(flex_peak, fixed_event.get("peak_p95_ms")),
+        "decision_delay_s": flex["decision_delay_s"],
+        "shift_s_7b": _median_shift(flex, small),
+        "shift_s_70b": _median_shift(flex, big),
+        "flaps_no_hysteresis": systems["no_hysteresis"]["flaps"]["flaps"],
+        "flaps_flexpipe": flex["flaps"]["flaps"],
+        "steady_p95_ms": steady,
+        "peak_p95_ms": flex_peak,
+        "fixed_peak_p95_ms": fixed_event.get("peak_p95_ms"),
+        "memory_utilisation_gain": _gain(flex_util, fixed_util, "memory_utilisation"),
+        "compute_utilisation_gain": _gain(flex_util, fixed_util, "compute_utilisation"),
+        "rejections_flexpipe": flex["rejections"],
+        "rejections_fixed": fixed["rejections"],
+    }
+
+
+def _gain(a: Mapping[str, Any], b: Mapping[str, Any], key: str) -> float | None:
+    ratio = _ratio(a.get(key), b.get(key), 4)
+    return None if ratio is None else round(ratio - 1.0, 4)
+
+
+def targets(head: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with its figure and whether it is met."""
+
+    def check(name: str, value: float | None, op: str, bound: float) -> dict[str, Any]:
+        met = None
+        if value is not None:
+            met = value >= bound if op == ">=" else value <= bound
+        return {"target": name, "value": value, "bound": f"{op} {bound}", "met": met}
+
+    flaps_ok = head["flaps_no_hysteresis"] > head["flaps_flexpipe"]
+    return [
+        check("throughput_ratio", head["throughput_ratio"], ">=", 1.6),
+        check("p95_peak_ratio", head["p95_peak_ratio"], "<=", 2.0),
+        check("p95_peak_vs_fixed", head["p95_peak_vs_fixed"], "<=", 0.4),
+        check("decision_delay_s", head["decision_delay_s"], "<=", 40.0),
+        check("shift_s_7b", head["shift_s_7b"], "<=", 5.0),
+        check("shift_s_70b", head["shift_s_70b"], "<=", 15.0),
+        check("memory_utilisation_gain", head["memory_utilisation_gain"], ">=", 0.22),
+        check("compute_utilisation_gain", head["compute_utilisation_gain"], ">=", 0.18),
+        {
+            "target": "flaps_no_hysteresis > flaps_flexpipe",
+            "value": [head["flaps_no_hysteresis"], head["flaps_flexpipe"]],
+            "bound": ">",
+            "met": flaps_ok,
+        },
+    ]
+
+
+# ---- the side-by-side table -----------------------------------------------------------------
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        text = f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
+    else:
+        text = f"{value:,}" if isinstance(value, int) else str(value)
+    return f"{text}{unit}"
+
+
+def _event(system: Mapping[str, Any], name: str, index: int, key: str) -> Any:
+    events = system["deployments"].get(name, {}).get("preemptions", [])
+    return events[index].get(key) if index < len(events) else None
+
+
+Getter = Callable[[Mapping[str, Any]], Any]
+Row = tuple[str, str, Getter]
+
+
+def _run_rows(fixed_tokens: int) -> list[Row]:
+    return [
+        ("total tokens (M)", "—", lambda s: round(s["tokens"] / 1e6, 2)),
+        ("tokens / fixed", "1.49×", lambda s: _ratio(s["tokens"], fixed_tokens)),
+        ("rejected requests", "—", lambda s: s["rejections"]),
+    ]
+
+
+def _deployment_rows(label: str, name: str, article: bool) -> list[Row]:
+    def event(index: int, key: str) -> Getter:
+        return lambda s: _event(s, name, index, key)
+
+    def first_response(s: Mapping[str, Any]) -> str | None:
+        done = s.get("first_response", {}).get(name)
+        if not done:
+            return None
+        return f"{_fmt(done['decided_after_s'])} / {_fmt(done['done_after_s'])}"
+
+    return [
+        (f"{label} TTFT p95 steady (ms)", "380" if article else "—", event(0, "steady_p95_ms")),
+        (f"{label} peak TTFT p95, 1st preempt (ms)", "2100 / <850" if article else "—",
+         event(0, "peak_p95_ms")),
+        (f"{label} recover, 1st preempt (s)", "600+ / —" if article else "—",
+         event(0, "recover_s")),
+        (f"{label} refused in 1st preempt window", "—", event(0, "rejected_share")),
+        (f"{label} 1st shift decided / done (s)", "— / 40" if article else "—", first_response),
+        (f"{label} peak TTFT p95, 2nd (ms)", "—", event(1, "peak_p95_ms")),
+        (f"{label} peak TTFT p95, 3rd (ms)", "—", event(2, "peak_p95_ms")),
+        (f"{label} TTFT p50/p95/p99 (ms)", "—",
+         lambda s: _trio(s["deployments"][name]["ttft_ms"])),
+        (f"{label} TBT p50/p95/p99 (ms)", "—",
+         lambda s: _trio(s["deployments"][name]["tbt_ms"])),
+    ]  # fmt: skip
+
+
+def _shift_rows(big: str, small: str | None) -> list[Row]:
+    def kv_gb(s: Mapping[str, Any]) -> float:
+        return round(sum(x["kv_bytes_moved"] for x in s["shifts"]) / 1e9, 1)
+
+    return [
+        ("decision delay (s)", "40", lambda s: s["decision_delay_s"]),
+        ("shifts done / rolled back", "—",
+         lambda s: f"{s['flaps']['shifts']} / {s['flaps']['rolled_back']}"),
+        ("switch phase 7B median (s)", "3–5", lambda s: _median_shift(s, small)),
+        ("switch phase 70B median (s)", "8–15", lambda s: _median_shift(s, big)),
+        ("prepare+switch 70B median (s)", "—", lambda s: _median_shift(s, big, cutover=True)),
+        ("KV moved (GB)", "—", kv_gb),
+        ("flaps (<10 min)", "—", lambda s: s["flaps"]["flaps"]),
+    ]  # fmt: skip
+
+
+def _utilisation_rows() -> list[Row]:
+    def util(key: str) -> Getter:
+        return lambda s: s["utilisation"][key]
+
+    return [
+        ("memory utilisation", "+22%", util("memory_utilisation")),
+        ("compute utilisation (MFU)", "+18%", util("compute_utilisation")),
+        ("busy fraction", "—", util("busy_fraction")),
+        ("mean GPUs held", "—", util("mean_gpus_held")),
+    ]
+
+
+def _rows(systems: Mapping[str, Any], big: str, small: str | None) -> list[Row]:
+    rows = _run_rows(systems["fixed"]["tokens"]) + _deployment_rows("70B", big, True)
+    if small is not None:
+        rows += _deployment_rows("7B", small, False)
+    return rows + _shift_rows(big, small) + _utilisation_rows()
+
+
+def _trio(q: Mapping[str, Any]) -> str:
+    return "/".join(_fmt(q.get(k)) for k in ("p50", "p95", "p99"))
+
+
+def table(systems: Mapping[str, Any], big: str, small: str | None) -> str:
+    """metric | article | one column per system (baselines, FlexPipe, ablations)."""
+    keys = [k for k in SYSTEM_ORDER if k in systems]
+    header = ["metric", "article", *(systems[k]["label"] for k in keys)]
+    body = [
+        [name, article, *(_fmt(get(systems[k])) for k in keys)]
+        for name, article, get in _rows(systems, big, small)
+    ]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(header, widths, strict=True))]
+    lines.append("-+-".join("-" * w for w in widths))
+    lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+    return "\n".join(lines)
+
+
+def targets_text(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One line per target: met / MISSED with the figure."""
+    out = []
+    for row in rows:
+        state = {True: "met", False: "MISSED", None: "n/a"}[row["met"]]
+        out.append(f"  {state:6} {row['target']}: {row['value']} (target {row['bound']})")
+    return "\n".join(out)

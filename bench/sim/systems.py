@@ -1,0 +1,90 @@
+"""The systems compared in one run: two baselines, FlexPipe, three ablations.
+
+All six get the same scenario, arrival trace, seeds, cost model (gearbox's, through the
+runtime's timing) and runtime code (router rules, admission, VMM, transitions); they differ only
+in what is listed here:
+
+* ``fixed`` — the article's baseline: each deployment keeps the scenario's starting plan (chat-70b
+  TP8 on block A). Replicas that lose a GPU stop; they restart in place when the GPUs return.
+* ``static_rr`` — static replicas over all blocks (:func:`bench.sim.topology.static_layout`),
+  requests routed round-robin; same restart rule.
+* ``flexpipe`` — the gear loop with the product defaults (hysteresis 1.4, cooldown 90 s).
+* ``no_hysteresis`` — (d): switch whenever gain > cost, no cooldown (see :func:`permissive`).
+* ``replay_only`` — (e): hand-overs re-prefill, never migrate KV.
+* ``no_pd_split`` — (f): no prefill/decode-disaggregated candidates (``max_pd_prefill_blocks=0``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from bench.sim.runtime import Variant
+from gearbox import DEFAULT_CONFIG, GearboxConfig
+
+
+def permissive(config: GearboxConfig) -> GearboxConfig:
+    """``config`` with hysteresis 1.0 and no cooldown — FOR THE ABLATION ONLY.
+
+    NOTE: ``GearboxConfig`` validates hysteresis to the article's 1.3–1.5 on purpose, so "no
+    hysteresis" cannot be configured; this copies the validated config and overwrites the two
+    decision knobs without re-validating. The cost model is untouched, so decisions differ from
+    FlexPipe's only in ``gain > cost × 1.0`` and a zero cooldown.
+    """
+    made = dataclasses.replace(config, cooldown_s=0.0, reverse_cooldown_factor=1.0)
+    object.__setattr__(made, "hysteresis", 1.0)
+    return made
+
+
+DEFAULT_VARIANT = Variant()
+
+
+@dataclass(frozen=True, slots=True)
+class SystemSpec:
+    """One compared system."""
+
+    key: str  # short id used in the results file
+    label: str  # column title in the table
+    adaptive: bool  # runs the gear loop
+    static_layout: bool  # static replicas over all blocks (else the scenario's plans)
+    config: GearboxConfig = DEFAULT_CONFIG
+    variant: Variant = DEFAULT_VARIANT
+
+
+SYSTEMS: tuple[SystemSpec, ...] = (
+    SystemSpec("fixed", "fixed TP8@A", adaptive=False, static_layout=False),
+    SystemSpec(
+        "static_rr",
+        "static-RR",
+        adaptive=False,
+        static_layout=True,
+        variant=Variant(round_robin=True),
+    ),
+    SystemSpec("flexpipe", "FlexPipe", adaptive=True, static_layout=False),
+    SystemSpec(
+        "no_hysteresis",
+        "(d) no hyst.",
+        adaptive=True,
+        static_layout=False,
+        config=permissive(DEFAULT_CONFIG),
+    ),
+    SystemSpec(
+        "replay_only",
+        "(e) replay",
+        adaptive=True,
+        static_layout=False,
+        variant=Variant(replay_only=True),
+    ),
+    SystemSpec(
+        "no_pd_split",
+        "(f) no PD",
+        adaptive=True,
+        static_layout=False,
+        config=dataclasses.replace(DEFAULT_CONFIG, max_pd_prefill_blocks=0),
+    ),
+)
+
+
+def with_engine(spec: SystemSpec, engine: str) -> SystemSpec:
+    """The same system on another engine implementation ("event" or "sim")."""
+    return dataclasses.replace(spec, variant=dataclasses.replace(spec.variant, engine=engine))

@@ -1,0 +1,111 @@
+"""Unit: the benchmark's event-stepped engine reproduces the product's SimEngine.
+
+Both engines get the same replica timing, the same admissions and the same ``step`` calls at
+irregular times; every first token and every finish must come out at the same simulated time
+with the same token count, including sequences paused for a hand-over and resumed, and dropped.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from bench.sim.engine import EventSimEngine
+from bench.sim.timing import MemoTiming
+from gearbox import DEFAULT_CONFIG, ModelSpec
+from gearbox.presets import MODEL_7B_MHA, MODEL_70B_GQA
+from runtime.engine.base import Engine, SeqSpec
+from runtime.engine.sim import SimEngine
+from runtime.engine.simgpu import SimGpuPool
+from runtime.timing import ReplicaTiming
+from tests.runtime.builders import make_replica
+
+pytestmark = pytest.mark.unit
+
+
+@dataclass
+class Outcome:
+    """What an engine reported."""
+
+    first: dict[str, float] = field(default_factory=dict)
+    finished: dict[str, tuple[float, int]] = field(default_factory=dict)
+    kv_bytes: list[int] = field(default_factory=list)
+
+
+def make_timing(model: ModelSpec, gpus: int, gpu_class: str) -> ReplicaTiming:
+    replica = make_replica([f"g{i}" for i in range(gpus)], model=model, gpu_class=gpu_class)
+    return ReplicaTiming.build(replica, model, DEFAULT_CONFIG)
+
+
+def make_requests(seed: int, rps: float, count: int) -> list[tuple[float, SeqSpec]]:
+    rng = random.Random(seed)
+    t_s, out = 1.0, []
+    for i in range(count):
+        t_s += rng.expovariate(rps)
+        prompt = max(1, int(rng.expovariate(1 / 900)))
+        output = max(1, int(rng.expovariate(1 / 150)))
+        out.append((t_s, SeqSpec(f"r{i}", prompt, output)))
+    return out
+
+
+def drive(engine: Engine, requests: list[tuple[float, SeqSpec]], seed: int) -> Outcome:
+    """Admit when capacity allows, step at random times, pause/resume and drop a few."""
+    rng = random.Random(seed)
+    for index in range(len(engine.timing.plan.stages)):  # type: ignore[attr-defined]
+        engine.load_shard(index, 0.0)
+    engine.build_comm_groups(0.0)
+    out, queue, now, i = Outcome(), list(requests), 0.0, 0
+    end = requests[-1][0] + 120.0
+    while now < end:
+        now = round(now + rng.choice((0.004, 0.03, 0.11, 0.5)), 6)
+        while queue and queue[0][0] <= now and engine.has_capacity():
+            engine.admit(queue.pop(0)[1], now)
+        i += 1
+        if i % 97 == 0:  # a hand-over that is abandoned: pause, then resume
+            running = [p.seq_id for p in engine.progress() if p.state.value == "running"]
+            engine.export_kv(running[:2], now)
+            engine.resume(running[:2])
+        if i % 211 == 0:  # a sequence dropped (e.g. moved away)
+            held = [p.seq_id for p in engine.progress()]
+            engine.drop(held[:1])
+        step = engine.step(now)
+        out.first.update({f.seq_id: f.t_s for f in step.first_tokens})
+        out.finished.update({f.seq_id: (f.t_s, f.output_tokens) for f in step.finished})
+        out.kv_bytes.append(engine.kv_bytes())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "gpu_class", "rps"),
+    [(MODEL_7B_MHA, 1, "a100-80g", 3.0), (MODEL_70B_GQA, 4, "h100-sxm", 4.0)],
+)
+def test_event_engine_matches_sim_engine(
+    model: ModelSpec, gpus: int, gpu_class: str, rps: float
+) -> None:
+    timing = make_timing(model, gpus, gpu_class)
+    requests = make_requests(seed=11, rps=rps, count=400)
+    reference = drive(SimEngine(timing, SimGpuPool()), requests, seed=5)
+    fast = drive(EventSimEngine(MemoTiming.wrap(timing), SimGpuPool()), requests, seed=5)
+    assert reference.first.keys() == fast.first.keys()
+    assert reference.finished.keys() == fast.finished.keys()
+    assert len(reference.finished) > 300
+    for sid, t_s in reference.first.items():
+        assert fast.first[sid] == pytest.approx(t_s, abs=1e-6)
+    for sid, (t_s, tokens) in reference.finished.items():
+        assert fast.finished[sid][0] == pytest.approx(t_s, abs=1e-6)
+        assert fast.finished[sid][1] == tokens
+    assert fast.kv_bytes == reference.kv_bytes
+
+
+def test_memo_timing_gives_the_same_figures() -> None:
+    timing = make_timing(MODEL_7B_MHA, 1, "a100-80g")
+    memo = MemoTiming.wrap(timing)
+    for tokens in (1, 63, 64, 65, 900, 8191):
+        assert memo.prefill_s(tokens) == timing.prefill_s(tokens)
+        assert memo.prefill_s(tokens) == timing.prefill_s(tokens)  # from the memo
+    for batch, context in ((1, 10.0), (17, 700.5), (256, 4000.0)):
+        assert memo.decode_cycle_s(batch, context) == timing.decode_cycle_s(batch, context)
+    assert memo.decode_cycle_s(0, 10.0) == 0.0
+    assert memo.replica_id == timing.replica_id
