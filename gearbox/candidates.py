@@ -408,7 +408,8 @@ def enumerate_options(
     """All non-dominated replica options over ``blocks`` (TP per block, PP and PD across blocks).
 
     ``available`` maps each live GPU's uuid to the bytes a plan may use there (free memory, plus
-    what the deployment itself holds on its own GPUs). Output order is deterministic.
+    what the deployment itself holds on its own GPUs); a block's GPUs missing from it are not
+    used (callers leave out GPUs a new replica may not take). Output order is deterministic.
     """
     ctx = _Context(model, config, prompt_tokens, output_tokens, available)
     by_uuid = {g.uuid: g for g in snapshot.gpus}
@@ -416,7 +417,7 @@ def enumerate_options(
     small: list[tuple[AtomicBlock, Sequence[Gpu]]] = []
     for block in sorted(blocks, key=lambda b: b.block_id):
         gpus = sorted(
-            (by_uuid[u] for u in block.gpu_uuids if u in by_uuid),
+            (by_uuid[u] for u in block.gpu_uuids if u in by_uuid and u in available),
             key=lambda g: (g.gpu_class.name, g.node, g.uuid),
         )
         if not gpus:

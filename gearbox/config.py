@@ -33,10 +33,26 @@ class GearboxConfig(Serialisable):
 
     # --- decision ---
     hysteresis: float = 1.4  # switch only when gain > cost × hysteresis (article: 1.3–1.5)
-    cooldown_s: float = 90.0  # no second voluntary switch sooner (article: >= 90 s)
+    # NOTE: a switch shows in the load gearbox sees only after the old replicas drain (runtime
+    # drain_timeout_s, 60 s by default) and the streams' load window has refilled (load_window_s,
+    # 60 s): a cooldown shorter than window + drain judges the next switch on load the last one
+    # has not settled, and the plans flap. So cooldown_s >= 60 + 60 s; raise it with either.
+    cooldown_s: float = 120.0  # no second voluntary switch sooner (article: >= 90 s)
     reverse_cooldown_factor: float = 2.0  # cooldown multiplier for switching straight back
+    failed_target_quarantine_s: float = 900.0  # a rolled-back target is not re-proposed sooner
     gain_horizon_s: float = 300.0  # how long a better plan is expected to pay off
     top_k_candidates: int = 5  # candidates listed in a decision
+    # Downshift guard (see gearbox.decide): a voluntary downshift (fewer GPUs and less estimated
+    # capacity) needs its estimated TTFT and TBT p95 at or below downshift_slo_margin × the
+    # SLOs, since the estimates err low near saturation (a 2-GPU plan judged at 146 of 150 ms);
+    # under observed pressure no downshift is taken and freed GPUs earn no credit.
+    # NOTE: in the fragmented benchmark (seed 7) it cut the 70B TTFT p95 steady 3.9 s → 582 ms,
+    # overall 171 s → 28 s, at the 2nd preemption 189 s → 48 s, but raised the 1st-preemption
+    # peak 9.7 s → 16.9 s (the headline peak_p95_ms): holding TP8 through the load dip changed
+    # which plan that preemption forced, and under pressure the guard then kept a 12-GPU plan
+    # whose estimate was optimistic. False restores the previous behaviour exactly.
+    downshift_guard: bool = True
+    downshift_slo_margin: float = 0.7
     # --- fragment history ---
     history_window_s: float = 3600.0  # samples older than this are dropped
     max_history_samples: int = 240  # per block
@@ -96,8 +112,11 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "hysteresis": (1.3, 1.5),
     "cooldown_s": (0.0, 86_400.0),
     "reverse_cooldown_factor": (1.0, 10.0),
+    "failed_target_quarantine_s": (0.0, 86_400.0),
     "gain_horizon_s": (1.0, 86_400.0),
     "top_k_candidates": (1, 50),
+    "downshift_guard": (0, 1),
+    "downshift_slo_margin": (0.01, 1.0),
     "history_window_s": (60.0, 7 * 86_400.0),
     "max_history_samples": (3, 100_000),
     "min_shrink_steps": (1, 1000),

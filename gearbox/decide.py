@@ -13,11 +13,28 @@ Small pure steps, in order of precedence:
    the cooldown since the last switch runs (``reverse_cooldown_factor`` longer to switch straight
    back); switch to the best remaining by gain − cost.
 
+Downshift guard, when ``downshift_guard`` is on (the default — see its note in
+:mod:`gearbox.config`; voluntary switches only, forced switches and overrides are unaffected): a
+downshift — a candidate with fewer GPUs AND less estimated capacity than the current plan — is
+blocked unless its estimated TTFT and TBT p95 are at most ``downshift_slo_margin`` × the SLOs,
+and every downshift is blocked while the deployment is under observed pressure
+(:func:`gearbox.scoring.observed_pressure`). A candidate with fewer GPUs but more capacity (say
+TP4 on NVLink instead of a PP/PD plan over slow links) is an upgrade, not a downshift: blocking
+it kept a 14-GPU plan at 6–8 s observed TTFT p95 in the fragmented benchmark. Under that
+pressure freed GPUs also earn no ``idle_gpu_value_tok_s`` credit, in any step: the estimates
+have just been shown too optimistic to trade capacity for GPUs handed back. A worthwhile switch
+held only by the guard reports ``DOWNSHIFT_BLOCKED``; each blocked candidate says why.
+
+Targets whose transition rolled back within ``failed_target_quarantine_s`` (the caller records
+them with :func:`gearbox.history.record_failed_target`) are not proposed in step 4, and in step 3
+only when no other candidate is feasible.
+
 Every outcome carries a :class:`DecisionReason`; the new :class:`GearState` comes back with it.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -31,7 +48,7 @@ from gearbox.decisions import (
     Overrides,
     Trigger,
 )
-from gearbox.history import GearState, record_blocks, stability_factors
+from gearbox.history import GearState, quarantined_plan_ids, record_blocks, stability_factors
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.ranking import (
@@ -42,7 +59,7 @@ from gearbox.ranking import (
     plan_problems,
     rank_candidates,
 )
-from gearbox.scoring import DeploymentEstimate, estimate_deployment
+from gearbox.scoring import DeploymentEstimate, estimate_deployment, observed_pressure
 from gearbox.switch import SwitchCost, switch_cost
 from gearbox.types import LoadSnapshot, TopologySnapshot
 
@@ -63,6 +80,8 @@ class _Tick:
     blocks: tuple[AtomicBlock, ...]
     state: GearState  # already updated with this tick's blocks and history
     available: Mapping[str, int]
+    quarantined: frozenset[str]  # recently rolled-back targets, not proposed voluntarily
+    pressure: tuple[str, ...]  # observed pressure (empty = none): no GPU credit, no downshift
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +90,7 @@ class _Scored:
     summary: CandidateSummary
     cost: SwitchCost
     raw_gain_tokens: float  # before the stability discount
+    worthwhile: bool  # gain > cost × hysteresis, before the downshift guard
 
 
 def decide(
@@ -101,6 +121,12 @@ def decide(
     blocks = build_blocks(snapshot, config, state.blocks)
     history = record_blocks(state.history, blocks, snapshot.now_s, config)
     own = current.gpu_uuids if current is not None else frozenset()
+    available = available_memory(snapshot, own)
+    pressure = _pressure(current, available, model, load, config)
+    if pressure:
+        config = _without_gpu_credit(config)
+    quarantined = quarantined_plan_ids(state, snapshot.now_s, config)
+    failed = tuple(f for f in state.failed if f.plan_id in quarantined)
     tick = _Tick(
         name,
         current,
@@ -110,8 +136,10 @@ def decide(
         model,
         trigger,
         blocks,
-        replace(state, blocks=blocks, history=history),
-        available_memory(snapshot, own),
+        replace(state, blocks=blocks, history=history, failed=failed),
+        available,
+        quarantined,
+        pressure,
     )
     if overrides.emergency_downshift and overrides.baseline_plan is not None:
         return _override(tick, overrides.baseline_plan, DecisionReason.EMERGENCY_DOWNSHIFT)
@@ -125,9 +153,65 @@ def decide(
         plan_problems(current, blocks, tick.available, model, load, config) if current else ()
     )
     scored = _score_all(tick, ranked, _current_utility(tick, problems))
+    untried = tuple(s for s in scored if s.plan.plan_id not in quarantined)
     if current is None or problems:
-        return _take_best(tick, scored, problems)
-    return _voluntary(tick, scored)
+        # a forced switch retries a rolled-back target only when nothing else is feasible
+        return _take_best(tick, untried or scored, problems)
+    return _voluntary(tick, untried)
+
+
+def _pressure(
+    current: DeploymentPlan | None,
+    available: Mapping[str, int],
+    model: ModelSpec,
+    load: LoadSnapshot,
+    config: GearboxConfig,
+) -> tuple[str, ...]:
+    """Observed pressure on the current plan; none without one (first placement)."""
+    if current is None or not config.downshift_guard:
+        return ()
+    capacity = estimate_plan(current, available, model, load, config).capacity_tok_s
+    return observed_pressure(load, config, capacity)
+
+
+def _without_gpu_credit(config: GearboxConfig) -> GearboxConfig:
+    """``config`` with ``idle_gpu_value_tok_s`` = 0, every other field unchanged.
+
+    NOTE: copied rather than rebuilt with ``dataclasses.replace``: 0 is in range and no other
+    field changes, so nothing needs validating again — and re-validating would reject the
+    deliberately out-of-range ablation config of ``bench.sim.systems.permissive``.
+    """
+    made = copy.copy(config)
+    object.__setattr__(made, "idle_gpu_value_tok_s", 0.0)
+    return made
+
+
+def _downshift_block(
+    tick: _Tick, estimate: DeploymentEstimate, current: DeploymentEstimate | None
+) -> str:
+    """Why a voluntary switch to a plan with this estimate is blocked ("" when it is not)."""
+    if not tick.config.downshift_guard or tick.current is None or current is None:
+        return ""
+    if estimate.num_gpus >= tick.current.num_gpus:
+        return ""
+    if estimate.capacity_tok_s >= current.capacity_tok_s:
+        return ""  # fewer GPUs, but no less capacity: not a downshift
+    config = tick.config
+    margin = config.downshift_slo_margin
+    gpus = f"downshift blocked ({tick.current.num_gpus} → {estimate.num_gpus} GPUs)"
+    if tick.pressure:
+        return f"{gpus}: {'; '.join(tick.pressure)}"
+    ttft_limit, tbt_limit = margin * config.ttft_slo_ms, margin * config.tbt_slo_ms
+    over = []
+    if estimate.ttft_p95_ms > ttft_limit:
+        over.append(
+            f"est TTFT p95 {estimate.ttft_p95_ms:,.0f} ms > {margin:g} × SLO = {ttft_limit:,.0f} ms"
+        )
+    if estimate.tbt_p95_ms > tbt_limit:
+        over.append(
+            f"est TBT p95 {estimate.tbt_p95_ms:,.1f} ms > {margin:g} × SLO = {tbt_limit:,.1f} ms"
+        )
+    return f"{gpus}: {'; '.join(over)}" if over else ""
 
 
 def _current_utility(tick: _Tick, problems: Sequence[str]) -> float:
@@ -162,29 +246,43 @@ def _summary(
     )
 
 
-def _score(tick: _Tick, candidate: RankedCandidate, base_utility: float) -> _Scored:
+def _score(
+    tick: _Tick,
+    candidate: RankedCandidate,
+    base_utility: float,
+    current: DeploymentEstimate | None,
+) -> _Scored:
     config = tick.config
     cost = switch_cost(
         tick.current, candidate.plan, tick.snapshot, tick.model, tick.load, config, tick.available
     )
     raw = (candidate.estimate.utility_tok_s - base_utility) * config.gain_horizon_s
     gain = raw * candidate.stability if raw > 0 else raw
+    worthwhile = gain > cost.total_tokens * config.hysteresis
+    blocked = _downshift_block(tick, candidate.estimate, current)
     summary = replace(
         _summary(
             candidate.plan.plan_id, candidate.strategy, candidate.estimate, candidate.stability
         ),
         gain_tokens=gain,
         cost_tokens=cost.total_tokens,
-        eligible=gain > cost.total_tokens * config.hysteresis,
+        eligible=worthwhile and not blocked,
+        blocked=blocked,
     )
-    return _Scored(candidate.plan, summary, cost, raw)
+    return _Scored(candidate.plan, summary, cost, raw, worthwhile)
 
 
 def _score_all(
     tick: _Tick, ranked: Sequence[RankedCandidate], base_utility: float
 ) -> tuple[_Scored, ...]:
     current_id = tick.current.plan_id if tick.current is not None else None
-    scored = [_score(tick, c, base_utility) for c in ranked if c.plan.plan_id != current_id]
+    current = None
+    if tick.current is not None:
+        args = (tick.available, tick.model, tick.load, tick.config)
+        current = estimate_plan(tick.current, *args)
+    scored = [
+        _score(tick, c, base_utility, current) for c in ranked if c.plan.plan_id != current_id
+    ]
     return tuple(sorted(scored, key=_net_order))
 
 
@@ -268,7 +366,7 @@ def _override(tick: _Tick, plan: DeploymentPlan, reason: DecisionReason) -> Deci
     summary = replace(
         _summary(plan.plan_id, "override", estimate, 1.0), cost_tokens=cost.total_tokens
     )
-    chosen = _Scored(plan, summary, cost, 0.0)
+    chosen = _Scored(plan, summary, cost, 0.0, True)
     return _result(tick, reason, (chosen,), chosen=chosen, forced=True, problems=problems)
 
 
@@ -297,7 +395,9 @@ def _voluntary(tick: _Tick, scored: Sequence[_Scored]) -> DecideResult:
     eligible = [s for s in scored if s.summary.eligible]
     if not eligible:
         hysteresis = tick.config.hysteresis
-        if any(s.raw_gain_tokens > s.cost.total_tokens * hysteresis for s in scored):
+        if any(s.worthwhile for s in scored):  # all of them blocked by the downshift guard
+            reason = DecisionReason.DOWNSHIFT_BLOCKED
+        elif any(s.raw_gain_tokens > s.cost.total_tokens * hysteresis for s in scored):
             reason = DecisionReason.STABILITY_DISCOUNT
         elif any(s.summary.gain_tokens > 0 for s in scored):
             reason = DecisionReason.HELD_BY_HYSTERESIS
@@ -361,6 +461,21 @@ def _explain(
             f"Best alternative {_describe(best)}: gain {best.gain_tokens:,.0f} tok vs cost "
             f"{best.cost_tokens:,.0f} tok × hysteresis {h} (stability {best.stability:.2f})."
         )
+    if tick.pressure:
+        parts.append(
+            f"Observed pressure ({'; '.join(tick.pressure)}): freed GPUs earn no credit "
+            "and voluntary downshifts are blocked."
+        )
+    if chosen is None or not chosen.summary.blocked:  # a forced switch ignores the guard
+        worthwhile = [c for c in candidates if c.blocked and c.gain_tokens > c.cost_tokens * h]
+        blocked = worthwhile or [c for c in candidates if c.blocked]
+        if blocked:
+            parts.append(f"{blocked[0].plan_id}: {blocked[0].blocked}.")
     if retry_after_s is not None:
         parts.append(f"Cooldown holds until t={retry_after_s:.1f} s.")
+    if tick.quarantined:
+        parts.append(
+            f"{len(tick.quarantined)} target(s) rolled back in the last "
+            f"{tick.config.failed_target_quarantine_s:.0f} s are not proposed."
+        )
     return " ".join(parts)

@@ -43,6 +43,7 @@ class DecisionReason(StrEnum):
     EMERGENCY_DOWNSHIFT = "emergency_downshift"  # operator: go to the baseline plan
     PINNED = "pinned"  # operator pinned a plan
     HELD_BY_HYSTERESIS = "held_by_hysteresis"  # some gain, but not above cost × hysteresis
+    DOWNSHIFT_BLOCKED = "downshift_blocked"  # a worthwhile switch to fewer GPUs is too risky
     STABILITY_DISCOUNT = "stability_discount"  # would switch, but onto steadily shrinking blocks
     COOLDOWN = "cooldown"  # a worthwhile switch waits for the cooldown after the last one
     REVERSE_COOLDOWN = "reverse_cooldown"  # switching straight back waits longer
@@ -77,7 +78,8 @@ class CandidateSummary(Serialisable):
     stability: float  # discount applied to its gain (1 = stable blocks)
     gain_tokens: float  # (utility − current utility) × horizon × stability
     cost_tokens: float  # switch cost from the current plan
-    eligible: bool  # gain > cost × hysteresis
+    eligible: bool  # gain > cost × hysteresis, and not blocked
+    blocked: str = ""  # why a voluntary downshift to it may not be taken ("" = not blocked)
 
 
 @dataclass(frozen=True, slots=True)

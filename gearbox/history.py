@@ -22,8 +22,11 @@ __all__ = [
     "BlockHistory",
     "BlockSample",
     "BlockSeries",
+    "FailedTarget",
     "GearState",
+    "quarantined_plan_ids",
     "record_blocks",
+    "record_failed_target",
     "stability_factor",
     "stability_factors",
 ]
@@ -62,6 +65,14 @@ class BlockHistory(Serialisable):
 
 
 @dataclass(frozen=True, slots=True)
+class FailedTarget(Serialisable):
+    """A target plan whose transition rolled back, and when the rollback was seen."""
+
+    plan_id: str
+    t_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class GearState(Serialisable):
     """What ``decide`` carries from one tick to the next for one deployment."""
 
@@ -70,6 +81,28 @@ class GearState(Serialisable):
     last_switch_s: float | None = None  # event time of the last switch decision
     last_from_plan_id: str | None = None  # plan left by the last switch (reverse detection)
     last_to_plan_id: str | None = None  # plan entered by the last switch
+    failed: tuple[FailedTarget, ...] = ()  # recent rolled-back targets (quarantine), by plan id
+
+
+def record_failed_target(
+    state: GearState, plan_id: str, now_s: float, config: GearboxConfig
+) -> GearState:
+    """Remember that the transition to ``plan_id`` rolled back at ``now_s``.
+
+    ``decide`` will not propose that plan voluntarily for ``failed_target_quarantine_s``
+    (a forced switch still may when nothing else is feasible). Entries past the quarantine are
+    dropped; one entry per plan id, the latest time wins.
+    """
+    horizon = now_s - config.failed_target_quarantine_s
+    kept = [f for f in state.failed if f.plan_id != plan_id and f.t_s > horizon]
+    entries = sorted([*kept, FailedTarget(plan_id, now_s)], key=lambda f: (f.t_s, f.plan_id))
+    return replace(state, failed=tuple(entries))
+
+
+def quarantined_plan_ids(state: GearState, now_s: float, config: GearboxConfig) -> frozenset[str]:
+    """Plan ids whose rollback is more recent than ``failed_target_quarantine_s``."""
+    horizon = now_s - config.failed_target_quarantine_s
+    return frozenset(f.plan_id for f in state.failed if f.t_s > horizon)
 
 
 def record_blocks(

@@ -26,6 +26,7 @@ __all__ = [
     "current_units",
     "deployment_stability",
     "estimate_plan",
+    "held_gpus",
     "plan_problems",
     "rank_candidates",
 ]
@@ -135,6 +136,23 @@ def _materialise(deployment: str, model: ModelSpec, units: Sequence[Unit]) -> De
     return DeploymentPlan(deployment, model.name, tuple(u.plan(model.name) for u in units))
 
 
+def held_gpus(current: DeploymentPlan | None, blocks: Sequence[AtomicBlock]) -> frozenset[str]:
+    """GPUs a new replica may not use: those of the current replicas that still run.
+
+    The executor loads a target's new replicas before it releases the current plan's (prepare
+    → switch → cleanup), so a current replica's memory is still taken while new replicas load;
+    reusing its GPUs in place would not fit. A current replica that lost a GPU is dead and its
+    memory is gone (the runtime fails it and releases its reservations), so its surviving GPUs
+    are free. Replicas kept unchanged in a target are untouched by the transition.
+    """
+    if current is None:
+        return frozenset()
+    live = {u for b in blocks for u in b.gpu_uuids}
+    return frozenset(
+        u for r in current.replicas if live.issuperset(r.gpu_uuids) for u in r.gpu_uuids
+    )
+
+
 def rank_candidates(
     snapshot: TopologySnapshot,
     blocks: Sequence[AtomicBlock],
@@ -148,13 +166,18 @@ def rank_candidates(
 ) -> tuple[RankedCandidate, ...]:
     """Feasible candidate deployments, best utility first (ties broken by plan id).
 
-    Deterministic for equal inputs. ``stability`` maps block id → factor (default: all 1).
+    A candidate keeps current replicas unchanged or adds new replicas on GPUs no running current
+    replica holds (:func:`held_gpus`): the runtime loads new replicas before it releases old
+    ones, so reusing such a GPU in place would not fit. Deterministic for equal inputs.
+    ``stability`` maps block id → factor (default: all 1).
     """
     factors = stability or {}
     own = current.gpu_uuids if current is not None else frozenset()
     available = available_memory(snapshot, own)
     prompt, output = request_profile(load)
-    options = enumerate_options(blocks, snapshot, model, prompt, output, available, config)
+    held = held_gpus(current, blocks)
+    fresh = {u: b for u, b in available.items() if u not in held}
+    options = enumerate_options(blocks, snapshot, model, prompt, output, fresh, config)
     kept = current_units(current, blocks, available, model, load, config) if current else ()
     demand = max(demand_rps(load, config) * config.capacity_headroom, math.ulp(1.0))
     ranked: dict[str, RankedCandidate] = {}

@@ -12,6 +12,12 @@ Utility (tokens/s): served tokens discounted by SLO attainment, minus the value 
 ``served × (1 − slo_weight × (1 − attainment)) − idle_gpu_value_tok_s × num_gpus`` where
 attainment = min(1, TTFT SLO / TTFT p95) × min(1, TBT SLO / TBT p95). The GPU term makes a
 deployment hand GPUs back at low load instead of holding replicas it does not need.
+
+Observed pressure (:func:`observed_pressure`) is the check of these estimates against what the
+deployment actually sees: when its observed TTFT or TBT p95 is over the SLO, or its queue alone
+takes longer than the TTFT SLO to drain at the current plan's estimated capacity, the estimates
+are too optimistic to trade serving capacity for GPUs handed back, and ``decide`` neither credits
+freed GPUs nor takes voluntary downshifts.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from gearbox.model import ModelSpec
 from gearbox.serde import Serialisable
 from gearbox.types import LoadSnapshot
 
-__all__ = ["DeploymentEstimate", "demand_rps", "estimate_deployment", "request_profile"]
+__all__ = [
+    "DeploymentEstimate",
+    "demand_rps",
+    "estimate_deployment",
+    "observed_pressure",
+    "request_profile",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +92,35 @@ def estimate_deployment(
         served * (1 - config.slo_weight * (1 - attainment)) - config.idle_gpu_value_tok_s * num_gpus
     )
     return DeploymentEstimate(True, capacity_tok_s, served, ttft, tbt, num_gpus, utility)
+
+
+def observed_pressure(
+    load: LoadSnapshot, config: GearboxConfig, capacity_tok_s: float
+) -> tuple[str, ...]:
+    """Why the deployment is observably under pressure now (empty when it is not).
+
+    Pressure is any of: observed TTFT p95 over ``ttft_slo_ms``; observed TBT p95 over
+    ``tbt_slo_ms`` (an observed p95 of 0 means none was observed and never counts); or a queue
+    whose drain alone, at ``capacity_tok_s`` (the current plan's estimated saturation capacity),
+    takes longer than the TTFT SLO — every queued request then misses it even if the estimates
+    are right. With no capacity, any queue counts.
+    """
+    reasons = []
+    if load.ttft_p95_ms > config.ttft_slo_ms:
+        reasons.append(
+            f"observed TTFT p95 {load.ttft_p95_ms:,.0f} ms > SLO {config.ttft_slo_ms:,.0f} ms"
+        )
+    if load.tbt_p95_ms > config.tbt_slo_ms:
+        reasons.append(
+            f"observed TBT p95 {load.tbt_p95_ms:,.1f} ms > SLO {config.tbt_slo_ms:,.1f} ms"
+        )
+    if load.queue_len > 0:
+        prompt, output = request_profile(load)
+        tokens = load.queue_len * (prompt + output)
+        drain_ms = tokens / capacity_tok_s * 1000 if capacity_tok_s > 0 else float("inf")
+        if drain_ms > config.ttft_slo_ms:
+            reasons.append(
+                f"queue of {load.queue_len} requests takes {min(drain_ms, 1e9):,.0f} ms to drain "
+                f"at capacity > TTFT SLO {config.ttft_slo_ms:,.0f} ms"
+            )
+    return tuple(reasons)

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 
 from flexpipe.config import FlexPipeConfig
 from flexpipe.envelope import Envelope
-from flexpipe.schemas import ClusterEvent, ControlCommand, GearTransition, Kind
+from flexpipe.schemas import ClusterEvent, ControlCommand, GearTransition, Kind, TransitionPhase
 from gearbox.decisions import Trigger
+from gearbox.history import GearState
 from streams import codec
 from streams.catalog import Catalog
 from streams.clock import EventClock
@@ -27,7 +28,14 @@ from streams.decider import Decider, TriggerMessage
 from streams.deployments import Deployment
 from streams.intake import Accepted, DeadLetterReason, Rejected, SourceTopic, admit, dead_letter
 from streams.load import LaunchWindow, ServingWindows, fold_launches, fold_serving
-from streams.loop import OverrideState, PlanState, TriggerInfo, fold_control, fold_transition
+from streams.loop import (
+    OverrideState,
+    PlanState,
+    TriggerInfo,
+    fold_control,
+    fold_rollback,
+    fold_transition,
+)
 from streams.metrics import StreamsMetrics
 from streams.ports import DecisionLog, Message, Sender, TableName, Tables
 from streams.state import (
@@ -277,6 +285,15 @@ class Engine:
         if new != plan:
             self.store(TableName.PLANS, tr.deployment, new)
             self.decider.show_plan(tr.deployment, new)
+        if tr.phase is TransitionPhase.ROLLED_BACK:
+            # gearbox quarantines the failed target, so the next tick does not re-propose it
+            gear = self.load(TableName.GEAR_STATE, tr.deployment, GearState) or GearState()
+            config = self.decider.gearbox_config
+            self.store(
+                TableName.GEAR_STATE,
+                tr.deployment,
+                fold_rollback(gear, tr, env.event_time_ms, config),
+            )
 
     async def _fold_control(self, env: Envelope[Any], wall_s: float) -> None:
         cmd: ControlCommand = env.payload

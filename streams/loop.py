@@ -27,7 +27,7 @@ from gearbox.blocks import AtomicBlock, build_blocks
 from gearbox.config import GearboxConfig
 from gearbox.decide import decide
 from gearbox.decisions import DecideResult, Overrides, Trigger
-from gearbox.history import GearState
+from gearbox.history import GearState, record_failed_target
 from gearbox.plans import DeploymentPlan
 from gearbox.types import LoadSnapshot, TopologySnapshot
 from streams.catalog import Catalog
@@ -50,6 +50,7 @@ __all__ = [
     "TriggerInfo",
     "decision_id",
     "fold_control",
+    "fold_rollback",
     "fold_transition",
     "make_input",
     "reconcile",
@@ -421,6 +422,16 @@ def fold_transition(plan: PlanState, tr: GearTransition) -> PlanState:
         source = PlanSource.TRANSITION if plan.confirmed else PlanSource.HINT
         return replace(plan, current=previous, source=source, decision_id=tr.decision_id)
     return plan
+
+
+def fold_rollback(
+    gear: GearState, tr: GearTransition, event_time_ms: int, config: GearboxConfig
+) -> GearState:
+    """A rolled-back transition quarantines its target in gearbox's state, so the next ticks
+    do not re-propose it (:func:`gearbox.history.record_failed_target`); other records pass."""
+    if tr.phase is not TransitionPhase.ROLLED_BACK or tr.to_plan_id is None:
+        return gear
+    return record_failed_target(gear, tr.to_plan_id, event_time_ms / 1000.0, config)
 
 
 def fold_control(

@@ -41,6 +41,7 @@ from streams.loop import (
     StepOutput,
     TriggerInfo,
     fold_control,
+    fold_rollback,
     fold_transition,
     make_input,
     reconcile,
@@ -125,6 +126,7 @@ class Replayer:
                 t = replace(t, plan=fold_transition(t.plan, p))
             except (TypeError, ValueError):
                 return  # the live app dead-letters it
+            t = replace(t, gear=fold_rollback(t.gear, p, env.event_time_ms, self.gearbox_config))
         else:
             t = replace(t, overrides=fold_control(t.overrides, t.plan, p, env.event_time_ms))
         self.tables[p.deployment] = t

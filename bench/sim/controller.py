@@ -27,6 +27,7 @@ from gearbox import (
     Overrides,
     Trigger,
     decide,
+    record_failed_target,
 )
 from probes.scenario import DeploymentSpec
 from runtime.stats import ServingWindow
@@ -170,6 +171,16 @@ class GearLoop:
             for uuid in held_gpus(rt):
                 used[uuid] = self.view.gpu_class_of[uuid].memory_bytes
         return used
+
+    def note_rollback(self, deployment: str, to_plan_id: str, now_s: float) -> None:
+        """A transition to ``to_plan_id`` rolled back: gearbox quarantines that target.
+
+        The streams learn it from the transitions topic; without this, ``decide`` re-proposes
+        the same failing target at every cooldown.
+        """
+        self.states[deployment] = record_failed_target(
+            self.states[deployment], to_plan_id, now_s, self.config
+        )
 
     def place(self, deployment: str, plan: DeploymentPlan, now_s: float) -> DecisionLog:
         """The starting plan, pinned (every system starts from the scenario's plan)."""

@@ -32,7 +32,7 @@ from bench.sim.runtime import BenchRuntime, VersionedPool, apply_cluster_event
 from bench.sim.systems import SystemSpec
 from bench.sim.topology import ClusterView, model_of, starting_plan, static_layout
 from flexpipe.config import FlexPipeConfig
-from flexpipe.schemas import GearTransition
+from flexpipe.schemas import GearTransition, TransitionPhase
 from gearbox import DEFAULT_CONFIG, ModelSpec, Trigger
 from probes.scenario import Preempt, Scenario
 from probes.sim import SimCluster
@@ -259,6 +259,8 @@ class Simulation:
         if log is None:
             log = self.transitions[key] = TransitionLog(name, seq, kv_bytes_start=imported)
         log.kv_bytes_end = imported
+        if record.phase is TransitionPhase.ROLLED_BACK and record.to_plan_id is not None:
+            self.loop.note_rollback(name, record.to_plan_id, t_s)
         log.records.append(
             (
                 t_s,

@@ -4,12 +4,13 @@ It is the product's SIMULATED engine, :class:`runtime.engine.sim.SimEngine` — 
 same weight loading and communication groups (inherited), iteration times from
 :class:`runtime.timing.ReplicaTiming` (gearbox's cost model), KV charged to the shared
 :class:`runtime.engine.simgpu.SimGpuPool`, an iteration = the waiting prompts that fit the
-prefill budget plus one decode token for every running sequence — except that it does not loop
-over tokens. Between two events (a prompt to prefill, a sequence finishing, the context crossing
-a 64-token timing bucket, the caller's ``now_s``) every iteration decodes the same batch in the
-same time, so a run of them is advanced at once (:mod:`bench.sim.batch`). Work per simulated
-second is proportional to requests, not tokens: an eight-hour run of one system takes about a
-minute of CPU instead of a quarter of an hour or more.
+prefill budget plus one decode token for every running sequence (on a prefill/decode split, the
+prefill stage runs its batches concurrently with the decode iterations, as in SimEngine) —
+except that it does not loop over tokens. Between two events (a prompt to prefill, a sequence
+finishing, the context crossing a 64-token timing bucket, the caller's ``now_s``) every
+iteration decodes the same batch in the same time, so a run of them is advanced at once
+(:mod:`bench.sim.batch`). Work per simulated second is proportional to requests, not tokens: an
+eight-hour run of one system takes about a minute of CPU instead of a quarter of an hour or more.
 
 NOTE: SimEngine does the same arithmetic one iteration at a time; ``tests/bench`` checks the two
 give the same first-token and finish times on a trace. ``step`` is lazy: with nothing mutated
@@ -104,6 +105,7 @@ class EventSimEngine(SimEngine):
         self._dirty = True
         self._pending = _Acc()  # output found while catching up outside ``step``
         self._pool_version = -1  # pool fault state last checked (when the pool has versions)
+        self._ev_inflight: list[SeqRecord] = []  # the split prefill stage's batch (as SimEngine)
 
     def _check_gpus(self) -> list[Failed]:
         """Die if a GPU was lost: every sequence fails and the engine's memory is freed."""
@@ -192,6 +194,7 @@ class EventSimEngine(SimEngine):
             if q.state is SeqState.RUNNING:
                 self._batch.stop(q, SeqState.RUNNING)
             self._waiting.pop(sid, None)
+            self._ev_inflight = [r for r in self._ev_inflight if r is not q]
             self._free_kv(q.kv0)
         self._mutated()
 
@@ -302,22 +305,25 @@ class EventSimEngine(SimEngine):
         assert self._clock_s is not None
         clock = self._clock_s
         while True:
-            picked = self._due_prefills(clock)
-            if picked:
-                end = self._mixed_iteration(picked, clock, now_s, acc)
-                if end is None:
-                    break
-                clock = end
-                continue
+            if self._split:
+                self._prefill_stage_ev(clock, acc)
+            else:
+                picked = self._due_prefills(clock)
+                if picked:
+                    end = self._mixed_iteration(picked, clock, now_s, acc)
+                    if end is None:
+                        break
+                    clock = end
+                    continue
             if not self._batch:
-                arrival = self._next_arrival(clock)
+                arrival = self._wake_ev(clock)
                 if arrival is not None and arrival <= now_s:
                     clock = arrival  # idle until this sequence was admitted
                     continue
                 clock = max(clock, now_s)  # idle: the engine waits at the present
                 break
             if not partial and self._finish_bound(clock) > now_s:
-                arrival = self._next_arrival(clock)
+                arrival = self._wake_ev(clock)
                 if arrival is None or arrival > now_s:
                     break  # nothing observable before now_s: leave these iterations for later
             end = self._decode_run(clock, now_s, acc, partial)
@@ -345,16 +351,44 @@ class EventSimEngine(SimEngine):
     def _step_s(self, batch: int, context: float) -> float:
         return self._steps.step_s(batch, context_bucket(context))
 
+    def _prefill_stage_ev(self, clock_s: float, acc: _Acc) -> None:
+        """A split replica's prefill stage at a step boundary (as SimEngine's
+        ``_prefill_stage``): finish its batch if done by ``clock_s``, then start the next."""
+        if self._ev_inflight and self._inflight_done_s <= clock_s:
+            batch, self._ev_inflight = self._ev_inflight, []
+            for q in batch:
+                self._complete_prefill(q, self._inflight_done_s, acc)
+        if not self._ev_inflight:
+            picked = self._due_prefills(clock_s)
+            if picked:
+                t = self.timing
+                self._ev_inflight = picked
+                self._inflight_done_s = clock_s + sum(
+                    t.prefill_s(q.spec.prompt_tokens + q.gen0) for q in picked
+                )
+
+    def _wake_ev(self, clock_s: float) -> float | None:
+        """The next admission, or the split prefill stage's batch end: decode runs stop there."""
+        if self._ev_inflight:
+            return self._inflight_done_s
+        return self._next_arrival(clock_s)
+
     def _next_arrival(self, clock_s: float) -> float | None:
-        later = [q.ready_at_s for q in self._waiting.values() if q.ready_at_s > clock_s]
+        inflight = {id(r) for r in self._ev_inflight}
+        later = [
+            q.ready_at_s
+            for q in self._waiting.values()
+            if q.ready_at_s > clock_s and id(q) not in inflight
+        ]
         return min(later) if later else None
 
     def _due_prefills(self, clock_s: float) -> list[SeqRecord]:
         picked: list[SeqRecord] = []
         budget = self._max_prefill_tokens
+        inflight = {id(r) for r in self._ev_inflight}
         for q in self._waiting.values():
             # NOTE: a sequence joins the first iteration that starts after its admission.
-            if q.ready_at_s <= clock_s:
+            if q.ready_at_s <= clock_s and id(q) not in inflight:
                 tokens = q.spec.prompt_tokens + q.gen0
                 if picked and tokens > budget:
                     break
@@ -388,7 +422,7 @@ class EventSimEngine(SimEngine):
         Returns the clock after them, or None when nothing was run: not one iteration fits
         before ``now_s``, or (without ``partial``) the run would end at ``now_s`` with no event.
         """
-        arrival = self._next_arrival(clock)
+        arrival = self._wake_ev(clock)
         segments, end, timed_out = decode_segments(self._batch, self._steps, clock, now_s, arrival)
         if not segments or (timed_out and not partial):
             return None
@@ -473,8 +507,8 @@ class _Acc:
     decode_step_s: list[float] = field(default_factory=list)
 
     def output(self) -> StepOutput:
-        if not (self.iterations or self.failed):
-            return _EMPTY
+        if not (self.iterations or self.failed or self.prefill_tokens):
+            return _EMPTY  # (a split replica's prefill stage completes outside iterations)
         return StepOutput(
             self.iterations,
             self.prefill_tokens,

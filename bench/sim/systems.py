@@ -8,7 +8,7 @@ in what is listed here:
   TP8 on block A). Replicas that lose a GPU stop; they restart in place when the GPUs return.
 * ``static_rr`` — static replicas over all blocks (:func:`bench.sim.topology.static_layout`),
   requests routed round-robin; same restart rule.
-* ``flexpipe`` — the gear loop with the product defaults (hysteresis 1.4, cooldown 90 s).
+* ``flexpipe`` — the gear loop with the product defaults (hysteresis 1.4, cooldown 120 s).
 * ``no_hysteresis`` — (d): switch whenever gain > cost, no cooldown (see :func:`permissive`).
 * ``replay_only`` — (e): hand-overs re-prefill, never migrate KV.
 * ``no_pd_split`` — (f): no prefill/decode-disaggregated candidates (``max_pd_prefill_blocks=0``).

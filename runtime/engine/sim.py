@@ -2,11 +2,17 @@
 
 It serves requests without a GPU: each iteration prefills waiting prompts (up to a token budget)
 and advances every running sequence by one token, taking the time :class:`runtime.timing.
-ReplicaTiming` computes for that batch on the replica's hardware. KV is allocated per token
-against each simulated GPU's memory (:class:`SimGpuPool`), so a runtime that over-admits sees
-out-of-memory events exactly where a real engine would. Faults injected into the pool (lost GPUs,
-failing loads or transfers) surface as :class:`EngineFault` values. Time is an input:
-``step(now_s)`` runs the iterations that complete by ``now_s`` and nothing else.
+ReplicaTiming` computes for that batch on the replica's hardware. A prefill/decode-split
+replica runs its two stages on different GPUs, concurrently: its prefill stage takes a batch of
+waiting prompts whenever it is idle (at a decode-step boundary), and each prompt joins the decode
+batch at the first step boundary after its prefill (KV hand-off included) completes — the first
+token comes out at that completion; decode iterations never wait for prefills.
+
+KV is allocated per token against each simulated GPU's memory (:class:`SimGpuPool`), so a
+runtime that over-admits sees out-of-memory events exactly where a real engine would. Faults
+injected into the pool (lost GPUs, failing loads or transfers) surface as :class:`EngineFault`
+values. Time is an input: ``step(now_s)`` runs the iterations that complete by ``now_s`` and
+nothing else.
 """
 
 from __future__ import annotations
@@ -69,6 +75,9 @@ class SimEngine:
         self._clock_s: float | None = None
         self._kv_per_token = timing.kv_bytes_per_token_per_gpu
         self._kv_total_per_token = timing.model.kv_bytes_per_token
+        self._split = timing.plan.is_disaggregated  # prefill and decode stages run concurrently
+        self._inflight: list[str] = []  # the split prefill stage's current batch
+        self._inflight_done_s = 0.0
 
     # ---- weights and groups --------------------------------------------------------------------
 
@@ -189,6 +198,8 @@ class SimEngine:
             q = self._seqs.pop(sid, None)
             if q is not None:
                 self._free_kv(q.kv_tokens)
+                if sid in self._inflight:
+                    self._inflight.remove(sid)
 
     def export_kv(self, seq_ids: Sequence[str], now_s: float) -> tuple[KvExport, ...]:
         """Pause running sequences and describe their KV; others are skipped."""
@@ -267,10 +278,14 @@ class SimEngine:
         clock = max(self._clock_s or now_s, self._comm_ready_at)
         acc = _Acc(failed=failed)
         for _ in range(MAX_ITERATIONS_PER_STEP):
-            prefill = self._pick_prefill(clock)
+            if self._split:
+                self._prefill_stage(clock, acc)
+                prefill = []
+            else:
+                prefill = self._pick_prefill(clock)
             decode = [sid for sid, q in self._seqs.items() if q.state is SeqState.RUNNING]
             if not prefill and not decode:
-                arrival = self._next_arrival(clock)
+                arrival = self._wake_s(clock)
                 if arrival is not None and arrival <= now_s:
                     clock = arrival  # idle until this sequence was admitted
                     continue
@@ -284,8 +299,35 @@ class SimEngine:
         self._clock_s = clock
         return acc.output()
 
+    def _prefill_stage(self, clock_s: float, acc: _Acc) -> None:
+        """A split replica's prefill stage at a step boundary: finish its batch if done by
+        ``clock_s`` (first tokens at the batch's end), then start the next if prompts are due."""
+        if self._inflight and self._inflight_done_s <= clock_s:
+            batch, self._inflight = self._inflight, []
+            for sid in batch:
+                self._finish_prefill(sid, self._inflight_done_s, acc)
+        if not self._inflight:
+            picked = self._pick_prefill(clock_s)
+            if picked:
+                t = self.timing
+                self._inflight = picked
+                self._inflight_done_s = clock_s + sum(
+                    t.prefill_s(self._seqs[s].spec.prompt_tokens + self._seqs[s].generated)
+                    for s in picked
+                )
+
+    def _wake_s(self, clock_s: float) -> float | None:
+        """When an idle engine has work next: an admission, or the prefill stage's batch."""
+        if self._inflight:
+            return self._inflight_done_s
+        return self._next_arrival(clock_s)
+
     def _next_arrival(self, clock_s: float) -> float | None:
-        waiting = [q.ready_at_s for q in self._seqs.values() if q.state is SeqState.WAITING]
+        waiting = [
+            q.ready_at_s
+            for sid, q in self._seqs.items()
+            if q.state is SeqState.WAITING and sid not in self._inflight
+        ]
         later = [t for t in waiting if t > clock_s]
         return min(later) if later else None
 
@@ -294,7 +336,8 @@ class SimEngine:
         budget = self._max_prefill_tokens
         for sid, q in self._seqs.items():
             # NOTE: a sequence joins the first iteration that starts after its admission.
-            if q.state is SeqState.WAITING and q.ready_at_s <= clock_s:
+            due = q.state is SeqState.WAITING and q.ready_at_s <= clock_s
+            if due and sid not in self._inflight:
                 tokens = q.spec.prompt_tokens + q.generated
                 if picked and tokens > budget:
                     break

@@ -7,6 +7,7 @@ with the same token count, including sequences paused for a hand-over and resume
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
@@ -15,11 +16,13 @@ import pytest
 from bench.sim.engine import EventSimEngine
 from bench.sim.timing import MemoTiming
 from gearbox import DEFAULT_CONFIG, ModelSpec
-from gearbox.presets import MODEL_7B_MHA, MODEL_70B_GQA
+from gearbox.plans import ExecutionPlan, StageRole
+from gearbox.presets import LINK_CLASSES, MODEL_7B_MHA, MODEL_70B_GQA
 from runtime.engine.base import Engine, SeqSpec
 from runtime.engine.sim import SimEngine
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
+from tests.gearbox.builders import make_stage
 from tests.runtime.builders import make_replica
 
 pytestmark = pytest.mark.unit
@@ -36,6 +39,22 @@ class Outcome:
 
 def make_timing(model: ModelSpec, gpus: int, gpu_class: str) -> ReplicaTiming:
     replica = make_replica([f"g{i}" for i in range(gpus)], model=model, gpu_class=gpu_class)
+    return ReplicaTiming.build(replica, model, DEFAULT_CONFIG)
+
+
+def make_split_timing(model: ModelSpec) -> ReplicaTiming:
+    """The bench's split replica: prefill TP2 on H100, decode TP8 on A100, over RDMA."""
+    layers = (0, model.num_layers)
+    prefill = make_stage(("p0", "p1"), layers, role=StageRole.PREFILL)
+    decode = make_stage(
+        tuple(f"d{i}" for i in range(8)),
+        layers,
+        block_id="blk-b",
+        domain_id="B",
+        role=StageRole.DECODE,
+        gpu_class="a100-80g",
+    )
+    replica = ExecutionPlan(model.name, (prefill, decode), None, LINK_CLASSES["rdma"])
     return ReplicaTiming.build(replica, model, DEFAULT_CONFIG)
 
 
@@ -97,6 +116,52 @@ def test_event_engine_matches_sim_engine(
         assert fast.finished[sid][0] == pytest.approx(t_s, abs=1e-6)
         assert fast.finished[sid][1] == tokens
     assert fast.kv_bytes == reference.kv_bytes
+
+
+def test_event_engine_matches_sim_engine_on_a_split_replica() -> None:
+    timing = make_split_timing(MODEL_70B_GQA)
+    requests = make_requests(seed=13, rps=6.0, count=400)
+    reference = drive(SimEngine(timing, SimGpuPool()), requests, seed=7)
+    fast = drive(EventSimEngine(MemoTiming.wrap(timing), SimGpuPool()), requests, seed=7)
+    assert reference.first.keys() == fast.first.keys()
+    assert reference.finished.keys() == fast.finished.keys()
+    assert len(reference.finished) > 300
+    for sid, t_s in reference.first.items():
+        assert fast.first[sid] == pytest.approx(t_s, abs=1e-6)
+    for sid, (t_s, tokens) in reference.finished.items():
+        assert fast.finished[sid][0] == pytest.approx(t_s, abs=1e-6)
+        assert fast.finished[sid][1] == tokens
+    assert fast.kv_bytes == reference.kv_bytes
+
+
+@pytest.mark.parametrize("engine_cls", [SimEngine, EventSimEngine])
+def test_split_replica_decodes_while_it_prefills(engine_cls: type[SimEngine]) -> None:
+    """Prefill and decode stages are different GPUs: decode steps never wait for prefills, and
+    prefill batches run back to back on their own stage (finding 2 of the bench report)."""
+    timing = make_split_timing(MODEL_70B_GQA)
+    engine = engine_cls(
+        MemoTiming.wrap(timing) if engine_cls is EventSimEngine else timing, SimGpuPool()
+    )
+    for index in range(len(timing.plan.stages)):
+        engine.load_shard(index, 0.0)
+    engine.build_comm_groups(0.0)
+    for i in range(64):
+        engine.admit(SeqSpec(f"r{i}", 2000, 400), 0.0)
+    steps: list[float] = []
+    firsts: dict[str, float] = {}
+    now = 0.0
+    while now < 120.0:
+        now += 0.25
+        out = engine.step(now)
+        steps.extend(out.decode_step_s)
+        firsts.update({f.seq_id: f.t_s for f in out.first_tokens})
+    longest_step = timing.decode_cycle_s(64, 2400.0)
+    assert steps and max(steps) <= longest_step + 1e-9  # no prefill inside a decode step
+    batch_s = 4 * timing.prefill_s(2000)  # 4 prompts of 2,000 tokens fit the 8,192 budget
+    ends = sorted(set(firsts.values()))
+    assert len(firsts) == 64 and len(ends) == 16
+    for a, b in itertools.pairwise(ends):
+        assert batch_s - 1e-9 <= b - a <= batch_s + longest_step + 1e-9
 
 
 def test_memo_timing_gives_the_same_figures() -> None:

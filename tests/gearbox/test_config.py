@@ -41,3 +41,14 @@ def test_configs_round_trip() -> None:
     custom = GearboxConfig(hysteresis=1.3, cooldown_s=120.0, max_tp=8)
     assert GearboxConfig.from_dict(custom.to_dict()) == custom
     assert PlacementConfig.from_dict(PlacementConfig().to_dict()) == PlacementConfig()
+
+
+@pytest.mark.unit
+def test_cooldown_outlasts_the_load_window_and_the_drain() -> None:
+    """A second switch must be judged on load that has seen the first one drain (finding 4)."""
+    from flexpipe.config import FlexPipeConfig  # the tests may look outside gearbox
+
+    cfg = FlexPipeConfig()
+    settle_s = cfg.streams.load_window_s + cfg.runtime.drain_timeout_s
+    assert DEFAULT_CONFIG.cooldown_s >= settle_s
+    assert DEFAULT_CONFIG.cooldown_s * DEFAULT_CONFIG.reverse_cooldown_factor >= 2 * settle_s

@@ -129,7 +129,8 @@ def test_cooldown_holds_a_worthwhile_switch() -> None:
     result = _decide(_on_c(), state=state)
     assert result.decision is None and result.reason is DecisionReason.COOLDOWN
     assert result.retry_after_s == NOW_S - 30.0 + DEFAULT_CONFIG.cooldown_s
-    after = _state(snapshot, last_switch_s=NOW_S - 91.0, last_from_plan_id="dp-older")
+    gone = NOW_S - DEFAULT_CONFIG.cooldown_s - 1.0
+    after = _state(snapshot, last_switch_s=gone, last_from_plan_id="dp-older")
     assert _decide(_on_c(), state=after).reason is DecisionReason.SWITCH_GAIN
 
 
@@ -138,14 +139,18 @@ def test_reverse_switch_waits_longer() -> None:
     best = _decide(_on_c()).decision
     assert best is not None
     snapshot = article_cluster()
-    state = _state(snapshot, last_switch_s=NOW_S - 120.0, last_from_plan_id=best.to_plan_id)
+    cooldown = DEFAULT_CONFIG.cooldown_s
+    state = _state(
+        snapshot, last_switch_s=NOW_S - cooldown - 1.0, last_from_plan_id=best.to_plan_id
+    )
     held = _decide(_on_c(), state=state)
     # the best candidate is the plan we just left: only a non-reverse candidate may go now
     if held.decision is None:
         assert held.reason is DecisionReason.REVERSE_COOLDOWN
     else:
         assert held.decision.to_plan_id != best.to_plan_id
-    late = _state(snapshot, last_switch_s=NOW_S - 181.0, last_from_plan_id=best.to_plan_id)
+    reverse = cooldown * DEFAULT_CONFIG.reverse_cooldown_factor
+    late = _state(snapshot, last_switch_s=NOW_S - reverse - 1.0, last_from_plan_id=best.to_plan_id)
     again = _decide(_on_c(), state=late).decision
     assert again is not None and again.to_plan_id == best.to_plan_id
 

@@ -30,6 +30,7 @@ from streams.loop import (
     StepOutput,
     TriggerInfo,
     fold_control,
+    fold_rollback,
     fold_transition,
     make_input,
     reconcile,
@@ -163,6 +164,16 @@ def test_transitions_confirm_and_roll_back() -> None:
     assert fold_transition(ours, back).current == base
     with pytest.raises(ValueError):
         fold_transition(PlanState(), replace(done, plan={"deployment": "chat"}))
+
+
+def test_a_rollback_quarantines_its_target_in_the_gear_state() -> None:
+    back = GearTransition(
+        "chat", 4, "chat:7", TransitionPhase.ROLLED_BACK, PhaseStatus.COMPLETED, "dp-a", "dp-b"
+    )
+    gear = fold_rollback(GearState(), back, T0_MS, DEFAULT_CONFIG)
+    assert [(f.plan_id, f.t_s) for f in gear.failed] == [("dp-b", T0_MS / 1000.0)]
+    done = replace(back, phase=TransitionPhase.DONE)
+    assert fold_rollback(GearState(), done, T0_MS, DEFAULT_CONFIG) == GearState()
 
 
 def test_operator_commands_override_the_optimiser() -> None:
