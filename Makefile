@@ -5,7 +5,7 @@ bootstrap:
 	@bash deploy/bootstrap.sh
 
 run: bootstrap
-	.venv/bin/flexpipe run $(ARGS)
+	.venv/bin/flexpipe up $(ARGS)
 
 test: bootstrap
 	@bash deploy/test.sh $(ARGS)

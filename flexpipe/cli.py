@@ -63,6 +63,12 @@ def _run(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
     return asyncio.run(run_main_job(cfg, args))
 
 
+def _up(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
+    from flexpipe.up import run_up
+
+    return asyncio.run(run_up(cfg, args))
+
+
 def _runtime(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
     from runtime.cli import run_worker
 
@@ -116,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--speed", type=float, default=None, help="simulated s per wall s")
         p.add_argument("--duration", type=float, default=None, help="simulated seconds to run")
         p.set_defaults(handler=handler)
+    p = sub.add_parser("up", help="the whole loop on a simulated cluster (what `make run` runs)")
+    p.add_argument("--scenario", default=None, help="scenario YAML (default: demo-shift)")
+    p.add_argument("--seed", type=int, default=7, help="simulation seed (default 7)")
+    p.add_argument("--speed", type=float, default=None, help="simulated s per wall s")
+    p.add_argument("--duration", type=float, default=None, help="simulated seconds to run")
+    p.add_argument("--out", default="out", help="report directory (default out/)")
+    p.set_defaults(handler=_up)
+
     p = sub.add_parser("runtime", help="a runtime worker: transitions, routing, HTTP API")
     p.add_argument("--deployment", action="append", default=None, help="repeatable")
     p.add_argument("--port", type=int, default=None, help="HTTP port (0 = pick one)")

@@ -99,11 +99,19 @@ def _topic_for(cfg: FlexPipeConfig, env: envelope.Envelope[Any]) -> tuple[str, b
 
 
 async def publish(
-    cfg: FlexPipeConfig, events: Iterator[envelope.Envelope[Any]], speed: float, t0_ms: int
+    cfg: FlexPipeConfig,
+    events: Iterator[envelope.Envelope[Any]],
+    speed: float,
+    t0_ms: int,
+    t0: float | None = None,
 ) -> int:
-    """Publish envelopes paced so that ``speed`` simulated seconds pass per wall second."""
+    """Publish envelopes paced so that ``speed`` simulated seconds pass per wall second.
+
+    ``t0`` (a ``time.monotonic()`` value) is the wall time of simulated time 0; pass the one the
+    other components' clocks share.
+    """
     producer = make_producer(cfg)
-    start = time.monotonic()
+    start = time.monotonic() if t0 is None else t0
     pending: list[Any] = []
     count = 0
     async with running(producer):

@@ -192,6 +192,11 @@ class DeploymentSpec:
     model: ModelSpecRef
     plan: PlanHint
     workload: WorkloadSpec
+    # Share of each of its GPUs' memory a replica's engine holds once loaded, as vLLM
+    # preallocates weights plus KV cache up to ``gpu_memory_utilization``; 0 = the weights and
+    # the live KV only. NOTE: with it, the telemetry shows a served GPU as full, so the planner
+    # never puts another deployment there — which the runtime, owning GPUs whole, would refuse.
+    memory_utilisation: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -313,8 +313,10 @@ class SimCluster:
         for uuid, (name, r) in wanted.items():
             if uuid not in self._workers:
                 group = self._placement[name][r]
-                weights = self._deployments[name].model.weight_bytes / len(group)
-                self._workers[uuid] = Worker(self._new_pid(), name, r, weights, len(group))
+                dep = self._deployments[name]
+                held = dep.memory_utilisation * self._gpus[uuid].cls.memory_total_bytes
+                weights = dep.model.weight_bytes / len(group)
+                self._workers[uuid] = Worker(self._new_pid(), name, r, weights, len(group), held)
         self._load_cache = None
 
     def _new_pid(self) -> int:

@@ -64,6 +64,7 @@ class Worker:
     replica: int
     weight_bytes: float  # resident even when the replica stalls
     replica_gpus: int
+    held_bytes: float = 0.0  # preallocated by the engine (weights + KV pool); 0 = none
 
     @property
     def comm(self) -> str:
@@ -183,6 +184,7 @@ def build_sample(
             busy, mem_busy = min(1.0, load.busy), load.mem_busy
             used += load.kv_bytes * (0.995 + 0.01 * rng.random())  # sequences come and go
             tp_share = 0.04 if worker.replica_gpus > 1 else 0.0
+        used = max(used, worker.held_bytes)  # a preallocated KV pool is held, used or not
         procs = (GpuProcess(worker.pid, int(min(used, usable - 256 * MIB))),)
     used_bytes = sum(p.used_memory_bytes or 0 for p in procs)
     xids = g.fatal + tuple(g.pending_xids)

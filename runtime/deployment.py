@@ -2,9 +2,10 @@
 
 Synchronous and clock-free: the worker (wall clock, Kafka) and a discrete-event benchmark
 (simulated clock, no broker) drive the same object through four calls — :meth:`on_decision`,
-:meth:`tick`, :meth:`on_persisted` and :meth:`submit` — and drain its outboxes: transition
-records to persist (acknowledge each through ``on_persisted`` before the machine moves on),
-ownership events for the journal, completions, and resolved decisions.
+:meth:`tick`, :meth:`on_persisted` and :meth:`submit` (plus :meth:`recover` and :meth:`adopt` at
+start-up) — and drain its outboxes: transition records to persist (acknowledge each through
+``on_persisted`` before the machine moves on), ownership events for the journal, completions,
+and resolved decisions.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from runtime.transition import (
     RunPhase,
     Tick,
     TransitionPolicy,
+    adopt,
     handle,
     recover,
 )
@@ -181,6 +183,20 @@ class DeploymentRuntime:
         self._apply(effects, now_s)
         for request in unfinished:
             self.core.readmit(request, now_s)
+
+    def adopt(self, plan: DeploymentPlan, now_s: float) -> bool:
+        """Load ``plan`` as the starting plan (transition 0) when nothing serves and no decision
+        was accepted yet; True when that transition started.
+
+        The deployment's configured starting plan is the stream's assumed current plan until a
+        transition confirms one (``streams.deployments``); adopting it makes that true, in the
+        transitions log, before the first decision arrives.
+        """
+        if any(self.timing_for(r) is None for r in plan.replicas):
+            return False  # an unknown model: nothing could load it
+        self.state, effects = adopt(self.state, plan, f"{self.deployment}:start", now_s)
+        self._apply(effects, now_s)
+        return bool(effects)
 
     def _bootstrap(self, plan: DeploymentPlan | None, now_s: float) -> None:
         if plan is None:

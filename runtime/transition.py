@@ -11,6 +11,8 @@ along as the world.
 * Retries: a failed or timed-out phase is compensated (:class:`AbortPhase`), retried after a
   back-off, up to ``max_retries`` times; then prepare/switch roll back (old plan keeps serving)
   and cleanup — past the atomic swap, so rolling back would be another switch — is forced.
+* Start-up: :func:`adopt` loads a deployment's configured starting plan as transition 0 (decisions
+  start at sequence 1, so fencing is unchanged), through the same three persisted phases.
 * Recovery: :func:`recover` folds a transitions log (the last record per sequence) into the
   serving plan and resumes the in-flight transition: before the swap committed it rolls back,
   after it resumes cleanup.
@@ -29,6 +31,7 @@ P, S, C = TransitionPhase.PREPARE, TransitionPhase.SWITCH, TransitionPhase.CLEAN
 DONE, ROLLED_BACK = TransitionPhase.DONE, TransitionPhase.ROLLED_BACK
 STARTED, COMPLETED, FAILED = PhaseStatus.STARTED, PhaseStatus.COMPLETED, PhaseStatus.FAILED
 _NEXT = {P: S, S: C, C: DONE}
+START_SEQ = 0  # the starting plan's transition: below every decision's sequence (from 1)
 
 
 class Outcome(StrEnum):
@@ -263,6 +266,19 @@ def _start(state: MachineState, d: DecisionIn) -> Result:
     state = replace(state, last_seq=d.seq, active=a)
     record = _record(state, a, P, STARTED, now_s=d.now_s, detail="decision accepted")
     return state, (Resolved(d.ref, d.seq, Outcome.STARTED), Persist(record))
+
+
+def adopt(state: MachineState, plan: DeploymentPlan, decision_id: str, now_s: float) -> Result:
+    """Start-up: carry out the configured starting plan as transition :data:`START_SEQ`.
+
+    Only for a deployment with nothing serving, nothing in flight and no decision accepted yet
+    (a fresh log, or a start-up whose adoption rolled back); otherwise a no-op. NOTE: a normal,
+    persisted transition rather than a silent load, so the transitions log — which the stream
+    folds into its current plan — says what serves from the first second on.
+    """
+    if state.last_seq > START_SEQ or state.serving is not None or state.active is not None:
+        return state, ()
+    return _start(state, DecisionIn(START_SEQ, decision_id, plan, now_s))
 
 
 def _on_decision(state: MachineState, d: DecisionIn) -> Result:

@@ -1,10 +1,12 @@
 """Runtime worker: the thin Kafka/asyncio/HTTP shell around one DeploymentRuntime per deployment.
 
 On start it reads the cluster-event log (latest GPU state), the transitions log and the
-ownership journal, resumes or rolls back what was in flight and replays unfinished sequences;
-then it consumes decisions for its deployments, ticks every runtime, persists each transition
-record (waiting for the broker's ack before the machine moves on), journals sequence ownership,
-publishes serving load, and serves the HTTP API. All policy lives in the runtimes.
+ownership journal, resumes or rolls back what was in flight and replays unfinished sequences; a
+deployment given a starting plan that the log knows nothing of loads it as transition 0 (see
+:meth:`DeploymentRuntime.adopt`). Then it consumes decisions for its deployments, ticks every
+runtime, persists each transition record (waiting for the broker's ack before the machine moves
+on), journals sequence ownership, publishes serving load, and serves the HTTP API. All policy
+lives in the runtimes.
 
 Run it in-process (``async with RuntimeWorker(cfg) as w``) or as a process:
 ``python -m runtime.worker --deployment NAME`` / ``flexpipe runtime --deployment NAME``.
@@ -38,6 +40,7 @@ from flexpipe.schemas import (
 )
 from flexpipe.topics import Topic, topic_name
 from gearbox.model import ModelSpec
+from gearbox.plans import DeploymentPlan
 from gearbox.presets import LINK_CLASSES, MODELS
 from runtime.deployment import DeploymentRuntime, Outbox, RuntimeSettings
 from runtime.engine.simgpu import SimGpuPool
@@ -105,6 +108,7 @@ class RuntimeWorker:
         models: Mapping[str, ModelSpec] = MODELS,
         clock: SimClock | None = None,
         event_epoch_ms: int | None = None,
+        start_plans: Mapping[str, DeploymentPlan] | None = None,
     ) -> None:
         self.cfg = cfg
         self.rc = cfg.runtime
@@ -115,6 +119,8 @@ class RuntimeWorker:
         # With an epoch, event times follow the runtime clock (a simulated cluster's time line);
         # without, they are wall-clock times as on a real cluster.
         self._event_epoch_ms = event_epoch_ms
+        # Each deployment's configured starting plan (the stream's hint), adopted on a fresh log.
+        self._start_plans = dict(start_plans or {})
         self.pool = SimGpuPool()
         self.inventory = GpuInventory()
         self.vmm = ReservationManager(_backend_factory(self.rc))
@@ -289,6 +295,9 @@ class RuntimeWorker:
                 for r in journal_unfinished(journal, deployment)
             ]
             rt.recover(records, pending, now)
+            start = self._start_plans.get(deployment)
+            if start is not None and rt.adopt(start, now):
+                log.info("%s: loading starting plan %s (transition 0)", deployment, start.plan_id)
             log.info(
                 "recovered %s: plan %s, %d sequences replayed",
                 deployment,

@@ -236,7 +236,12 @@ def _deployments(raw: Any, sc: Scenario) -> tuple[DeploymentSpec, ...]:
     out = []
     for name, spec in _mapping(raw, "deployments", empty_ok=True).items():
         path = _at("deployments", name)
-        fields = {"model": _raw, "plan": _raw, "workload": _raw}
+        fields = {
+            "model": _raw,
+            "plan": _raw,
+            "workload": _raw,
+            "memory_utilisation": _number(0.0, hi=1.0),
+        }
         m = _record(spec, path, fields, ("model", "plan", "workload"))
         model = _model(m["model"], f"{path}.model")
         plan = _plan(m["plan"], f"{path}.plan", sc, model)
@@ -248,7 +253,8 @@ def _deployments(raw: Any, sc: Scenario) -> tuple[DeploymentSpec, ...]:
             )
         free[plan.block] -= plan.num_gpus
         workload = _workload(m["workload"], f"{path}.workload", sc.duration_s)
-        out.append(DeploymentSpec(name=name, model=model, plan=plan, workload=workload))
+        share = m.get("memory_utilisation", 0.0)
+        out.append(DeploymentSpec(name, model, plan, workload, memory_utilisation=share))
     return tuple(out)
 
 

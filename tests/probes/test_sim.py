@@ -10,9 +10,9 @@ from flexpipe import envelope
 from flexpipe.errors import ValidationError
 from flexpipe.schemas import ClusterEventType, GpuSample
 from probes.base import GpuSampler, LaunchCounter
-from probes.scenario import Scenario
+from probes.scenario import Scenario, parse_scenario
 from probes.sim import INTER_DOMAIN_ID, Origin, SimCluster, SimGpuSampler, SimLaunchCounter
-from tests.fixtures.scenarios.builders import tiny
+from tests.fixtures.scenarios.builders import tiny, tiny_raw
 
 pytestmark = pytest.mark.unit
 
@@ -240,3 +240,17 @@ def test_same_seed_same_numbers_other_seed_other_numbers() -> None:
     scenario = tiny({"t_s": 60, "type": "preempt", "domain": "A", "count": 2})
     assert _trace(scenario, 1) == _trace(scenario, 1)
     assert _trace(scenario, 1) != _trace(scenario, 2)
+
+
+def test_a_preallocating_engine_reports_its_gpus_full_before_they_are_busy() -> None:
+    raw = tiny_raw()
+    raw["deployments"]["chat"]["memory_utilisation"] = 0.9
+    held = SimCluster(parse_scenario(raw, source="tiny"), 7)
+    plain = make_cluster()
+    for cluster, least, most in ((held, 0.9, 1.0), (plain, 0.0, 0.9)):
+        samples = by_uuid(SimGpuSampler(cluster, "node-a1").sample(0.0))
+        used = [samples[u].memory_used_bytes / samples[u].memory_total_bytes for u in A1]
+        assert all(least <= share < most for share in used), used
+    with pytest.raises(ValidationError, match="memory_utilisation"):
+        raw["deployments"]["chat"]["memory_utilisation"] = 1.5
+        parse_scenario(raw, source="tiny")

@@ -265,3 +265,17 @@ def test_status_reports_the_gear_as_a_monitored_object() -> None:
     assert status["executor"]["shadow_replicas"] == [A0.plan_id]
     assert status["invariant_violations"] == []
     assert "ownership" in status and _placed_records == []
+
+
+def test_a_runtime_adopts_its_starting_plan_and_serves_before_any_decision() -> None:
+    h = Harness(make_runtime())
+    assert h.rt.adopt(make_plan(A0), h.now_s)
+    h.until(lambda: h.rt.state.active is None, 30)
+    assert h.rt.state.serving_plan_id == make_plan(A0).plan_id
+    assert h.phases[0] == (0, P, PhaseStatus.STARTED, 1) and h.phases[-1][1] is TransitionPhase.DONE
+    assert h.submit(make_request(1)).admitted
+    assert not h.rt.adopt(make_plan(B0), h.now_s)  # something serves: no second adoption
+    h.decide(1, make_plan(B0))  # the stream's first decision is newer than transition 0
+    h.until(lambda: h.rt.state.active is None, 60)
+    assert h.rt.state.serving_plan_id == make_plan(B0).plan_id
+    assert validate_log(h.outputs.records) == []

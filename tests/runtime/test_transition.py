@@ -26,6 +26,7 @@ from runtime.transition import (
     RunPhase,
     Tick,
     TransitionPolicy,
+    adopt,
     handle,
     recover,
 )
@@ -192,6 +193,45 @@ def test_cleanup_is_forced_after_its_retries_never_rolled_back() -> None:
     assert m.phases[-1][1] is DONE
     assert not any(isinstance(e, RollBack) for e in m.effects)
     assert validate_log(m.records) == []
+
+
+def test_the_starting_plan_is_adopted_as_transition_0_and_decisions_stay_newer() -> None:
+    m = Machine()
+    m.state, effects = adopt(m.state, PLAN_A, "dep:start", m.now)
+    for effect in effects:  # the same persisted three phases as any decision's
+        if isinstance(effect, Persist):
+            m.records.append(effect.record)
+            m.feed(Persisted(effect.record, m.now))
+    for _ in range(3):
+        m.complete()
+    assert [p for p in m.phases if p[1] is DONE] == [(0, DONE, COMPLETED, 1)]
+    assert m.records[0].decision_id == "dep:start" and m.records[0].from_plan_id is None
+    assert m.state.serving_plan_id == PLAN_A.plan_id and m.state.last_seq == 0
+    assert Resolved(1, 1, Outcome.STARTED) in m.decide(1, PLAN_B)  # the stream's first decision
+    assert validate_log(m.records, require_terminal=False) == []
+
+
+def test_adoption_is_a_no_op_once_a_plan_serves_or_a_decision_was_accepted() -> None:
+    m = Machine()
+    _run_to_done(m, 1, PLAN_A)
+    assert adopt(m.state, PLAN_B, "dep:start", m.now) == (m.state, ())
+    fresh = Machine()
+    fresh.decide(1, PLAN_A)  # in flight, nothing serving yet
+    assert adopt(fresh.state, PLAN_B, "dep:start", fresh.now) == (fresh.state, ())
+
+
+def test_an_adopted_plan_survives_a_restart_and_is_not_adopted_again() -> None:
+    m = Machine()
+    m.state, effects = adopt(m.state, PLAN_A, "dep:start", m.now)
+    for effect in effects:
+        if isinstance(effect, Persist):
+            m.records.append(effect.record)
+            m.feed(Persisted(effect.record, m.now))
+    for _ in range(3):
+        m.complete()
+    state, effects = recover(DEPLOYMENT, m.records, 10.0)
+    assert state.serving_plan_id == PLAN_A.plan_id and effects == ()
+    assert adopt(state, PLAN_B, "dep:start", 10.0) == (state, ())
 
 
 def _log_until(stop: tuple[TransitionPhase, PhaseStatus]) -> list[GearTransition]:

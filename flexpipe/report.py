@@ -1,0 +1,390 @@
+"""What `flexpipe up` saw: a gear timeline, latency over time, shifts and their phases.
+
+Pure bookkeeping plus text rendering (the closing summary and ``report.md``); the orchestration in
+:mod:`flexpipe.up` and the live view in :mod:`flexpipe.live` feed it, :mod:`flexpipe.plot` draws
+``timeline.png`` from it. Times are simulated seconds since the scenario's epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flexpipe.schemas import GearDecision, GearTransition, PhaseStatus, TransitionPhase
+from gearbox.plans import DeploymentPlan
+
+BUCKET_S = 120.0  # summary table: latency quantiles per 2 simulated minutes
+PHASES = (TransitionPhase.PREPARE, TransitionPhase.SWITCH, TransitionPhase.CLEANUP)
+LOSSES = frozenset({"preempt", "xid", "node_down"})  # events that take GPUs from a replica
+STORY_WINDOW_S = 120.0  # latency before a cause and after its shift, for the recovery figures
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One completed request, in simulated seconds."""
+
+    deployment: str
+    finish_s: float
+    ttft_s: float
+    tbt_s: float
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SeenDecision:
+    """A decision as this job read it off the decisions topic."""
+
+    t_s: float  # the trigger's event time
+    seen_s: float  # when this job read it (the shared simulated clock): event → decision delay
+    decision: GearDecision
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterMark:
+    """A cluster event worth a marker: preemption, release, XID, node down."""
+
+    t_s: float
+    kind: str  # the ClusterEventType value
+    label: str  # e.g. "preempt on node-a1 (4 GPUs)"
+
+
+@dataclass(frozen=True, slots=True)
+class Shift:
+    """One transition as its records tell it."""
+
+    deployment: str
+    seq: int  # 0: the starting plan, loaded at start-up
+    decision_id: str
+    from_plan: str | None
+    to_plan: str | None
+    to_shape: str  # e.g. "TP4@A (4 GPUs)"
+    outcome: str  # done | rolled_back | in progress
+    phases_ms: dict[str, float]  # completed phases (all attempts), and "total"
+    attempts: int  # the most attempts any phase needed
+    start_s: float
+    end_s: float
+    kv_detail: str  # the switch's hand-over: migrated / replayed sequences
+
+
+@dataclass
+class RunRecord:
+    """Everything the report needs, accumulated while the job runs."""
+
+    decisions: list[SeenDecision] = field(default_factory=list)  # every decision, holds too
+    holds: Counter[tuple[str, str]] = field(default_factory=Counter)  # (deployment, reason)
+    transitions: list[tuple[float, GearTransition]] = field(default_factory=list)
+    served: list[Served] = field(default_factory=list)
+    admissions: Counter[tuple[str, str]] = field(default_factory=Counter)  # (deployment, reason)
+    rejections: list[tuple[float, str, str]] = field(default_factory=list)  # (t, dep, reason)
+    events: list[ClusterMark] = field(default_factory=list)
+    gpus: list[tuple[float, str, int]] = field(default_factory=list)  # (t, dep, GPUs serving)
+    load_start_s: float = 0.0  # the load generator started once the starting plans served
+
+    def changes(self) -> list[SeenDecision]:
+        """Decisions that move a plan, and forced or operator ones (the rest are holds)."""
+        return [d for d in self.decisions if is_change(d.decision)]
+
+    def shifts(self) -> list[Shift]:
+        """Transitions grouped by (deployment, sequence), in the order they started."""
+        groups: dict[tuple[str, int], list[tuple[float, GearTransition]]] = defaultdict(list)
+        for t_s, rec in self.transitions:
+            groups[(rec.deployment, rec.transition_seq)].append((t_s, rec))
+        return [_shift(recs) for recs in groups.values()]
+
+    def latency_series(
+        self, deployment: str, bucket_s: float = BUCKET_S
+    ) -> list[tuple[float, float, float, int]]:
+        """(bucket start s, TTFT p95 ms, TBT p95 ms, requests) per bucket."""
+        buckets: dict[int, list[Served]] = defaultdict(list)
+        for s in self.served:
+            if s.deployment == deployment:
+                buckets[int(s.finish_s // bucket_s)].append(s)
+        return [
+            (
+                b * bucket_s,
+                p95([s.ttft_s for s in items]) * 1000,
+                p95([s.tbt_s for s in items]) * 1000,
+                len(items),
+            )
+            for b, items in sorted(buckets.items())
+        ]
+
+    def ttft_p95_ms(self, deployment: str, t0_s: float, t1_s: float) -> float:
+        """TTFT p95 of requests finishing in [t0, t1)."""
+        return 1000 * p95(
+            [
+                s.ttft_s
+                for s in self.served
+                if s.deployment == deployment and t0_s <= s.finish_s < t1_s
+            ]
+        )
+
+    def decision_of(self, shift: Shift) -> SeenDecision | None:
+        """The decision a shift carried out (None for the start-up transition)."""
+        return next(
+            (d for d in self.decisions if d.decision.decision_id == shift.decision_id), None
+        )
+
+    def cause_of(self, seen: SeenDecision) -> ClusterMark | None:
+        """The cluster event a topology-triggered decision answered (the latest at its time)."""
+        if seen.decision.trigger != "topology_change":
+            return None
+        before = [e for e in self.events if e.t_s <= seen.t_s + 1e-6]
+        return before[-1] if before else None
+
+
+def is_change(d: GearDecision) -> bool:
+    """A decision the runtime acts on or an operator caused (printed live; holds are counted)."""
+    return d.to_plan_id is not None or d.forced or d.trigger == "operator"
+
+
+def plan_shape(plan: DeploymentPlan | dict[str, object] | None) -> str:
+    """A plan in a few characters: ``TP8@A (8 GPUs)``, ``2×TP1@A (2 GPUs)``, ``TP4@A+TP4@B``."""
+    if plan is None:
+        return "no plan"
+    if isinstance(plan, dict):
+        if not plan:
+            return "no plan"
+        plan = DeploymentPlan.from_dict(plan)
+    shapes = Counter(
+        "+".join(f"TP{len(st.gpu_uuids)}@{st.domain_id}" for st in r.stages) for r in plan.replicas
+    )
+    text = ", ".join(f"{n}×{s}" if n > 1 else s for s, n in shapes.items())
+    return f"{text} ({plan.num_gpus} GPUs)"
+
+
+def _shift(recs: list[tuple[float, GearTransition]]) -> Shift:
+    phases: dict[str, float] = {}
+    kv = ""
+    for _, rec in recs:
+        if rec.status is not PhaseStatus.STARTED and rec.duration_ms is not None:
+            key = (
+                "total"
+                if rec.phase in (TransitionPhase.DONE, TransitionPhase.ROLLED_BACK)
+                else rec.phase.value
+            )
+            phases[key] = phases.get(key, 0.0) + rec.duration_ms
+        if rec.phase is TransitionPhase.SWITCH and rec.status is PhaseStatus.COMPLETED:
+            kv = rec.detail
+    terminal = [
+        r.phase for _, r in recs if r.phase in (TransitionPhase.DONE, TransitionPhase.ROLLED_BACK)
+    ]
+    first = recs[0][1]
+    return Shift(
+        deployment=first.deployment,
+        seq=first.transition_seq,
+        decision_id=first.decision_id,
+        from_plan=first.from_plan_id,
+        to_plan=first.to_plan_id,
+        to_shape=plan_shape(first.plan),
+        outcome=terminal[-1].value if terminal else "in progress",
+        phases_ms=phases,
+        attempts=max(r.attempt for _, r in recs),
+        start_s=recs[0][0],
+        end_s=recs[-1][0],
+        kv_detail=kv,
+    )
+
+
+def p95(values: list[float]) -> float:
+    """The 95th percentile (nearest rank); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def hms(t_s: float) -> str:
+    """Simulated time as HH:MM:SS."""
+    t = int(t_s)
+    return f"{t // 3600:02d}:{t // 60 % 60:02d}:{t % 60:02d}"
+
+
+def ms(value: float) -> str:
+    """Milliseconds for a table cell ('–' for no data)."""
+    return "–" if math.isnan(value) else f"{value:,.0f}"
+
+
+def _sentence(text: str, prefix: str) -> str | None:
+    i = text.find(prefix)
+    if i < 0:
+        return None
+    j = text.find(". ", i)
+    return text[i + len(prefix) : j if j >= 0 else len(text)].rstrip(".")
+
+
+def short_explanation(text: str, width: int = 100) -> str:
+    """What moved a decision, in one short line: its problems and its gain against its cost.
+
+    NOTE: the explanation's first sentence only repeats deployment, reason and trigger, which the
+    live line already shows; the full text goes into ``report.md``.
+    """
+    parts = []
+    problems = _sentence(text, "Problems: ")
+    if problems:
+        items = problems.split("; ")
+        parts.append(items[0] + (f" (+{len(items) - 1} more)" if len(items) > 1 else ""))
+    gain = _sentence(text, "Gain ")
+    if gain:
+        parts.append("gain " + gain.split(";")[0])
+    if not parts:
+        rest = text.split(". ", 1)
+        parts.append(rest[1] if len(rest) > 1 else text)
+    line = "; ".join(parts)
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+_HANDOVER = re.compile(r"migrated (\d+) \((\d+) B\), replayed (\d+), left to finish on old (\d+)")
+
+
+def handover_text(detail: str) -> str:
+    """The switch record's hand-over detail, short: KV migrated (GB), replayed, left on old."""
+    m = _HANDOVER.search(detail)
+    if m is None:
+        return detail
+    migrated, nbytes, replayed, left = (int(g) for g in m.groups())
+    if not (migrated or replayed or left):
+        return "no sequences to hand over"
+    seqs = "sequence" if migrated == 1 else "sequences"
+    parts = [f"KV of {migrated} {seqs} migrated ({nbytes / 1e9:.1f} GB)"] if migrated else []
+    parts += [f"{replayed} replayed"] if replayed else []
+    parts += [f"{left} finished on the old plan"] if left else []
+    return ", ".join(parts)
+
+
+def _handed_over(shift: Shift) -> bool:
+    m = _HANDOVER.search(shift.kv_detail)
+    return m is not None and any(int(g) for g in (m.group(1), m.group(3), m.group(4)))
+
+
+def _phases(shift: Shift) -> str:
+    parts = []
+    for phase in PHASES:
+        took = shift.phases_ms.get(phase.value)
+        if took is None:
+            continue
+        text = f"{phase.value} {took / 1000:.1f} s"
+        if phase is TransitionPhase.SWITCH and shift.kv_detail:
+            text += f" ({handover_text(shift.kv_detail)})"
+        parts.append(text)
+    return ", ".join(parts) or "no completed phase"
+
+
+def shift_story(record: RunRecord, shift: Shift, shapes: dict[str, str]) -> list[str]:
+    """A shift told from its cause to its recovery, in two to four lines."""
+    head = f"{shift.deployment} #{shift.seq}"
+    total = shift.phases_ms.get("total")
+    took = f" in {total / 1000:.1f} s" if total is not None else ""
+    retries = f", {shift.attempts} attempts" if shift.attempts > 1 else ""
+    plans = f"{shapes.get(shift.from_plan or '', 'nothing')} → {shift.to_shape}"
+    body = [f"    {plans}: {shift.outcome}{took}{retries} — {_phases(shift)}"]
+    seen = record.decision_of(shift)
+    if seen is None:
+        return [f"{head} at {hms(shift.start_s)}: the starting plan, loaded at start-up", *body]
+    d, cause = seen.decision, record.cause_of(seen)
+    if cause is None:
+        why = f"{hms(seen.t_s)} {d.trigger} → {d.reason} seen {hms(seen.seen_s)}"
+        return [f"{head}: {why}, started {hms(shift.start_s)}", *body]
+    if cause.kind in LOSSES and not _handed_over(shift):
+        # NOTE: the runtime fails a replica whose GPUs went; its sequences wait and replay on
+        # the new plan, outside the switch's hand-over tally.
+        body.append("    the replica on the lost GPUs died: its sequences replayed on the new plan")
+    before = record.ttft_p95_ms(shift.deployment, cause.t_s - STORY_WINDOW_S, cause.t_s)
+    after = record.ttft_p95_ms(shift.deployment, shift.end_s, shift.end_s + STORY_WINDOW_S)
+    delay = seen.seen_s - cause.t_s
+    return [
+        f"{head}: {hms(cause.t_s)} {cause.label} → {d.reason} seen {hms(seen.seen_s)}"
+        f" (+{delay:.1f} s), started {hms(shift.start_s)}",
+        *body,
+        f"    TTFT p95 {ms(before)} ms in the 2 min before, {ms(after)} ms in the 2 min after",
+    ]
+
+
+def _latency_table(record: RunRecord, deployments: list[str], duration_s: float) -> list[str]:
+    series = {d: {t: (a, b) for t, a, b, _ in record.latency_series(d)} for d in deployments}
+    lines = ["time    " + "".join(f"{d + ' TTFT/TBT':>24}" for d in deployments)]
+    for b in range(math.ceil(duration_s / BUCKET_S)):
+        t0 = b * BUCKET_S
+        cells = [series[d].get(t0, (math.nan, math.nan)) for d in deployments]
+        marks = [e.label for e in record.events if t0 <= e.t_s < t0 + BUCKET_S]
+        row = "".join(f"{ms(a) + ' / ' + ms(c):>24}" for a, c in cells)
+        lines.append(f"{hms(t0)[:5]}   {row}" + (f"   ◂ {'; '.join(marks)}" if marks else ""))
+    return lines
+
+
+def summary_lines(record: RunRecord, deployments: list[str], duration_s: float) -> list[str]:
+    """The closing summary, as printed and as written into the report."""
+    lines = ["", "== TTFT / TBT p95 (ms) per 2 simulated minutes (SimEngine: simulated latencies)"]
+    lines += _latency_table(record, deployments, duration_s)
+    lines += ["", "== shifts (simulated time; phase durations from the transition records)"]
+    shapes = {rec.to_plan_id or "": plan_shape(rec.plan) for _, rec in record.transitions}
+    for s in record.shifts():
+        lines += shift_story(record, s, shapes)
+    if not record.shifts():
+        lines.append("none")
+    holds = Counter[str]()
+    for (_, reason), n in record.holds.items():
+        holds[reason] += n
+    lines += [
+        "",
+        f"== decisions: {len(record.changes())} changed a plan; holds by reason: "
+        + (", ".join(f"{r} {n}" for r, n in holds.most_common()) or "none"),
+        "",
+        f"== throughput and admission (simulated; load from {hms(record.load_start_s)})",
+    ]
+    for dep in deployments:
+        tokens = sum(s.output_tokens for s in record.served if s.deployment == dep)
+        reasons = {r: n for (d, r), n in sorted(record.admissions.items()) if d == dep}
+        lines.append(
+            f"{dep:<12} {tokens / max(1.0, duration_s - record.load_start_s):8.0f} output tok/s  "
+            + ", ".join(f"{r} {n}" for r, n in reasons.items())
+        )
+    return lines
+
+
+def write_report(
+    record: RunRecord, deployments: list[str], duration_s: float, out_dir: Path, title: str
+) -> tuple[Path, Path]:
+    """Write ``report.md`` and ``timeline.png`` into ``out_dir``."""
+    from flexpipe.plot import plot_timeline
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = out_dir / "timeline.png"
+    plot_timeline(record, deployments, png, title)
+    md = out_dir / "report.md"
+    changes = [
+        f"| {hms(s.t_s)} | {hms(s.seen_s)} | {s.decision.deployment} | {s.decision.reason} |"
+        f" {s.decision.from_plan_id} → {s.decision.to_plan_id} | {s.decision.explanation} |"
+        for s in record.changes()
+    ]
+    holds = [f"| {dep} | {reason} | {n} |" for (dep, reason), n in sorted(record.holds.items())]
+    body = [
+        f"# FlexPipe run: {title}",
+        "",
+        "Everything below ran on the **simulated** cluster and engines (SimEngine) through a real",
+        "Kafka broker, the faust stream worker and the runtime worker; times are simulated.",
+        "",
+        "![timeline](timeline.png)",
+        "",
+        "```",
+        *summary_lines(record, deployments, duration_s),
+        "```",
+        "",
+        "## Decisions that changed a plan",
+        "",
+        "| event time | seen | deployment | reason | plans | explanation |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *changes,
+        "",
+        "## Holds (decisions that kept the plan), by reason",
+        "",
+        "| deployment | reason | decisions |",
+        "| --- | --- | --- |",
+        *holds,
+        "",
+    ]
+    md.write_text("\n".join(body))
+    return md, png
