@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 
 import pytest
@@ -38,16 +39,24 @@ async def test_topics_create_is_idempotent(kafka_cfg: FlexPipeConfig) -> None:
     first = await create_topics(kafka_cfg)
     assert sorted(first) == sorted(topic_name(kafka_cfg, s.topic) for s in CATALOG)
     assert await create_topics(kafka_cfg) == []
-    admin = AIOKafkaAdminClient(**client_kwargs(kafka_cfg))
+    assert await _cleanup_policy(kafka_cfg, Topic.TRANSITIONS) == "compact"
+    assert await _cleanup_policy(kafka_cfg, Topic.DECISIONS) == "delete"
+
+
+async def _cleanup_policy(cfg: FlexPipeConfig, topic: Topic) -> str:
+    """The topic's cleanup.policy, waiting out the broker's metadata lag after creation."""
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg))
     await admin.start()
     try:
-        described = await admin.describe_configs(
-            [_config_resource(topic_name(kafka_cfg, Topic.TRANSITIONS))]
-        )
+        deadline = time.monotonic() + 30
+        while True:
+            described = await admin.describe_configs([_config_resource(topic_name(cfg, topic))])
+            entries = {e[0]: e[1] for e in described[0].resources[0][4]}
+            if "cleanup.policy" in entries or time.monotonic() > deadline:
+                return str(entries.get("cleanup.policy"))
+            await asyncio.sleep(0.5)
     finally:
         await admin.close()
-    entries = {e[0]: e[1] for e in described[0].resources[0][4]}
-    assert entries["cleanup.policy"] == "compact"
 
 
 def _config_resource(name: str) -> object:
