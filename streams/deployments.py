@@ -19,21 +19,11 @@ from gearbox.candidates import limiting_class
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan, ExecutionPlan, Stage, StageRole
 from gearbox.types import Gpu, TopologySnapshot
-from probes.scenario import Scenario
+from probes.scenario import PlanHint, Scenario
 from streams.catalog import Catalog
 from streams.snapshot import NominalLoad
 
 __all__ = ["Deployment", "PlanHint", "deployments_from_config", "hint_plan", "natural_key"]
-
-
-@dataclass(frozen=True, slots=True)
-class PlanHint:
-    """Where a deployment starts: ``replicas`` groups of tp×pp GPUs from domain ``block``."""
-
-    block: str
-    tp: int = 1
-    pp: int = 1
-    replicas: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +51,7 @@ def _from_scenario(scenario: Scenario, catalog: Catalog) -> list[Deployment]:
         output = (chat.output_tokens_mean, summ.output_tokens_mean)
         weights = (chat.arrival_rps, summ.arrival_rps)
         nominal = NominalLoad(rps, _mean(weights, prompt, 512.0), _mean(weights, output, 256.0))
-        hint = PlanHint(dep.plan.block, dep.plan.tp, dep.plan.pp, dep.plan.replicas)
+        hint = dep.plan
         model = catalog.model(dep.model.preset)
         out.append(Deployment(dep.name, dep.model.preset, model, hint, nominal))
     return out
