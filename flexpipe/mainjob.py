@@ -32,7 +32,7 @@ from flexpipe.kafka import (
     running,
 )
 from flexpipe.kafka_local import LocalKafka
-from flexpipe.topics import Topic, topic_name
+from flexpipe.topics import Topic, telemetry_route, topic_name
 from probes.fleet import SimFleet
 from probes.scenario import Scenario, load_scenario
 
@@ -88,16 +88,6 @@ def fleet_events(
     return fleet.events(0.0, duration_s)
 
 
-def _topic_for(cfg: FlexPipeConfig, env: envelope.Envelope[Any]) -> tuple[str, bytes]:
-    p = env.payload
-    kind = env.kind.value
-    if kind == "gpu.sample":
-        return topic_name(cfg, Topic.GPU), p.gpu_uuid.encode()
-    if kind == "kernel.launches":
-        return topic_name(cfg, Topic.LAUNCHES), p.gpu_uuid.encode()
-    return topic_name(cfg, Topic.CLUSTER), p.node.encode()
-
-
 async def publish(
     cfg: FlexPipeConfig,
     events: Iterator[envelope.Envelope[Any]],
@@ -120,7 +110,7 @@ async def publish(
             delay = due - time.monotonic()
             if delay > 0.005:
                 await asyncio.sleep(delay)
-            topic, key = _topic_for(cfg, env)
+            topic, key = telemetry_route(cfg, env.payload)
             pending.append(await producer.send(topic, envelope.encode(env), key=key))
             count += 1
             if len(pending) >= 2000:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from flexpipe.config import FlexPipeConfig
+from flexpipe.schemas import ClusterEvent, GpuSample, KernelLaunches
 
 
 class Topic(enum.StrEnum):
@@ -55,3 +56,18 @@ CATALOG: tuple[TopicSpec, ...] = (
 def topic_name(cfg: FlexPipeConfig, topic: Topic) -> str:
     """The broker-side name: the configured prefix plus the logical name."""
     return f"{cfg.topics.prefix}{topic.value}"
+
+
+_TELEMETRY_TOPIC: dict[type, Topic] = {
+    GpuSample: Topic.GPU,
+    KernelLaunches: Topic.LAUNCHES,
+    ClusterEvent: Topic.CLUSTER,
+}
+
+
+def telemetry_route(
+    cfg: FlexPipeConfig, payload: GpuSample | KernelLaunches | ClusterEvent
+) -> tuple[str, bytes]:
+    """Topic and key an agent publishes a payload under (GPU uuid, or node for cluster events)."""
+    key = payload.node if isinstance(payload, ClusterEvent) else payload.gpu_uuid
+    return topic_name(cfg, _TELEMETRY_TOPIC[type(payload)]), key.encode()

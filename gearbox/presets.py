@@ -52,6 +52,18 @@ LINK_CLASSES: MappingProxyType[str, LinkClass] = MappingProxyType(
     }
 )
 
+# Llama-2-13B's published config.json (multi-head attention).
+MODEL_13B_MHA = ModelSpec(
+    name="llama-2-13b",
+    num_params=13_015_864_320,
+    num_layers=40,
+    hidden_size=5120,
+    num_heads=40,
+    num_kv_heads=40,
+    head_dim=128,
+    dtype_bytes=2,
+)
+
 MODEL_7B_MHA = ModelSpec(
     name="llama-2-7b",
     num_params=6_738_415_616,

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
 from flexpipe.schemas import ClusterEvent, GpuSample, KernelLaunches
-from flexpipe.topics import Topic, topic_name
+from flexpipe.topics import telemetry_route
 from probes.base import GpuSampler, LaunchCounter
 from probes.delta import DeltaFilter
 from probes.publisher import BufferedPublisher
@@ -85,11 +85,6 @@ class Agent:
         self._clock = clock
         self._delta = delta or DeltaFilter(heartbeat_s=cfg.intervals.heartbeat_s)
         self._seq: dict[str, int] = {}
-        self._topics = {
-            GpuSample: topic_name(cfg, Topic.GPU),
-            KernelLaunches: topic_name(cfg, Topic.LAUNCHES),
-            ClusterEvent: topic_name(cfg, Topic.CLUSTER),
-        }
 
     def emitted(self) -> dict[str, int]:
         """Events emitted so far per source: the last sequence number handed out."""
@@ -105,8 +100,8 @@ class Agent:
         env = envelope.make(
             payload, event_time_ms=self._clock.event_time_ms(now_s), source=source, seq=seq
         )
-        key = payload.node if isinstance(payload, ClusterEvent) else payload.gpu_uuid
-        self._publisher.put(self._topics[type(payload)], key.encode(), envelope.encode(env))
+        topic, key = telemetry_route(self._cfg, payload)
+        self._publisher.put(topic, key, envelope.encode(env))
         self._metrics.events.labels(env.kind.value).inc()
 
     def sample_once(self) -> None:

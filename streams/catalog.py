@@ -16,7 +16,14 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from gearbox.model import ModelSpec
-from gearbox.presets import GPU_CLASSES, LINK_CLASSES, MODEL_7B_MHA, MODEL_70B_GQA, MODELS
+from gearbox.presets import (
+    GPU_CLASSES,
+    LINK_CLASSES,
+    MODEL_7B_MHA,
+    MODEL_13B_MHA,
+    MODEL_70B_GQA,
+    MODELS,
+)
 from gearbox.types import GpuClass, LinkClass
 from probes.scenario import ModelSpecRef, Scenario
 
@@ -26,21 +33,10 @@ V = TypeVar("V")
 DEFAULT_INTER_DOMAIN_LINK = "ethernet"
 UNKNOWN_LINK_LATENCY_US = 25.0  # an unknown link is treated like plain TCP over Ethernet
 
-# Llama-2-13B's published config.json (multi-head attention).
-_MODEL_13B_MHA = ModelSpec(
-    name="llama-2-13b",
-    num_params=13_015_864_320,
-    num_layers=40,
-    hidden_size=5120,
-    num_heads=40,
-    num_kv_heads=40,
-    head_dim=128,
-    dtype_bytes=2,
-)
 # The simulator's scenario files name model classes, not checkpoints.
 _MODEL_ALIASES: dict[str, ModelSpec] = {
     "llama-7b-class": MODEL_7B_MHA,
-    "llama-13b-class": _MODEL_13B_MHA,
+    "llama-13b-class": MODEL_13B_MHA,
     "llama-70b-class": MODEL_70B_GQA,
 }
 
