@@ -119,6 +119,12 @@ class StreamsConfig(_Section):
     max_future_skew_s: float = Field(300.0, gt=0, description="reject events this far ahead")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 = off")
     session_timeout_s: float = Field(30.0, ge=3, le=300, description="consumer group session")
+    ready_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="wait for every topic in producer metadata, then exit"
+    )
+    max_tick_failures: int = Field(
+        50, ge=1, le=100_000, description="consecutive failed decision ticks before exiting"
+    )
     loglevel: Literal["crit", "error", "warn", "info", "debug"] = "warn"
 
     @model_validator(mode="after")

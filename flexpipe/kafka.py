@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import TopicAlreadyExistsError, for_code
 
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import FlexPipeError
@@ -89,29 +89,76 @@ async def running(client: AIOKafkaConsumer | AIOKafkaProducer) -> AsyncIterator[
         await client.stop()
 
 
-async def create_topics(cfg: FlexPipeConfig) -> list[str]:
-    """Create every catalog topic that does not exist yet; return the names created."""
+TOPIC_VISIBLE_S = 30.0  # how long a created topic may take to appear in the broker's metadata
+
+
+def catalog_topics(cfg: FlexPipeConfig) -> list[NewTopic]:
+    """The catalog's topics as this config lays them out."""
+    return [
+        NewTopic(
+            name=topic_name(cfg, spec.topic),
+            num_partitions=spec.partitions or cfg.topics.partitions,
+            replication_factor=cfg.topics.replication_factor,
+            topic_configs=spec.configs(),
+        )
+        for spec in CATALOG
+    ]
+
+
+async def create_topics(cfg: FlexPipeConfig, extra: Sequence[NewTopic] = ()) -> list[str]:
+    """Create every catalog topic (and ``extra``) that does not exist yet and wait until the
+    broker's metadata lists each with its partitions; return the names this call created.
+
+    Idempotent also right after a creation: a topic the controller already has but the metadata
+    does not list yet comes back as "already exists" and is not counted as created.
+    """
+    wanted = [*catalog_topics(cfg), *extra]
     admin = AIOKafkaAdminClient(**client_kwargs(cfg))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        wanted = [
-            NewTopic(
-                name=topic_name(cfg, spec.topic),
-                num_partitions=spec.partitions or cfg.topics.partitions,
-                replication_factor=cfg.topics.replication_factor,
-                topic_configs=spec.configs(),
-            )
-            for spec in CATALOG
-            if topic_name(cfg, spec.topic) not in existing
-        ]
-        created = []
-        for topic in wanted:
-            try:
-                await admin.create_topics([topic])
-                created.append(topic.name)
-            except TopicAlreadyExistsError:
-                pass  # another process won the race: that is the idempotent outcome
+        missing = [t for t in wanted if t.name not in existing]
+        created = await _create(admin, missing) if missing else []
+        await wait_topics_visible(admin, {t.name: t.num_partitions for t in wanted})
         return created
     finally:
         await admin.close()
+
+
+async def _create(admin: AIOKafkaAdminClient, topics: list[NewTopic]) -> list[str]:
+    # NOTE: aiokafka returns per-topic error codes instead of raising them.
+    response = await admin.create_topics(topics)
+    created = []
+    for name, code, *rest in response.topic_errors:
+        if code == 0:
+            created.append(name)
+        elif code != TopicAlreadyExistsError.errno:  # another process won the race: fine
+            error = for_code(code).__name__
+            detail = f": {rest[0]}" if rest and rest[0] else ""
+            raise FlexPipeError(f"cannot create topic {name}: {error}{detail}")
+    return created
+
+
+async def wait_topics_visible(
+    admin: AIOKafkaAdminClient, partitions: Mapping[str, int], timeout_s: float = TOPIC_VISIBLE_S
+) -> None:
+    """Wait until the broker's metadata lists every topic with at least its partitions.
+
+    Raises :class:`FlexPipeError` naming the topics still missing after ``timeout_s``.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    delay_s = 0.05
+    while True:
+        described = await admin.describe_topics(list(partitions))
+        seen = {t["topic"]: len(t["partitions"]) for t in described if t["error_code"] == 0}
+        missing = sorted(n for n, p in partitions.items() if seen.get(n, 0) < p)
+        if not missing:
+            return
+        if loop.time() >= deadline:
+            raise FlexPipeError(
+                f"topics not visible in the broker's metadata after {timeout_s:.0f} s: "
+                + ", ".join(missing)
+            )
+        await asyncio.sleep(delay_s)
+        delay_s = min(1.0, delay_s * 2)

@@ -17,7 +17,6 @@ consumers come from :mod:`flexpipe.kafka`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -25,13 +24,12 @@ from typing import ClassVar, Literal
 import orjson
 import pydantic
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.admin import NewTopic
 from pydantic import ConfigDict
 
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import ValidationError
-from flexpipe.kafka import client_kwargs, make_consumer
+from flexpipe.kafka import create_topics, make_consumer
 from flexpipe.schemas import STRICT
 from runtime.types import OwnershipEvent, OwnershipKind, Request, RequestKind
 
@@ -149,23 +147,14 @@ def unfinished(
 
 
 async def ensure_ownership_topic(cfg: FlexPipeConfig) -> None:
-    """Create the compacted journal topic when missing (idempotent, race-safe)."""
-    admin = AIOKafkaAdminClient(**client_kwargs(cfg))
-    await admin.start()
-    try:
-        if ownership_topic(cfg) in set(await admin.list_topics()):
-            return
-        topic = NewTopic(
-            name=ownership_topic(cfg),
-            num_partitions=cfg.topics.partitions,
-            replication_factor=cfg.topics.replication_factor,
-            topic_configs={"cleanup.policy": "compact"},
-        )
-        # NOTE: another worker may create it first; that is the idempotent outcome.
-        with contextlib.suppress(TopicAlreadyExistsError):
-            await admin.create_topics([topic])
-    finally:
-        await admin.close()
+    """Create the compacted journal topic when missing and wait until it is visible."""
+    topic = NewTopic(
+        name=ownership_topic(cfg),
+        num_partitions=cfg.topics.partitions,
+        replication_factor=cfg.topics.replication_factor,
+        topic_configs={"cleanup.policy": "compact"},
+    )
+    await create_topics(cfg, [topic])
 
 
 async def read_to_end(

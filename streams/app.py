@@ -14,7 +14,7 @@ deterministic decision ids made unique by :mod:`streams.decider` (see the README
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import logging
 import os
 import socket
@@ -23,25 +23,33 @@ from dataclasses import dataclass
 from typing import Any
 
 import faust
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.admin import NewTopic
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from prometheus_client import CollectorRegistry
 
 from flexpipe.config import FlexPipeConfig
-from flexpipe.kafka import bootstrap_servers, client_kwargs, create_topics
+from flexpipe.errors import FlexPipeError
+from flexpipe.kafka import bootstrap_servers, catalog_topics, client_kwargs, create_topics
 from flexpipe.topics import Topic, topic_name
 from gearbox.config import DEFAULT_CONFIG, GearboxConfig
 from probes.scenario import load_scenario
 from streams.catalog import Catalog, default_catalog, scenario_catalog
 from streams.deployments import Deployment, deployments_from_config
 from streams.engine import Engine, EngineTopics
+from streams.health import FailureLog, FailureVerdict, wait_writable
 from streams.intake import DeadLetterReason, Rejected, SourceTopic
 from streams.metrics import StreamsMetrics
 from streams.ports import Message, TableName
 from streams.readers import KafkaDecisionLog, ViewReader, partition_for
 
-__all__ = ["StreamsApp", "Wiring", "create_app", "ensure_topics", "resolve_deployments"]
+__all__ = [
+    "FatalDecisionPath",
+    "StreamsApp",
+    "Wiring",
+    "create_app",
+    "ensure_topics",
+    "resolve_deployments",
+]
 
 log = logging.getLogger(__name__)
 CLOCK_POLL_S = 0.1  # how often the periodic-tick check runs (wall seconds)
@@ -62,16 +70,37 @@ _SOURCES: dict[SourceTopic, Topic] = {
 }
 
 
+class FatalDecisionPath(FlexPipeError):
+    """The decision path failed ``streams.max_tick_failures`` times in a row."""
+
+
 class DurableProducer(faust_aiokafka.Producer):
     """Faust's producer with ``acks=all`` and idempotence (Faust enables them only inside
-    transactions; aiokafka's defaults are ``acks=1`` without idempotence)."""
+    transactions; aiokafka's defaults are ``acks=1`` without idempotence), which starts only once
+    its metadata lists every topic the worker writes (:func:`streams.health.wait_writable`)."""
 
     def _settings_extra(self) -> Mapping[str, Any]:
         return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
 
+    async def on_start(self) -> None:
+        await super().on_start()
+        app = self.app
+        assert isinstance(app, StreamsApp)  # NOTE: only StreamsApp makes this producer
+        await wait_writable(self._ensure_producer(), app.topic_partitions, app.ready_timeout_s)
+        log.info("ready: %d topics visible in the producer's metadata", len(app.topic_partitions))
+        app.writable.set()
+
 
 class StreamsApp(faust.App):
-    """A Faust app whose producer is durable."""
+    """A Faust app whose producer is durable and gates processing on its topics' metadata.
+
+    ``writable`` is set once the producer sees every topic in ``topic_partitions``; agents wait
+    for it and timers skip until then, so no table write races the changelog's metadata.
+    """
+
+    topic_partitions: Mapping[str, int]
+    ready_timeout_s: float
+    writable: asyncio.Event
 
     def _new_producer(self) -> DurableProducer:
         return DurableProducer(self.transport, loop=self.loop, beacon=self.beacon)
@@ -85,6 +114,7 @@ class Wiring:
     engine: Engine
     app_id: str
     triggers_topic: str
+    failures: FailureLog  # the decision path's failures; ``exhausted`` once the bound was hit
 
 
 def app_id(cfg: FlexPipeConfig) -> str:
@@ -97,25 +127,43 @@ def triggers_topic(cfg: FlexPipeConfig) -> str:
     return f"{app_id(cfg)}-triggers"
 
 
+def changelog_topic(cfg: FlexPipeConfig, table: TableName) -> str:
+    """The changelog topic Faust names for ``table``."""
+    return f"{app_id(cfg)}-{table.value}-changelog"
+
+
+def internal_topics(cfg: FlexPipeConfig) -> list[NewTopic]:
+    """The worker's own topics: triggers, and one compacted changelog per table."""
+    n, rf = cfg.topics.partitions, cfg.topics.replication_factor
+    triggers = NewTopic(
+        triggers_topic(cfg),
+        num_partitions=n,
+        replication_factor=rf,
+        topic_configs={"cleanup.policy": "delete", "retention.ms": str(86_400_000)},
+    )
+    changelogs = [
+        NewTopic(
+            changelog_topic(cfg, table),
+            num_partitions=n,
+            replication_factor=rf,
+            topic_configs={"cleanup.policy": "compact"},
+        )
+        for table in TableName
+    ]
+    return [triggers, *changelogs]
+
+
+def worker_topics(cfg: FlexPipeConfig) -> dict[str, int]:
+    """Every topic a worker reads or writes, with its partitions."""
+    topics = [*catalog_topics(cfg), *internal_topics(cfg)]
+    return {t.name: t.num_partitions for t in topics}
+
+
 async def ensure_topics(cfg: FlexPipeConfig) -> None:
-    """Create the catalog topics and the internal triggers topic (Faust needs its sources to
-    exist before it starts)."""
-    await create_topics(cfg)
-    admin = AIOKafkaAdminClient(**client_kwargs(cfg))
-    await admin.start()
-    try:
-        name = triggers_topic(cfg)
-        if name not in set(await admin.list_topics()):
-            topic = NewTopic(
-                name,
-                num_partitions=cfg.topics.partitions,
-                replication_factor=cfg.topics.replication_factor,
-                topic_configs={"cleanup.policy": "delete", "retention.ms": str(86_400_000)},
-            )
-            with contextlib.suppress(TopicAlreadyExistsError):  # another worker won the race
-                await admin.create_topics([topic])
-    finally:
-        await admin.close()
+    """Create every topic the worker reads or writes — the catalog, the triggers topic and the
+    tables' changelogs — and wait until the broker lists them all (Faust would otherwise declare
+    changelogs itself at start-up, racing its own first writes)."""
+    await create_topics(cfg, internal_topics(cfg))
 
 
 def resolve_deployments(cfg: FlexPipeConfig) -> tuple[Catalog, tuple[Deployment, ...]]:
@@ -128,7 +176,7 @@ def resolve_deployments(cfg: FlexPipeConfig) -> tuple[Catalog, tuple[Deployment,
 def _faust_app(cfg: FlexPipeConfig) -> StreamsApp:
     s = cfg.streams
     brokers = [f"kafka://{h.strip()}" for h in bootstrap_servers(cfg).split(",") if h.strip()]
-    return StreamsApp(
+    app = StreamsApp(
         app_id(cfg),
         broker=brokers,
         store="memory://",
@@ -149,6 +197,10 @@ def _faust_app(cfg: FlexPipeConfig) -> StreamsApp:
         broker_max_poll_records=MAX_POLL_RECORDS,
         broker_credentials=_credentials(cfg),
     )
+    app.topic_partitions = worker_topics(cfg)
+    app.ready_timeout_s = s.ready_timeout_s
+    app.writable = asyncio.Event()
+    return app
 
 
 def _credentials(cfg: FlexPipeConfig) -> Any:
@@ -241,9 +293,10 @@ def create_app(
         worker=worker,
     )
     engine.decider.gearbox_config = gearbox_config
+    failures = FailureLog(cfg.streams.max_tick_failures)
     _agents(app, cfg, engine)
-    _triggers_agent(app, cfg, engine, triggers)
-    _housekeeping(app, cfg, engine, tables, decision_log)
+    _triggers_agent(app, cfg, engine, triggers, failures)
+    _housekeeping(app, cfg, engine, tables, decision_log, failures)
 
     async def _revoked(_sender: Any, /, *_args: Any, signal: Any, **_kwargs: Any) -> None:
         await engine.decider.on_revoked()
@@ -256,13 +309,14 @@ def create_app(
     app.on_partitions_revoked.connect(_revoked)
     app.on_partitions_assigned.connect(_assigned)
 
-    return Wiring(app, engine, app_id(cfg), triggers)
+    return Wiring(app, engine, app_id(cfg), triggers, failures)
 
 
 def _agents(app: StreamsApp, cfg: FlexPipeConfig, engine: Engine) -> None:
     by_topic = {topic_name(cfg, topic): src for src, topic in _SOURCES.items()}
 
     async def agent(stream: Any) -> None:
+        await app.writable.wait()
         async for event in stream.events():
             m = event.message
             src = by_topic[m.topic]
@@ -294,20 +348,58 @@ def _agents(app: StreamsApp, cfg: FlexPipeConfig, engine: Engine) -> None:
         app.agent(channel, name=f"streams.{name}")(agent)
 
 
-def _triggers_agent(app: StreamsApp, cfg: FlexPipeConfig, engine: Engine, name: str) -> None:
+def _triggers_agent(
+    app: StreamsApp, cfg: FlexPipeConfig, engine: Engine, name: str, failures: FailureLog
+) -> None:
     within_s = max(cfg.streams.debounce_ms / 1000.0, 0.001)
 
     async def triggers(stream: Any) -> None:
+        await app.writable.wait()
         # NOTE: take() is the debounce: a burst of topology events inside one window becomes
         # one decision per deployment, and the batch is acknowledged only after deciding.
         async for values in stream.take(TRIGGER_BATCH, within=within_s):
             msgs = [Message(name, -1, -1, None, v) for v in values]
             try:
                 await engine.decider.on_triggers(msgs, engine.wall())
-            except Exception:  # NOTE: keep deciding on later triggers
-                log.exception("trigger batch failed")
+            except Exception as exc:  # NOTE: keep deciding on later triggers
+                await _decision_failed(app, engine, failures, "triggers", exc)
+            else:
+                failures.succeeded()
 
     app.agent(_raw(app, name), name="streams.triggers")(triggers)
+
+
+async def _decision_failed(
+    app: StreamsApp, engine: Engine, failures: FailureLog, path: str, exc: Exception
+) -> None:
+    """Count a failed decision run, log each distinct error once with its count, and stop the
+    worker (non-zero, see :mod:`streams.worker`) after ``streams.max_tick_failures`` in a row."""
+    engine.metrics.tick_failures.labels(path).inc()
+    verdict = failures.failed(exc)
+    if verdict.first:
+        log.error("%s failed (first time for this error)", path, exc_info=exc)
+    elif _milestone(verdict):
+        log.error(
+            "%s failed again: %s (%d times, %d in a row)",
+            path,
+            FailureLog.key(exc),
+            verdict.count,
+            verdict.consecutive,
+        )
+    if verdict.fatal and not failures.exhausted:
+        failures.exhausted = True
+        log.critical(
+            "stopping: %d decision runs failed in a row (streams.max_tick_failures); errors: %s",
+            verdict.consecutive,
+            "; ".join(f"{k} ×{n}" for k, n in failures.counts.items()),
+        )
+        await app.crash(FatalDecisionPath(f"{verdict.consecutive} decision runs failed in a row"))
+
+
+def _milestone(verdict: FailureVerdict) -> bool:
+    # 10, 100, 1000, ... repeats of one error, so a persistent failure stays visible in the log
+    n = verdict.count
+    return n >= 10 and str(n).strip("0") == "1"
 
 
 def _housekeeping(
@@ -316,11 +408,13 @@ def _housekeeping(
     engine: Engine,
     tables: Mapping[TableName, Any],
     decision_log: KafkaDecisionLog,
+    failures: FailureLog,
 ) -> None:
     @app.timer(interval=cfg.streams.flush_interval_s, name="streams.flush")
     async def _flush() -> None:
-        engine.sweep()
-        engine.flush()
+        if app.writable.is_set():
+            engine.sweep()
+            engine.flush()
 
     @app.timer(interval=GAUGES_S, name="streams.gauges")
     async def _gauges() -> None:
@@ -328,10 +422,16 @@ def _housekeeping(
 
     @app.timer(interval=CLOCK_POLL_S, name="streams.tick")
     async def _tick() -> None:
+        if not app.writable.is_set():
+            return
         try:
             await engine.decider.tick()
-        except Exception:  # NOTE: a failed tick must not stop the next one
-            log.exception("tick failed")
+        except Exception as exc:  # NOTE: a failed tick must not stop the next one
+            await _decision_failed(app, engine, failures, "tick", exc)
+        else:
+            ended = failures.succeeded()
+            if ended:
+                log.warning("tick recovered after %d failures in a row", ended)
 
     def caught_up() -> None:
         engine.view_caught_up = True

@@ -59,6 +59,12 @@ class StreamsMetrics:
             ["reason", "trigger"],
             registry=registry,
         )
+        self.tick_failures = Counter(
+            "flexpipe_streams_tick_failures",
+            "Decision runs that raised, by path (periodic tick, trigger batch, debounced trigger)",
+            ["path"],
+            registry=registry,
+        )
         self.skipped = Counter(
             "flexpipe_streams_triggers_skipped",
             "Triggers not decided: already decided (replay), or worker not ready",

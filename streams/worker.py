@@ -17,7 +17,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from flexpipe.config import FlexPipeConfig, load_config
 from flexpipe.errors import FlexPipeError
 
-__all__ = ["main", "run_worker"]
+__all__ = ["EXIT_DECISIONS_FAILING", "main", "run_worker"]
+
+EXIT_DECISIONS_FAILING = 3
 
 
 def run_worker(cfg: FlexPipeConfig, worker_id: str | None = None) -> int:
@@ -32,7 +34,18 @@ def run_worker(cfg: FlexPipeConfig, worker_id: str | None = None) -> int:
         start_http_server(cfg.streams.metrics_port, registry=registry)
     wiring = create_app(cfg, registry, worker_id=worker_id)
     worker = Worker(wiring.app, loglevel=cfg.streams.loglevel, quiet=True)
-    worker.execute_from_commandline()  # NOTE: installs signal handlers; exits the process
+    try:
+        worker.execute_from_commandline()  # NOTE: installs signal handlers; exits the process
+    except SystemExit as exc:
+        # NOTE: a crashed app stops the worker "cleanly" (exit 0); its supervisor must see why.
+        if wiring.failures.exhausted:
+            print(
+                f"streams worker: error: {wiring.failures.consecutive} decision runs failed in a"
+                " row (streams.max_tick_failures); see the log for each error",
+                file=sys.stderr,
+            )
+            return EXIT_DECISIONS_FAILING
+        return exc.code if isinstance(exc.code, int) else 1
     return 0
 
 

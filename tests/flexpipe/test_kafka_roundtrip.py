@@ -7,10 +7,11 @@ import time
 from collections import defaultdict
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
+from flexpipe.errors import FlexPipeError
 from flexpipe.kafka import client_kwargs, create_topics, make_consumer, make_producer
 from flexpipe.schemas import ServingLoad
 from flexpipe.topics import CATALOG, Topic, topic_name
@@ -41,6 +42,19 @@ async def test_topics_create_is_idempotent(kafka_cfg: FlexPipeConfig) -> None:
     assert await create_topics(kafka_cfg) == []
     assert await _cleanup_policy(kafka_cfg, Topic.TRANSITIONS) == "compact"
     assert await _cleanup_policy(kafka_cfg, Topic.DECISIONS) == "delete"
+
+
+async def test_topics_create_races_count_each_topic_once(kafka_cfg: FlexPipeConfig) -> None:
+    # two processes creating at once: each topic is created by exactly one of them
+    first, second = await asyncio.gather(create_topics(kafka_cfg), create_topics(kafka_cfg))
+    assert sorted(first + second) == sorted(topic_name(kafka_cfg, s.topic) for s in CATALOG)
+    assert await create_topics(kafka_cfg) == []
+
+
+async def test_topics_create_names_a_topic_the_broker_refuses(kafka_cfg: FlexPipeConfig) -> None:
+    bad = NewTopic("bad topic name!", num_partitions=1, replication_factor=1)
+    with pytest.raises(FlexPipeError, match=r"cannot create topic bad topic name!: InvalidTopic"):
+        await create_topics(kafka_cfg, [bad])
 
 
 async def _cleanup_policy(cfg: FlexPipeConfig, topic: Topic) -> str:
