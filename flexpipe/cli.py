@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed", type=float, default=None, help="simulated s per wall s")
     p.add_argument("--duration", type=float, default=None, help="simulated seconds to run")
     p.add_argument("--out", default="out", help="report directory (default out/)")
+    p.add_argument(
+        "--chaos",
+        action="store_true",
+        help="on a broker of its own: SIGKILL the stream worker once (and restart it), stop the"
+        " broker for 10 s during a shift; the invariants must still hold",
+    )
     p.set_defaults(handler=_up)
 
     p = sub.add_parser("runtime", help="a runtime worker: transitions, routing, HTTP API")

@@ -4,9 +4,10 @@
 decisions that change a plan (and forced or operator ones) with a one-line reason, each
 transition phase as it completes, and the cluster events; holds — the stream publishes one per
 deployment per tick — are only counted, by reason. :func:`status_loop` samples the runtime worker
-and prints one block every couple of simulated minutes: per deployment the serving plan and its
-GPUs, the window's TTFT/TBT p95 and its admitted and rejected requests. Everything it reads comes
-from the simulated cluster and engines.
+(whether each deployment has a replica on live GPUs: the run's unserved time) and prints one
+block every couple of simulated minutes: per deployment the serving plan and its GPUs, the
+window's TTFT/TBT p95 and its admitted and rejected requests. Everything it reads comes from the
+simulated cluster and engines.
 """
 
 from __future__ import annotations
@@ -131,6 +132,14 @@ class Timeline:
         self.fleet.cluster.place(rec.deployment, groups)
 
 
+def serves(worker: Any, deployment: str) -> bool:
+    """Whether the runtime can serve ``deployment`` now: a routable replica on live GPUs."""
+    core = worker.runtimes[deployment].core
+    return any(
+        not any(worker.pool.is_lost(u) for u in core.plan_of(r).gpu_uuids) for r in core.routable()
+    )
+
+
 def serving_gpus(worker: Any, deployment: str) -> tuple[DeploymentPlan | None, int]:
     """The runtime's serving plan of ``deployment`` and how many of its GPUs are not lost."""
     plan = worker.runtimes[deployment].state.serving
@@ -169,6 +178,7 @@ async def status_loop(timeline: Timeline, worker: Any, every_s: float, stop: asy
         now = worker.now_s()
         for dep in worker.deployments:
             timeline.record.gpus.append((now, dep, serving_gpus(worker, dep)[1]))
+            timeline.record.serving.append((now, dep, serves(worker, dep)))
         if now >= next_print:
             print("\n".join(status_block(timeline, worker, next_print - every_s, next_print)))
             next_print += every_s

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -23,7 +24,7 @@ from aiokafka import TopicPartition
 from flexpipe import envelope
 from flexpipe.blockview import BlockRow, BlockView, render_row
 from flexpipe.config import FlexPipeConfig
-from flexpipe.errors import ValidationError
+from flexpipe.errors import FlexPipeError, ValidationError
 from flexpipe.kafka import (
     bootstrap_servers,
     create_topics,
@@ -67,6 +68,27 @@ async def broker(cfg: FlexPipeConfig) -> AsyncIterator[str]:
             print("kafka: stopped the local broker")
 
 
+@asynccontextmanager
+async def dedicated_broker(cfg: FlexPipeConfig, name: str) -> AsyncIterator[LocalKafka]:
+    """A fresh local broker of this job's own (run directory ``name``), stopped and removed
+    afterwards: one this job may stop and start again (``flexpipe up --chaos``) without
+    touching a broker anyone else uses."""
+    if cfg.kafka.bootstrap_servers:
+        raise FlexPipeError(
+            "this job stops and restarts its broker: it needs the local one"
+            " (unset kafka.bootstrap_servers / FLEXPIPE_KAFKA__BOOTSTRAP_SERVERS)"
+        )
+    local = LocalKafka(cfg.local_kafka, name=name)
+    address = await asyncio.to_thread(local.up, True)
+    print(f"kafka: started a broker of this run's own, {address}")
+    try:
+        yield local
+    finally:
+        await asyncio.to_thread(local.down)
+        shutil.rmtree(local.run_dir, ignore_errors=True)
+        print("kafka: stopped and removed this run's broker")
+
+
 def with_bootstrap(cfg: FlexPipeConfig, address: str) -> FlexPipeConfig:
     """The same config, pointed at ``address``."""
     return cfg.model_copy(
@@ -88,6 +110,19 @@ def fleet_events(
     return fleet.events(0.0, duration_s)
 
 
+async def paced(
+    events: Iterator[envelope.Envelope[Any]], speed: float, t0_ms: int, start: float
+) -> AsyncIterator[envelope.Envelope[Any]]:
+    """Yield each envelope at its event time: ``speed`` simulated seconds per wall second from
+    ``start`` (a ``time.monotonic()`` value, simulated time ``t0_ms``)."""
+    for env in events:
+        due = start + (env.event_time_ms - t0_ms) / 1000.0 / speed
+        delay = due - time.monotonic()
+        if delay > 0.005:
+            await asyncio.sleep(delay)
+        yield env
+
+
 async def publish(
     cfg: FlexPipeConfig,
     events: Iterator[envelope.Envelope[Any]],
@@ -105,11 +140,7 @@ async def publish(
     pending: list[Any] = []
     count = 0
     async with running(producer):
-        for env in events:
-            due = start + (env.event_time_ms - t0_ms) / 1000.0 / speed
-            delay = due - time.monotonic()
-            if delay > 0.005:
-                await asyncio.sleep(delay)
+        async for env in paced(events, speed, t0_ms, start):
             topic, key = telemetry_route(cfg, env.payload)
             pending.append(await producer.send(topic, envelope.encode(env), key=key))
             count += 1
@@ -118,6 +149,39 @@ async def publish(
                 pending.clear()
         await asyncio.gather(*pending)
     return count
+
+
+async def publish_buffered(
+    cfg: FlexPipeConfig,
+    events: Iterator[envelope.Envelope[Any]],
+    speed: float,
+    t0_ms: int,
+    t0: float,
+) -> int:
+    """:func:`publish` through the node agents' own path to Kafka, the bounded buffer that
+    rides out broker outages (:class:`probes.publisher.BufferedPublisher`); returns the events
+    the broker acknowledged.
+
+    NOTE: what the agents do on a real cluster; `flexpipe up --chaos` stops the broker for a
+    while and the simulated agents must carry on as real ones would.
+    """
+    from prometheus_client import CollectorRegistry
+
+    from probes.publisher import BufferedPublisher, PublisherMetrics
+
+    buffer = BufferedPublisher(lambda: make_producer(cfg), PublisherMetrics(CollectorRegistry()))
+    stop = asyncio.Event()
+    sender = asyncio.create_task(buffer.run(stop))
+    try:
+        async for env in paced(events, speed, t0_ms, t0):
+            topic, key = telemetry_route(cfg, env.payload)
+            buffer.put(topic, key, envelope.encode(env))
+            if sender.done():  # it only ends early by raising
+                sender.result()
+    finally:
+        stop.set()
+        await sender
+    return buffer.published
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexpipe.schemas import GearDecision, GearTransition, PhaseStatus, TransitionPhase
+from flexpipe.summary import SequenceFacts, Summary
 from gearbox.plans import DeploymentPlan
 
 BUCKET_S = 120.0  # summary table: latency quantiles per 2 simulated minutes
@@ -31,6 +32,7 @@ class Served:
     ttft_s: float
     tbt_s: float
     output_tokens: int
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,10 @@ class RunRecord:
     rejections: list[tuple[float, str, str]] = field(default_factory=list)  # (t, dep, reason)
     events: list[ClusterMark] = field(default_factory=list)
     gpus: list[tuple[float, str, int]] = field(default_factory=list)  # (t, dep, GPUs serving)
+    serving: list[tuple[float, str, bool]] = field(default_factory=list)  # (t, dep, a live replica)
     load_start_s: float = 0.0  # the load generator started once the starting plans served
+    load_end_s: float | None = None  # the load generator stopped (None: still running)
+    sequences: dict[str, SequenceFacts] = field(default_factory=dict)  # when the load stopped
 
     def changes(self) -> list[SeenDecision]:
         """Decisions that move a plan, and forced or operator ones (the rest are holds)."""
@@ -346,9 +351,15 @@ def summary_lines(record: RunRecord, deployments: list[str], duration_s: float) 
 
 
 def write_report(
-    record: RunRecord, deployments: list[str], duration_s: float, out_dir: Path, title: str
+    record: RunRecord,
+    deployments: list[str],
+    duration_s: float,
+    out_dir: Path,
+    title: str,
+    summary: Summary | None = None,
 ) -> tuple[Path, Path]:
-    """Write ``report.md`` and ``timeline.png`` into ``out_dir``."""
+    """Write ``report.md`` and ``timeline.png`` into ``out_dir``; the report's first lines say
+    which of ``summary``'s invariants held."""
     from flexpipe.plot import plot_timeline
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -361,9 +372,11 @@ def write_report(
         for s in record.changes()
     ]
     holds = [f"| {dep} | {reason} | {n} |" for (dep, reason), n in sorted(record.holds.items())]
+    verdict = ["```", *summary.lines(), "```", ""] if summary is not None else []
     body = [
         f"# FlexPipe run: {title}",
         "",
+        *verdict,
         "Everything below ran on the **simulated** cluster and engines (SimEngine) through a real",
         "Kafka broker, the faust stream worker and the runtime worker; times are simulated.",
         "",

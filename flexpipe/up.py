@@ -1,16 +1,22 @@
 """`flexpipe up` (what `make run` runs): the whole loop on a simulated cluster, time-compressed.
 
 A local Kafka (unless one is configured), the simulated node agents of a scenario, a faust stream
-worker (its own process, as in production), a runtime worker with SimEngine (in this process), and
-a load generator (short chat plus long-prompt summarisation) all run on one simulated clock. The
-job prints a live gear timeline (:mod:`flexpipe.live`), then a summary, and writes
-``out/report.md`` and ``out/timeline.png``. Topics get a per-run prefix so a run never reads
-another run's data.
+worker (its own process, as in production: :mod:`flexpipe.streamproc`), a runtime worker with
+SimEngine (in this process), and a load generator (short chat plus long-prompt summarisation) all
+run on one simulated clock. The job prints a live gear timeline (:mod:`flexpipe.live`), then a
+summary, checks its own outcome (:mod:`flexpipe.outcome`, :mod:`flexpipe.invariants`) and writes
+``out/summary.json``, ``out/report.md`` and ``out/timeline.png``; it exits 1 naming the invariant
+that broke. Topics get a per-run prefix so a run never reads another run's data.
 
 Start-up contract: the stream assumes each deployment's scenario *hint* is its current plan until
 a transition confirms one; the runtime worker makes that true by loading the hint as transition 0
 (a normal, persisted three-phase transition) before the load starts. The simulated cluster starts
 empty and follows the runtime's placements, so its GPUs report what the runtime loaded.
+
+End of a run: the agents' timeline is over, the load stops (its sequences are accounted for at
+that instant), the runtime gets ``DRAIN_S`` wall seconds to finish the transitions in flight,
+and the run's topics are read back for the checks. ``--chaos`` (:mod:`flexpipe.chaos`) runs on a
+broker of its own, kills the stream worker once and stops the broker during a shift.
 """
 
 from __future__ import annotations
@@ -22,21 +28,24 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
+from flexpipe.chaos import Chaos, chaos_plan
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import FlexPipeError
 from flexpipe.kafka import client_kwargs, create_topics
+from flexpipe.kafka_local import LocalKafka
 from flexpipe.live import Timeline, status_loop
-from flexpipe.mainjob import broker, publish, scenario_path
-from flexpipe.report import RunRecord, Served, summary_lines, write_report
+from flexpipe.mainjob import broker, dedicated_broker, publish_buffered, scenario_path
+from flexpipe.outcome import RunOutcome, account_sequences, conclude, gather
+from flexpipe.report import RunRecord, Served
+from flexpipe.streamproc import StreamWorker, cancel_quietly, free_port
 from gearbox.plans import DeploymentPlan
 from probes.fleet import SimFleet
 from probes.scenario import Scenario, load_scenario
@@ -44,163 +53,50 @@ from streams.app import app_id
 
 DEFAULT_SCENARIO = "demo-shift"
 # NOTE: measured on a busy 2-core machine: broker and stream-worker start take 10–15 s (one more
-# worker start when it joined on stale metadata, ~10 s) and the report ~5 s, so 120 s of
-# simulation keeps `make run` under three minutes.
+# worker start when it joined on stale metadata, ~10 s), the drain, read-back and report ~10 s,
+# so 120 s of simulation keeps `make run` under three minutes.
 DEFAULT_WALL_S = 120.0
 LAUNCH_DRAIN_S = 5.0  # simulated agents drain launch maps every 5 s in the demo (200 ms live)
 STATUS_EVERY_S = 120.0  # simulated seconds between live status blocks
 START_DEADLINE_S = 60.0  # simulated seconds the starting plans may take before the load starts
-GROUP_DEADLINE_S = 90.0  # wall seconds for the stream worker to join its consumer group
-STALE_ASSIGNMENT_S = 5.0  # wall seconds a stable group may lack partitions before a restart
-STREAMS_STARTS = 3  # stream-worker starts before `up` gives up
 BROKER_PING_S = 2.0  # wall seconds between broker pings while the run lasts
 BROKER_MISSES = 3  # pings missed in a row before the broker counts as gone
+DRAIN_S = 30.0  # wall seconds the runtime may take to finish its transitions at the end
+CHAOS_SESSION_S = 6.0  # consumer-group session under chaos: a killed worker is evicted quickly
 
 
-def run_config(cfg: FlexPipeConfig, address: str, scenario: Path, speed: float) -> FlexPipeConfig:
-    """This run's config: its broker, a fresh topic prefix, the simulated clock's speed."""
+def run_config(
+    cfg: FlexPipeConfig, address: str, scenario: Path, speed: float, *, chaos: bool = False
+) -> FlexPipeConfig:
+    """This run's config: its broker, a fresh topic prefix, the simulated clock's speed, a port
+    for the stream worker's metrics (its failed ticks are read there)."""
     run_id = f"up{int(time.time())}"
+    streams: dict[str, Any] = {"scenario": str(scenario), "metrics_port": free_port()}
+    if chaos:
+        # NOTE: the killed worker's partitions move to its successor once its session expires.
+        streams["session_timeout_s"] = min(cfg.streams.session_timeout_s, CHAOS_SESSION_S)
     update: dict[str, Any] = {
         "kafka": cfg.kafka.model_copy(update={"bootstrap_servers": address}),
         "topics": cfg.topics.model_copy(update={"prefix": f"{cfg.topics.prefix}{run_id}."}),
         "runtime": cfg.runtime.model_copy(update={"sim_speed": speed, "http_port": 0}),
-        "streams": cfg.streams.model_copy(update={"scenario": str(scenario)}),
+        "streams": cfg.streams.model_copy(update=streams),
     }
     return cfg.model_copy(update=update)
 
 
-def config_env(cfg: FlexPipeConfig) -> dict[str, str]:
-    """Environment overrides that give a child process the same config."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXPIPE_")}
-    flat = {
-        "KAFKA__BOOTSTRAP_SERVERS": cfg.kafka.bootstrap_servers or "",
-        "TOPICS__PREFIX": cfg.topics.prefix,
-        "TOPICS__PARTITIONS": str(cfg.topics.partitions),
-        "STREAMS__SCENARIO": cfg.streams.scenario or "",
-        "INTERVALS__DECISION_S": str(cfg.intervals.decision_s),
-        "STREAMS__LOGLEVEL": cfg.streams.loglevel,
-    }
-    return env | {f"FLEXPIPE_{k}": v for k, v in flat.items()}
-
-
-def _died(proc: subprocess.Popen[bytes], log_path: Path) -> FlexPipeError:
-    return FlexPipeError(f"the stream worker exited with code {proc.returncode}; see {log_path}")
-
-
-class StaleAssignment(FlexPipeError):
-    """The stream worker joined its group without the partitions it decides on."""
-
-
-def assigned_partitions(group: Any, topic: str) -> set[int]:
-    """Partitions of ``topic`` the members of a described consumer group hold."""
-    from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
-
-    out: set[int] = set()
-    for member in group[5]:
-        raw = member[-1]  # member_assignment is the last field in every protocol version
-        if raw:
-            for name, partitions in ConsumerProtocolMemberAssignment.decode(raw).assignment:
-                if name == topic:
-                    out.update(partitions)
-    return out
-
-
-async def wait_group_stable(
-    cfg: FlexPipeConfig, proc: subprocess.Popen[bytes], log_path: Path
-) -> None:
-    """Wait until the stream worker joined its consumer group owning every triggers partition.
-
-    NOTE: a worker that joins while freshly created topics are missing from the broker's
-    metadata (a loaded machine) is assigned none of them and never decides; faust does not
-    rebalance when they appear, so that is reported as :class:`StaleAssignment`.
-    """
-    from streams.app import triggers_topic
-
-    admin = AIOKafkaAdminClient(**client_kwargs(cfg))
-    await admin.start()
-    wanted = set(range(cfg.topics.partitions))
-    try:
-        deadline = time.monotonic() + GROUP_DEADLINE_S
-        stable_since: float | None = None
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise _died(proc, log_path)
-            try:
-                resp = await admin.describe_consumer_groups([app_id(cfg)])
-            except KafkaError:  # the group coordinator appears a moment after the first join
-                resp = []
-            groups = resp[0].groups if resp else []
-            if groups and groups[0][2] == "Stable":
-                if assigned_partitions(groups[0], triggers_topic(cfg)) >= wanted:
-                    return
-                stable_since = stable_since or time.monotonic()
-                if time.monotonic() - stable_since > STALE_ASSIGNMENT_S:
-                    raise StaleAssignment(
-                        f"the stream worker was assigned no triggers partition; see {log_path}"
-                    )
-            await asyncio.sleep(0.5)
-        raise FlexPipeError(
-            f"the stream worker did not join its consumer group within {GROUP_DEADLINE_S:.0f} s;"
-            f" see {log_path}"
-        )
-    finally:
-        await admin.close()
-
-
-async def launch_streams(cfg: FlexPipeConfig, out_dir: Path) -> subprocess.Popen[bytes]:
-    """Start the stream worker and wait until it owns its partitions; restart it (up to
-    ``STREAMS_STARTS`` times in all) when it joined on stale topic metadata."""
-    log_path = out_dir / "streams.log"
-    for attempt in range(1, STREAMS_STARTS + 1):
-        proc = start_streams(cfg, out_dir)
-        try:
-            await wait_group_stable(cfg, proc, log_path)
-            return proc
-        except StaleAssignment:
-            stop_process(proc)
-            if attempt == STREAMS_STARTS:
-                raise
-            print("up: the stream worker joined before its topics were visible; restarting it")
-        except BaseException:
-            stop_process(proc)
-            raise
-    raise AssertionError("unreachable")
-
-
-def start_streams(cfg: FlexPipeConfig, out_dir: Path) -> subprocess.Popen[bytes]:
-    """The faust worker as its own process, as it runs in a cluster; its log and its faust data
-    directory go into ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "streams.log", "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "flexpipe.cli", "streams", "worker", "--worker-id", "up"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=config_env(cfg),
-            cwd=out_dir,  # NOTE: faust writes its data directory into the working directory
-            start_new_session=True,
-        )
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
-    """SIGTERM, then SIGKILL if it lingers."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-async def watch_broker(cfg: FlexPipeConfig) -> None:
-    """Raise once the broker missed ``BROKER_MISSES`` pings in a row (it went away)."""
+async def watch_broker(cfg: FlexPipeConfig, planned: asyncio.Event | None = None) -> None:
+    """Raise once the broker missed ``BROKER_MISSES`` pings in a row (it went away); while
+    ``planned`` is set (chaos stopped it on purpose) misses do not count."""
     admin = AIOKafkaAdminClient(**client_kwargs(cfg))
     await admin.start()
     missed = 0
+    quiet = logging.getLogger("aiokafka")
     try:
         while missed < BROKER_MISSES:
             await asyncio.sleep(BROKER_PING_S)
+            if planned is not None and planned.is_set():
+                missed = 0
+                continue
             try:
                 await asyncio.wait_for(admin.list_topics(), 2 * BROKER_PING_S)
                 missed = 0
@@ -208,18 +104,11 @@ async def watch_broker(cfg: FlexPipeConfig) -> None:
                 missed += 1
                 # NOTE: every client now retries and logs each failed connect; this job says
                 # once, below, what happened.
-                logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+                quiet.setLevel(logging.CRITICAL)
         raise FlexPipeError(f"the Kafka broker at {cfg.kafka.bootstrap_servers} stopped answering")
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(admin.close(), BROKER_PING_S)
-
-
-async def watch_process(proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    """Raise once the stream worker exits: it must outlive the run."""
-    while proc.poll() is None:
-        await asyncio.sleep(0.5)
-    raise _died(proc, log_path)
 
 
 async def supervise(main: asyncio.Task[Any], others: list[asyncio.Task[Any]]) -> None:
@@ -293,7 +182,8 @@ async def drive_load(
     """Submit the scenario's requests at their simulated arrival times; record completions.
 
     The load starts once the starting plans serve (as one would switch traffic on), so the
-    rejections counted are the control loop's, not the start-up's.
+    rejections counted are the control loop's, not the start-up's. When it stops, every
+    admitted sequence is accounted for against the runtime (``record.sequences``).
     """
     from runtime.loadgen import generate, rates_from_workload
 
@@ -309,6 +199,7 @@ async def drive_load(
         ),
         key=lambda x: (x[0].arrival_s, x[1]),
     )
+    admitted: dict[str, dict[str, asyncio.Future[Any]]] = {d: {} for d in worker.deployments}
     pending: set[asyncio.Task[None]] = set()
     for request, dep in arrivals:
         delay = (request.arrival_s - worker.now_s()) / worker.clock.speed
@@ -323,17 +214,35 @@ async def drive_load(
         if fut is None:
             record.rejections.append((worker.now_s(), dep, str(admission.reason)))
             continue
-        task = asyncio.create_task(_complete(dep, fut, record))
+        admitted[dep][request.request_id] = fut
+        task = asyncio.create_task(_complete(dep, request.request_id, fut, record))
         pending.add(task)
         task.add_done_callback(pending.discard)
+    # NOTE: one instant, no await in between: completions and ownership agree.
+    record.load_end_s = worker.now_s()
+    for dep, futures in admitted.items():
+        record.sequences[dep] = account_sequences(futures, worker.runtimes[dep].core)
     for task in list(pending):
         task.cancel()
 
 
-async def _complete(dep: str, fut: asyncio.Future[Any], record: RunRecord) -> None:
+async def _complete(dep: str, request_id: str, fut: asyncio.Future[Any], record: RunRecord) -> None:
     done = await fut
     tbt_s = (done.finish_s - done.first_token_s) / max(1, done.output_tokens - 1)
-    record.served.append(Served(dep, done.finish_s, done.ttft_s, tbt_s, done.output_tokens))
+    record.served.append(
+        Served(dep, done.finish_s, done.ttft_s, tbt_s, done.output_tokens, request_id)
+    )
+
+
+async def drain(worker: Any, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s`` wall seconds) until no runtime has a transition in flight
+    or waiting; the checks then name any left unfinished."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+        rt.state.active is not None or rt.state.pending is not None
+        for rt in worker.runtimes.values()
+    ):
+        await asyncio.sleep(0.1)
 
 
 def _failure(me: asyncio.Task[Any] | None, exc: asyncio.CancelledError) -> BaseException:
@@ -355,10 +264,11 @@ async def run_up(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
     scenario = load_scenario(path)
     duration_s = args.duration or scenario.duration_s
     speed = args.speed or duration_s / DEFAULT_WALL_S
+    chaos = bool(getattr(args, "chaos", False))
     out_dir = Path(args.out).resolve()
-    log_path = out_dir / "streams.log"
     out_dir.mkdir(parents=True, exist_ok=True)
-    log_path.write_bytes(b"")  # this run's log only
+    (out_dir / "streams.log").write_bytes(b"")  # this run's log only
+    (out_dir / "summary.json").unlink(missing_ok=True)  # NOTE: never a previous run's verdict
     # NOTE: SIGTERM cancels the run, so the stream worker (its own session) and a broker this
     # job started are stopped on the way out instead of being left behind.
     terminated: list[bool] = []
@@ -371,7 +281,9 @@ async def run_up(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
     try:
-        record = await _run_with_broker(cfg, scenario, path, args.seed, duration_s, speed, out_dir)
+        outcome = await _run_with_broker(
+            cfg, scenario, path, args.seed, duration_s, speed, out_dir, chaos
+        )
     except KafkaError as exc:
         raise FlexPipeError(f"Kafka: {exc}") from exc
     except asyncio.CancelledError as exc:
@@ -379,12 +291,28 @@ async def run_up(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
             raise _failure(me, exc) from None
         print("up: stopped (SIGTERM); the stream worker and the broker were stopped", flush=True)
         return 128 + signal.SIGTERM
-    deployments = [d.name for d in scenario.deployments]
-    print("\n".join(summary_lines(record, deployments, duration_s)))
-    title = f"{scenario.name}, seed {args.seed}"
-    md, png = write_report(record, deployments, duration_s, out_dir, title)
-    print(f"\nreport: {md}  timeline: {png}  ({time.monotonic() - wall0:.0f} s wall)")
-    return 0
+    outcome.meta = {
+        "scenario": scenario.name,
+        "seed": args.seed,
+        "duration_s": duration_s,
+        "speed": round(speed, 2),
+        "chaos": chaos,
+    }
+    title = f"{scenario.name}, seed {args.seed}" + (", chaos" if chaos else "")
+    code = conclude(outcome, scenario, duration_s, out_dir, title)
+    print(f"({time.monotonic() - wall0:.0f} s wall)")
+    return code
+
+
+@contextlib.asynccontextmanager
+async def _kafka(cfg: FlexPipeConfig, chaos: bool) -> AsyncIterator[tuple[str, LocalKafka | None]]:
+    """The run's broker: the usual one, or under chaos one of its own that it may stop."""
+    if not chaos:
+        async with broker(cfg) as address:
+            yield address, None
+        return
+    async with dedicated_broker(cfg, f"up-chaos-{os.getpid()}") as local:
+        yield local.status().bootstrap or "", local
 
 
 async def _run_with_broker(
@@ -395,23 +323,24 @@ async def _run_with_broker(
     duration_s: float,
     speed: float,
     out_dir: Path,
-) -> RunRecord:
+    chaos: bool,
+) -> RunOutcome:
     """Broker, topics and stream worker around :func:`run_loop`; all stopped afterwards."""
-    log_path = out_dir / "streams.log"
-    async with broker(cfg) as address:
-        cfg = run_config(cfg, address, path.resolve(), speed)
+    async with _kafka(cfg, chaos) as (address, local):
+        cfg = run_config(cfg, address, path.resolve(), speed, chaos=chaos)
         await create_topics(cfg)
-        streams = await launch_streams(cfg, out_dir)
+        streams = StreamWorker(cfg, out_dir)
+        await streams.launch()
         try:
             print(
                 f"up: {scenario.name} (simulated cluster, SimEngine), {duration_s / 60:.0f}"
                 f" simulated min at {speed:.0f}× (seed {seed}); stream worker pid"
-                f" {streams.pid}, log {log_path}",
+                f" {streams.pid}, log {streams.log_path}" + ("; chaos" if chaos else ""),
                 flush=True,
             )
-            return await run_loop(cfg, scenario, seed, duration_s, speed, streams, log_path)
+            return await run_loop(cfg, scenario, seed, duration_s, speed, streams, local)
         finally:
-            stop_process(streams)
+            streams.stop()
             # NOTE: the worker's tables live in memory; faust leaves an empty data dir behind.
             shutil.rmtree(out_dir / f"{app_id(cfg)}-data", ignore_errors=True)
 
@@ -422,10 +351,11 @@ async def run_loop(
     seed: int,
     duration_s: float,
     speed: float,
-    streams: subprocess.Popen[bytes],
-    log_path: Path,
-) -> RunRecord:
-    """Agents, runtime worker and load on one simulated clock, for ``duration_s``."""
+    streams: StreamWorker,
+    local: LocalKafka | None,
+) -> RunOutcome:
+    """Agents, runtime worker and load on one simulated clock, for ``duration_s``; then the
+    drain and the read-back (with chaos when ``local`` is the run's own broker)."""
     from runtime.offsets import SimClock
     from runtime.worker import RuntimeWorker
     from streams.catalog import scenario_catalog
@@ -445,6 +375,7 @@ async def run_loop(
         start_plans=plans,
     )
     timeline = Timeline(cfg, scenario.epoch_ms, fleet, clock.now_s)
+    chaos = Chaos(chaos_plan(duration_s), streams, local, worker, clock.now_s) if local else None
     stop = asyncio.Event()
     async with worker:
         helpers = [
@@ -455,22 +386,34 @@ async def run_loop(
             asyncio.create_task(status_loop(timeline, worker, STATUS_EVERY_S, stop)),
         ]
         agents = asyncio.create_task(
-            publish(cfg, fleet.events(0.0, duration_s), speed, scenario.epoch_ms, t0=t0)
+            publish_buffered(cfg, fleet.events(0.0, duration_s), speed, scenario.epoch_ms, t0)
         )
+        planned = chaos.broker_planned if chaos else None
         watchdogs = [
-            asyncio.create_task(watch_process(streams, log_path)),
-            asyncio.create_task(watch_broker(cfg)),
+            asyncio.create_task(streams.watch()),
+            asyncio.create_task(streams.scrape_loop()),
+            asyncio.create_task(watch_broker(cfg, planned)),
         ]
+        faults = asyncio.create_task(chaos.run()) if chaos else None
         try:
-            await supervise(agents, [*watchdogs, *helpers])
+            await supervise(agents, [*watchdogs, *helpers, *([faults] if faults else [])])
+            stop.set()
+            if faults is not None and chaos is not None:
+                await chaos.settle(faults)
+            await supervise(asyncio.create_task(drain(worker, DRAIN_S)), watchdogs)
         finally:
             stop.set()
-            for task in (agents, *watchdogs):
-                task.cancel()
+            for task in (agents, *watchdogs, *([faults] if faults else [])):
+                await cancel_quietly(task)
             # NOTE: even on a failure the helpers end before the worker and the broker stop, so
             # no consumer is left polling a broker that went away.
             results = await asyncio.gather(*helpers, return_exceptions=True)
         for result in results:
             if isinstance(result, Exception):
                 raise result
-    return timeline.record
+        active = tuple(d for d, rt in worker.runtimes.items() if rt.state.active is not None)
+        outcome = await gather(cfg, timeline.record, scenario.epoch_ms, clock.now_s())
+    outcome.active_at_exit = active
+    outcome.failed_ticks, outcome.failed_ticks_source = await streams.failed_ticks()
+    outcome.outages = list(chaos.outages) if chaos else []
+    return outcome

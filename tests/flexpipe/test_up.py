@@ -1,12 +1,16 @@
-"""E2e: `flexpipe up` — broker, stream worker, runtime worker, simulated agents and load, whole.
+"""`flexpipe up` — broker, stream worker, runtime worker, simulated agents and load, whole.
 
-One short run of the demo scenario (10 simulated minutes at 20×, about 45 s wall) as a
-subprocess against the session broker: it must end cleanly, show chat-70b serving from start-up
-and shifting after the 08:00 preemption with its three phases, and write the report and the PNG.
+E2e: one short run of the demo scenario (10 simulated minutes at 20×, about 45 s wall) as a
+subprocess against the session broker: it must end cleanly with every invariant held, show
+chat-70b serving from start-up and shifting after the 08:00 preemption with its three phases,
+and write summary.json, the report and the PNG. A chaos run (its own broker, the stream worker
+killed once, the broker stopped during a shift) must hold the same invariants. Unit: the end of a
+run with an injected violation exits 1 naming it, and summary.json says so.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -16,22 +20,35 @@ from pathlib import Path
 import pytest
 
 from flexpipe.config import FlexPipeConfig
-
-pytestmark = pytest.mark.e2e
+from flexpipe.mainjob import scenario_path
+from flexpipe.outcome import EXIT_BROKEN, RunOutcome, conclude
+from flexpipe.report import RunRecord, SeenDecision
+from flexpipe.schemas import GearDecision
+from flexpipe.streamproc import TICK_FAILURES, metric_total, tick_failures_in_log
+from flexpipe.summary import SequenceFacts
+from probes.scenario import load_scenario
 
 PREEMPT = "00:08:00"
 
 
-def _run_up(kafka_cfg: FlexPipeConfig, out: Path) -> subprocess.CompletedProcess[str]:
+def _run_up(
+    kafka_cfg: FlexPipeConfig | None, out: Path, *args: str, timeout_s: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """`flexpipe up` as a subprocess; against the session broker unless ``kafka_cfg`` is None
+    (then on a broker of its own)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXPIPE_")}
-    env |= {
-        "FLEXPIPE_KAFKA__BOOTSTRAP_SERVERS": kafka_cfg.kafka.bootstrap_servers or "",
-        "FLEXPIPE_TOPICS__PREFIX": kafka_cfg.topics.prefix,
-    }
-    cmd = [sys.executable, "-m", "flexpipe.cli", "up", "--duration", "600", "--speed", "20"]
-    return subprocess.run(
-        [*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=240
-    )
+    if kafka_cfg is not None:
+        env |= {
+            "FLEXPIPE_KAFKA__BOOTSTRAP_SERVERS": kafka_cfg.kafka.bootstrap_servers or "",
+            "FLEXPIPE_TOPICS__PREFIX": kafka_cfg.topics.prefix,
+        }
+    cmd = [sys.executable, "-m", "flexpipe.cli", "up", *args, "--out", str(out)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _summary(out: Path) -> dict[str, object]:
+    data: dict[str, object] = json.loads((out / "summary.json").read_text())
+    return data
 
 
 def _phases_after(stdout: str, deployment: str, after: str) -> dict[int, list[str]]:
@@ -44,12 +61,22 @@ def _phases_after(stdout: str, deployment: str, after: str) -> dict[int, list[st
     return found
 
 
+@pytest.mark.e2e
 def test_up_shifts_chat_70b_after_the_preemption_and_writes_the_report(
     kafka_cfg: FlexPipeConfig, tmp_path: Path
 ) -> None:
-    proc = _run_up(kafka_cfg, tmp_path)
+    proc = _run_up(kafka_cfg, tmp_path, "--duration", "600", "--speed", "20")
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+    summary = _summary(tmp_path)
+    run = summary["run"]
+    assert isinstance(run, dict)
+    assert summary["invariants_ok"] is True and run["failed_ticks"] == 0, summary
+    assert run["failed_ticks_source"] == "metric" and run["duplicate_decisions"] == 0
+    events = summary["events"]
+    assert isinstance(events, list) and events, "the 08:00 preemption hits chat-70b's plan"
+    assert events[0]["deployment"] == "chat-70b" and events[0]["answered_after_s"] <= 40
+    assert "== invariants: 7 of 7 held" in out
     # Start-up: the starting plan is loaded as transition 0, before any decision.
     assert re.search(r"↳ chat-70b #0 done [\d.]+ s ✓", out), out[-3000:]
     # The preemption, a decision for chat-70b, and a shift with all three phases after it.
@@ -69,7 +96,90 @@ def test_up_shifts_chat_70b_after_the_preemption_and_writes_the_report(
     # The summary, the report and the figure.
     assert "== shifts" in out and "== throughput and admission" in out
     report = (tmp_path / "report.md").read_text()
+    assert report.splitlines()[3] == "== invariants: 7 of 7 held (all held)"
     assert "## Decisions that changed a plan" in report and "chat-70b" in report
     png = (tmp_path / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     assert (tmp_path / "streams.log").exists()
+
+
+@pytest.mark.e2e
+def test_up_chaos_kills_the_worker_and_stops_the_broker_and_still_holds(tmp_path: Path) -> None:
+    # NOTE: on a broker of its own (it stops it); 20 simulated minutes at 20×, about 90 s wall.
+    proc = _run_up(None, tmp_path, "--chaos", "--duration", "1200", "--speed", "20", timeout_s=400)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+    summary = _summary(tmp_path)
+    run = summary["run"]
+    assert isinstance(run, dict) and run["chaos"] is True
+    assert summary["invariants_ok"] is True, summary["invariants"]
+    assert run["duplicate_decisions"] == 0 and run["failed_ticks"] == 0
+    kinds = [o["kind"] for o in run["outages"]]
+    assert kinds == ["stream_worker_killed", "broker_stopped"], run["outages"]
+    assert "during" in run["outages"][1]["detail"], "the broker went down during a shift"
+    deployments = summary["deployments"]
+    assert isinstance(deployments, dict)
+    for figures in deployments.values():
+        assert figures["sequences"]["lost"] == 0 and figures["sequences"]["owned_twice"] == 0
+    assert out.count("chaos: ") >= 4  # each fault announced, each recovery measured
+
+
+def _decision(seq: int) -> GearDecision:
+    return GearDecision(
+        deployment="chat-70b",
+        decision_id=f"chat-70b:{seq}",
+        seq=seq,
+        trigger="timer",
+        reason="no_better_candidate",
+        forced=False,
+        from_plan_id="dp-1",
+        to_plan_id=None,
+        explanation="chat-70b: no_better_candidate (trigger timer).",
+    )
+
+
+@pytest.mark.unit
+def test_an_injected_violation_exits_1_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scenario = load_scenario(scenario_path("demo-shift"))
+    record = RunRecord()
+    record.decisions.append(SeenDecision(30.0, 30.5, _decision(2)))
+    record.sequences["chat-70b"] = SequenceFacts(admitted=10, completed=9, in_flight=1)
+    twice = [(30.0, _decision(2)), (30.0, _decision(2))]  # the injected violation
+    outcome = RunOutcome(record=record, decisions=twice, transitions=[], events=[], end_s=60.0)
+    code = conclude(outcome, scenario, 60.0, tmp_path, "injected")
+    captured = capsys.readouterr()
+    assert code == EXIT_BROKEN
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("flexpipe up: invariant broken: unique_decision_ids: 1 decision id")
+    assert "chat-70b:2 ×2" in line
+    data = _summary(tmp_path)
+    assert data["invariants_ok"] is False and data["broken"] == ["unique_decision_ids"]
+    assert "BROKEN  unique_decision_ids" in (tmp_path / "report.md").read_text()
+    assert "== invariants: 6 of 7 held (1 BROKEN)" in captured.out
+
+
+@pytest.mark.unit
+def test_failed_ticks_from_the_metric_and_from_the_log() -> None:
+    exposition = "\n".join(
+        [
+            f"# TYPE {TICK_FAILURES[: -len('_total')]} counter",
+            f'{TICK_FAILURES}{{path="tick"}} 3.0',
+            f'{TICK_FAILURES}{{path="triggers"}} 1.0',
+            f'{TICK_FAILURES[: -len("_total")]}_created{{path="tick"}} 1.7e9',
+        ]
+    )
+    assert metric_total(exposition, TICK_FAILURES) == 4.0
+    assert metric_total("", TICK_FAILURES) is None
+    log = "\n".join(
+        [
+            "[..] [ERROR] tick failed (first time for this error)",
+            "Traceback (most recent call last):",
+            "[..] [ERROR] tick failed again: TypeError: x at a.py:1 (10 times, 10 in a row)",
+            "[..] [ERROR] tick failed again: TypeError: x at a.py:1 (100 times, 100 in a row)",
+            "[..] [ERROR] triggers failed (first time for this error)",
+            "[..] [ERROR] tick failed",  # an older worker
+        ]
+    )
+    assert tick_failures_in_log(log) == 1 + 99 + 1 + 1
