@@ -117,6 +117,13 @@ class StreamsConfig(_Section):
     view_refresh_s: float = Field(5.0, gt=0, le=300, description="max staleness of shared view")
     flush_interval_s: float = Field(0.5, gt=0, le=30, description="wall s between table flushes")
     max_future_skew_s: float = Field(300.0, gt=0, description="reject events this far ahead")
+    transition_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=86_400,
+        description="event time a switch stays in flight without DONE/ROLLED_BACK before the "
+        "next switch may be decided",
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 = off")
     session_timeout_s: float = Field(30.0, ge=3, le=300, description="consumer group session")
     ready_timeout_s: float = Field(

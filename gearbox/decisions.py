@@ -49,6 +49,9 @@ class DecisionReason(StrEnum):
     REVERSE_COOLDOWN = "reverse_cooldown"  # switching straight back waits longer
     NO_BETTER_CANDIDATE = "no_better_candidate"  # the current plan is the best
     NO_FEASIBLE_PLAN = "no_feasible_plan"  # nothing fits on the live GPUs
+    # set by the stream's decision step (streams.inflight), which owns the runtime's progress:
+    TRANSITION_IN_FLIGHT = "transition_in_flight"  # the last switch is still being carried out
+    ALREADY_SERVING = "already_serving"  # the chosen target is the plan the runtime serves
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,6 +92,12 @@ class Decider:
         self._gear_written: dict[str, tuple[int, object, float | None]] = {}
         self._gear_unwritten: set[str] = set()
 
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held while deciding until the decision's tables are written: hold it to change a
+        deployment's plan, or that table write (from the plan read before) overwrites it."""
+        return self._lock
+
     # ---- rebalance --------------------------------------------------------------------------
 
     async def on_revoked(self) -> None:
@@ -274,6 +280,7 @@ class Decider:
             self.gearbox_config,
             e.worker,
             topology=self._topology_at(now_ms),
+            transition_timeout_s=e.cfg.streams.transition_timeout_s,
         )
         return step(inp)
 

@@ -272,28 +272,32 @@ class Engine:
 
     async def _fold_transition(self, env: Envelope[Any], msg: Message) -> None:
         tr: GearTransition = env.payload
-        plan = self.load(TableName.PLANS, tr.deployment, PlanState) or PlanState()
-        try:
-            new = fold_transition(plan, tr)
-        except (TypeError, ValueError) as exc:
-            detail = f"plan does not parse: {exc}"[:500]
-            await self.reject(
-                Rejected(DeadLetterReason.BAD_PLAN, "payload.plan", detail), msg, "transitions"
-            )
+        # NOTE: under the decider's lock: a decision being published writes the tables it read
+        # before, which would drop this record's effect (a DONE settling the decision in flight,
+        # a rollback's quarantine).
+        bad: Rejected | None = None
+        async with self.decider.lock:
+            plan = self.load(TableName.PLANS, tr.deployment, PlanState) or PlanState()
+            try:
+                new = fold_transition(plan, tr)
+            except (TypeError, ValueError) as exc:
+                bad = Rejected(
+                    DeadLetterReason.BAD_PLAN, "payload.plan", f"plan does not parse: {exc}"[:500]
+                )
+            else:
+                if new != plan:
+                    self.store(TableName.PLANS, tr.deployment, new)
+                    self.decider.show_plan(tr.deployment, new)
+                if tr.phase is TransitionPhase.ROLLED_BACK:
+                    # gearbox quarantines the failed target: the next ticks do not re-propose it
+                    gear = self.load(TableName.GEAR_STATE, tr.deployment, GearState) or GearState()
+                    config = self.decider.gearbox_config
+                    rolled = fold_rollback(gear, tr, env.event_time_ms, config)
+                    self.store(TableName.GEAR_STATE, tr.deployment, rolled)
+        if bad is not None:
+            await self.reject(bad, msg, "transitions")
             return
         self._count(env, True)
-        if new != plan:
-            self.store(TableName.PLANS, tr.deployment, new)
-            self.decider.show_plan(tr.deployment, new)
-        if tr.phase is TransitionPhase.ROLLED_BACK:
-            # gearbox quarantines the failed target, so the next tick does not re-propose it
-            gear = self.load(TableName.GEAR_STATE, tr.deployment, GearState) or GearState()
-            config = self.decider.gearbox_config
-            self.store(
-                TableName.GEAR_STATE,
-                tr.deployment,
-                fold_rollback(gear, tr, env.event_time_ms, config),
-            )
 
     async def _fold_control(self, env: Envelope[Any], wall_s: float) -> None:
         cmd: ControlCommand = env.payload

@@ -6,6 +6,10 @@ event time of the last trigger decided, and :func:`step` refuses a trigger that 
 a replayed trigger never yields a second decision. The decisions topic is the source of truth:
 the app writes its tables only after the broker acknowledged a decision, and :func:`reconcile`
 rolls the tables forward from the last logged decision after a crash or a rebalance.
+
+One decision in flight per deployment (:mod:`streams.inflight`): from a switch until the
+transitions topic reports it DONE or ROLLED_BACK, or ``streams.transition_timeout_s`` of event
+time, a voluntary switch is held; and no decision targets the plan the runtime serves.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from flexpipe.config import FlexPipeConfig
+from flexpipe.config import FlexPipeConfig, StreamsConfig
 from flexpipe.schemas import (
     ControlAction,
     ControlCommand,
@@ -26,12 +30,22 @@ from flexpipe.schemas import (
 from gearbox.blocks import AtomicBlock, build_blocks
 from gearbox.config import GearboxConfig
 from gearbox.decide import decide
-from gearbox.decisions import DecideResult, Overrides, Trigger
+from gearbox.decisions import DecideResult, Overrides
 from gearbox.history import GearState, record_failed_target
 from gearbox.plans import DeploymentPlan
 from gearbox.types import LoadSnapshot, TopologySnapshot
 from streams.catalog import Catalog
+from streams.cursor import (
+    TRIGGER_RANK,
+    Cursor,
+    LoggedDecision,
+    TriggerInfo,
+    decision_id,
+    parse_trigger,
+    tick_due_ms,
+)
 from streams.deployments import Deployment, hint_plan
+from streams.inflight import InFlight, guard, logged_marker, unsettled
 from streams.load import ServingWindows, serving_aggregate
 from streams.snapshot import build_load, build_topology, snapshot_digest
 from streams.state import GpuState, NodeState
@@ -54,12 +68,15 @@ __all__ = [
     "fold_transition",
     "make_input",
     "reconcile",
+    "serving_plan_id",
     "step",
     "tick_due_ms",
     "view_timeout_s",
 ]
 
 MAX_KNOWN_PLANS = 8  # recent plans kept per deployment, so an operator can pin one by id
+DEFAULT_TRANSITION_TIMEOUT_S = float(StreamsConfig.model_fields["transition_timeout_s"].default)
+_TERMINAL = (TransitionPhase.DONE, TransitionPhase.ROLLED_BACK)
 
 
 class PlanSource(StrEnum):
@@ -82,6 +99,22 @@ class PlanState:
     transition_seq: int = 0  # highest transition sequence number seen
     baseline: DeploymentPlan | None = None  # the hint plan: target of emergency downshifts
     known: tuple[DeploymentPlan, ...] = ()  # recent plans, newest last
+    settled_seq: int = -1  # highest transition sequence seen reaching DONE or ROLLED_BACK
+    in_flight: InFlight | None = None  # our switch the runtime has not finished yet
+
+
+def serving_plan_id(plan: PlanState) -> str | None:
+    """Id of the plan the runtime serves, as far as the transitions topic told (None: unknown)."""
+    return plan.confirmed.plan_id if plan.confirmed is not None else None
+
+
+def _unsettled(plan: PlanState, marker: InFlight | None) -> InFlight | None:
+    return unsettled(
+        marker,
+        transition_seq=plan.transition_seq,
+        settled_seq=plan.settled_seq,
+        serving_plan_id=serving_plan_id(plan),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,53 +128,6 @@ class OverrideState:
     updated_ms: int = 0
 
 
-# NOTE: a tick and a topology change can share one event time (the seed scenario's preemptions
-# sit on tick boundaries): the change must still be decided after the tick, so triggers order by
-# (event time, rank).
-TRIGGER_RANK: dict[Trigger, int] = {
-    Trigger.TIMER: 0,
-    Trigger.LOAD_CHANGE: 1,
-    Trigger.TOPOLOGY_CHANGE: 2,
-    Trigger.OPERATOR: 3,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Cursor:
-    """How far a deployment's decisions got: last sequence number, last trigger's event time
-    and rank (see :data:`TRIGGER_RANK`)."""
-
-    seq: int = 0
-    trigger_time_ms: int = -1
-    trigger_rank: int = 0
-
-    def admits(self, kind: Trigger, time_ms: int) -> bool:
-        """Whether a trigger is newer than the last one decided."""
-        return (time_ms, TRIGGER_RANK[kind]) > (self.trigger_time_ms, self.trigger_rank)
-
-
-@dataclass(frozen=True, slots=True)
-class TriggerInfo:
-    """Why the loop runs now: gearbox's trigger kind, its event time and what happened."""
-
-    kind: Trigger
-    time_ms: int
-    description: str
-
-
-@dataclass(frozen=True, slots=True)
-class LoggedDecision:
-    """A decision read back from the decisions topic."""
-
-    trigger_time_ms: int  # the envelope's event time
-    payload: GearDecision
-
-
-def decision_id(deployment: str, seq: int) -> str:
-    """The deterministic id of a deployment's ``seq``-th decision."""
-    return f"{deployment}:{seq}"
-
-
 def view_timeout_s(cfg: FlexPipeConfig) -> float:
     """Heartbeat timeout applied to shared-view records in snapshots.
 
@@ -149,13 +135,6 @@ def view_timeout_s(cfg: FlexPipeConfig) -> float:
     enforces the exact timeout through the ``timed_out`` flag.
     """
     return cfg.intervals.heartbeat_timeout_s + cfg.streams.view_refresh_s
-
-
-def tick_due_ms(clock_ms: int, interval_s: float) -> int:
-    """The latest periodic tick at or before ``clock_ms``: ticks sit on multiples of the interval
-    in event time, so every worker (and a replay) agrees on them."""
-    interval_ms = max(1, round(interval_s * 1000))
-    return clock_ms // interval_ms * interval_ms
 
 
 def _remember(
@@ -181,6 +160,7 @@ class StepInput:
     trigger: TriggerInfo
     config: GearboxConfig
     worker: str = ""
+    transition_timeout_s: float = DEFAULT_TRANSITION_TIMEOUT_S  # streams.transition_timeout_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +200,7 @@ def make_input(
     config: GearboxConfig,
     worker: str = "",
     topology: TopologySnapshot | None = None,
+    transition_timeout_s: float = DEFAULT_TRANSITION_TIMEOUT_S,
 ) -> StepInput:
     """Build snapshots at ``now_ms`` from the view and tables: the one place live and replay
     turn state into gearbox's inputs. ``topology``, when given, must be what
@@ -242,6 +223,7 @@ def make_input(
         trigger,
         config,
         worker,
+        transition_timeout_s,
     )
 
 
@@ -298,13 +280,47 @@ def _context(inp: StepInput, result: DecideResult, digest: str, notes: list[str]
     return ctx
 
 
+def _expire(plan: PlanState, inp: StepInput) -> tuple[PlanState, list[str]]:
+    """Drop a decision in flight past its timeout; its target, never confirmed, gives way to the
+    plan the runtime last confirmed (if known), which the step decides from again."""
+    f = plan.in_flight
+    if f is None or inp.trigger.time_ms < f.deadline_ms(inp.transition_timeout_s):
+        return plan, []
+    note = (
+        f"{f.describe()} not reported done or rolled back within "
+        f"{inp.transition_timeout_s:g} s: deciding again"
+    )
+    current_id = plan.current.plan_id if plan.current is not None else None
+    if plan.confirmed is None or current_id != f.to_plan_id:
+        return replace(plan, in_flight=None), [note]
+    note += f" from {plan.confirmed.plan_id}, the plan the runtime last confirmed"
+    plan = replace(
+        plan, current=plan.confirmed, source=PlanSource.TRANSITION, decision_id=None, in_flight=None
+    )
+    return plan, [note]
+
+
+def _flight_note(marker: InFlight | None, result: DecideResult) -> list[str]:
+    if marker is None:
+        return []
+    if result.decision is not None:  # forced: see streams.inflight.guard
+        return [
+            f"supersedes {marker.describe()}, still in flight (a forced decision does not wait)"
+        ]
+    return [f"{marker.describe()} in flight since t={marker.since_ms / 1000.0:.1f} s"]
+
+
 def step(inp: StepInput) -> StepOutput | None:
-    """Decide for one trigger; None when the trigger is not newer than the last one decided."""
+    """Decide for one trigger; None when the trigger is not newer than the last one decided.
+
+    While a switch is in flight a voluntary switch is held and a forced one supersedes it; no
+    decision targets the serving plan (:func:`streams.inflight.guard`).
+    """
     if not inp.cursor.admits(inp.trigger.kind, inp.trigger.time_ms):
         return None
     blocks = build_blocks(inp.topology, inp.config, inp.gear.blocks)
-    plan = _with_hint(inp, blocks)
-    overrides, notes = _overrides(inp.overrides, plan)
+    plan, notes = _expire(_with_hint(inp, blocks), inp)
+    overrides, more = _overrides(inp.overrides, plan)
     result = decide(
         plan.current,
         inp.topology,
@@ -316,18 +332,44 @@ def step(inp: StepInput) -> StepOutput | None:
         trigger=inp.trigger.kind,
         overrides=overrides,
     )
+    marker = plan.in_flight
+    result = guard(result, inp.gear, marker, serving_plan_id(plan), inp.transition_timeout_s)
+    notes += more + _flight_note(marker, result)
     seq = inp.cursor.seq + 1
-    name = inp.deployment.name
     digest = snapshot_digest(inp.topology, inp.load)
+    payload, after = _publish(inp, plan, result, seq, notes, digest)
+    cursor = Cursor(seq, inp.trigger.time_ms, TRIGGER_RANK[inp.trigger.kind])
+    return StepOutput(payload, inp.trigger.time_ms, result, after, result.state, cursor, digest)
+
+
+def _publish(
+    inp: StepInput, plan: PlanState, result: DecideResult, seq: int, notes: list[str], digest: str
+) -> tuple[GearDecision, PlanState]:
+    """The decision as the topic carries it, and the plan state it leaves."""
+    name = inp.deployment.name
     decided = result.decision
+    did = decision_id(name, seq)
+    after = plan
+    if decided is not None:
+        after = replace(
+            plan,
+            current=decided.to_plan,
+            source=PlanSource.DECISION,
+            decision_id=did,
+            known=_remember(plan.known, decided.to_plan),
+            in_flight=InFlight(did, seq, decided.to_plan_id, inp.trigger.time_ms),
+        )
     body: dict[str, Any] = decided.to_dict() if decided is not None else {}
-    body["context"] = _context(inp, result, digest, notes)
+    context = _context(inp, result, digest, notes)
+    context["serving_plan_id"] = serving_plan_id(plan)
+    context["in_flight"] = after.in_flight.to_dict() if after.in_flight is not None else None
+    body["context"] = context
     extra = (
         f" Trigger: {inp.trigger.description or inp.trigger.kind.value}; load: {inp.load_source}."
     )
     payload = GearDecision(
         deployment=name,
-        decision_id=decision_id(name, seq),
+        decision_id=did,
         seq=seq,
         trigger=inp.trigger.kind.value,
         reason=result.reason.value,
@@ -337,16 +379,7 @@ def step(inp: StepInput) -> StepOutput | None:
         explanation=result.explanation + extra + "".join(f" Note: {n}." for n in notes),
         decision=body,
     )
-    if decided is not None:
-        plan = replace(
-            plan,
-            current=decided.to_plan,
-            source=PlanSource.DECISION,
-            decision_id=payload.decision_id,
-            known=_remember(plan.known, decided.to_plan),
-        )
-    cursor = Cursor(seq, inp.trigger.time_ms, TRIGGER_RANK[inp.trigger.kind])
-    return StepOutput(payload, inp.trigger.time_ms, result, plan, result.state, cursor, digest)
+    return payload, after
 
 
 def _logged_plan(payload: GearDecision) -> DeploymentPlan | None:
@@ -359,62 +392,69 @@ def _logged_plan(payload: GearDecision) -> DeploymentPlan | None:
         return None
 
 
+def _runtime_past(plan: PlanState, seq: int) -> bool:
+    """Whether the transitions topic reported decision ``seq``'s transition finished, or a later
+    one."""
+    return plan.settled_seq >= seq or plan.transition_seq > seq
+
+
 def reconcile(
     cursor: Cursor, plan: PlanState, gear: GearState, last: LoggedDecision | None
 ) -> tuple[Cursor, PlanState, GearState]:
-    """Roll the tables forward to the last decision on the topic (the source of truth)."""
+    """Roll the tables forward to the last decision on the topic (the source of truth), and
+    restore the decision in flight it left, less what the transitions folded since settled."""
     if last is None:
-        return Cursor(), plan, gear
-    rank = TRIGGER_RANK.get(_trigger(last.payload.trigger), 0)
-    logged = Cursor(last.payload.seq, last.trigger_time_ms, rank)
-    if last.payload.seq <= cursor.seq:
-        return logged, plan, gear
+        return Cursor(), replace(plan, in_flight=None), gear
+    p = last.payload
+    rank = TRIGGER_RANK.get(parse_trigger(p.trigger), 0)
+    logged = Cursor(p.seq, last.trigger_time_ms, rank)
+    target = _logged_plan(p)
     # NOTE: the worker died after the broker acknowledged this decision and before its tables
-    # were written: take the decision's effects from the topic.
-    target = _logged_plan(last.payload)
-    if target is None:
-        return logged, plan, gear
-    now_s = float(last.payload.decision.get("now_s", last.trigger_time_ms / 1000.0))
-    plan = replace(
-        plan,
-        current=target,
-        source=PlanSource.DECISION,
-        decision_id=last.payload.decision_id,
-        known=_remember(plan.known, target),
-    )
-    gear = replace(
-        gear,
-        last_switch_s=now_s,
-        last_from_plan_id=last.payload.from_plan_id,
-        last_to_plan_id=target.plan_id,
-    )
+    # were written (or the plan table came back without it): take the decision's effects from
+    # the topic, unless the runtime already reported on it (its folds then set the plan).
+    if target is not None and plan.decision_id != p.decision_id and not _runtime_past(plan, p.seq):
+        plan = replace(
+            plan,
+            current=target,
+            source=PlanSource.DECISION,
+            decision_id=p.decision_id,
+            known=_remember(plan.known, target),
+        )
+    if target is not None and p.seq > cursor.seq:
+        now_s = float(p.decision.get("now_s", last.trigger_time_ms / 1000.0))
+        gear = replace(
+            gear,
+            last_switch_s=now_s,
+            last_from_plan_id=p.from_plan_id,
+            last_to_plan_id=target.plan_id,
+        )
+    plan = replace(plan, in_flight=_unsettled(plan, logged_marker(p, last.trigger_time_ms)))
     return logged, plan, gear
 
 
-def _trigger(value: str) -> Trigger:
-    try:
-        return Trigger(value)
-    except ValueError:
-        return Trigger.TIMER
-
-
 def fold_transition(plan: PlanState, tr: GearTransition) -> PlanState:
-    """Follow the runtime: a finished transition sets the plan, a rollback undoes our switch.
+    """Follow the runtime: a finished transition confirms its plan, a rollback undoes our switch,
+    and either settles our decision in flight (:func:`streams.inflight.unsettled`). While a newer
+    decision of ours is still in flight, ``current`` stays its target.
 
     Raises ``ValueError`` when a DONE transition carries a plan that does not parse.
     """
     if tr.transition_seq < plan.transition_seq:
         return plan
-    plan = replace(plan, transition_seq=tr.transition_seq)
-    if tr.phase is TransitionPhase.DONE and tr.plan:
+    settled = (
+        max(plan.settled_seq, tr.transition_seq) if tr.phase in _TERMINAL else plan.settled_seq
+    )
+    plan = replace(plan, transition_seq=tr.transition_seq, settled_seq=settled)
+    done = tr.phase is TransitionPhase.DONE and bool(tr.plan)
+    if done:
         confirmed = DeploymentPlan.from_dict(tr.plan)
+        plan = replace(plan, confirmed=confirmed, known=_remember(plan.known, confirmed))
+    plan = replace(plan, in_flight=_unsettled(plan, plan.in_flight))
+    if plan.in_flight is not None:
+        return plan
+    if done:
         return replace(
-            plan,
-            current=confirmed,
-            source=PlanSource.TRANSITION,
-            decision_id=tr.decision_id,
-            confirmed=confirmed,
-            known=_remember(plan.known, confirmed),
+            plan, current=plan.confirmed, source=PlanSource.TRANSITION, decision_id=tr.decision_id
         )
     undone = plan.source is PlanSource.DECISION and plan.decision_id == tr.decision_id
     if tr.phase is TransitionPhase.ROLLED_BACK and undone:

@@ -156,6 +156,7 @@ class Replayer:
             view_timeout_s(self.cfg),
             self.gearbox_config,
             "replay",
+            transition_timeout_s=self.cfg.streams.transition_timeout_s,
         )
         out = step(inp)
         if out is not None:
