@@ -27,6 +27,7 @@ class Kind(enum.StrEnum):
     GEAR_DECISION = "gear.decision"
     GEAR_TRANSITION = "gear.transition"
     CONTROL_COMMAND = "control.command"
+    RUNTIME_OWNERSHIP = "runtime.ownership"
 
 
 class SampleReason(enum.StrEnum):
@@ -141,6 +142,14 @@ class ServingLoad:
     kv_bytes: int = 0
     rejected: int = 0
     plan_id: str | None = None
+
+
+# XID codes after which NVIDIA says the GPU needs a reset or replacement: double-bit ECC (48),
+# fallen off the bus (79), contained/uncontained ECC (94/95), GSP/firmware errors (119/120).
+# An XID event with one of these codes takes the GPU out of service until GPU_RESTORED.
+FATAL_XIDS = frozenset({48, 79, 92, 94, 95, 119, 120})
+# DomainInfo id of the network between a node's interconnect domains, in NODE_UP events.
+INTER_DOMAIN_ID = "inter-domain"
 
 
 class ClusterEventType(enum.StrEnum):
@@ -262,6 +271,29 @@ class ControlCommand:
     reason: str = ""
 
 
+class RequestKind(enum.StrEnum):
+    """The request classes the load generator and stats distinguish."""
+
+    CHAT = "chat"  # short prompt, online
+    SUMMARISATION = "summarisation"  # long prompt, batch
+
+
+@dataclass(frozen=True, slots=True)
+class OwnershipRecord:
+    """An admitted, unfinished sequence and its owner, in the runtime's ownership journal
+    (key ``<deployment>/<request id>``; a tombstone once it finished)."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    deployment: str
+    request_id: str
+    replica_id: str | None  # the replica that owns it; None while queued
+    prompt_tokens: int
+    max_output_tokens: int
+    arrival_s: float
+    kind: RequestKind = RequestKind.CHAT
+
+
 PAYLOAD_TYPES: dict[Kind, type] = {
     Kind.GPU_SAMPLE: GpuSample,
     Kind.KERNEL_LAUNCHES: KernelLaunches,
@@ -270,5 +302,6 @@ PAYLOAD_TYPES: dict[Kind, type] = {
     Kind.GEAR_DECISION: GearDecision,
     Kind.GEAR_TRANSITION: GearTransition,
     Kind.CONTROL_COMMAND: ControlCommand,
+    Kind.RUNTIME_OWNERSHIP: OwnershipRecord,
 }
 KIND_OF: dict[type, Kind] = {cls: kind for kind, cls in PAYLOAD_TYPES.items()}

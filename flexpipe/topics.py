@@ -20,6 +20,7 @@ class Topic(enum.StrEnum):
     TRANSITIONS = "flexpipe.gear.transitions"
     CONTROL = "flexpipe.control"
     DEADLETTER = "flexpipe.deadletter"
+    OWNERSHIP = "flexpipe.runtime.ownership"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,8 @@ CATALOG: tuple[TopicSpec, ...] = (
     TopicSpec(Topic.TRANSITIONS, "deployment/transition seq", compacted=True, retention_ms=None),
     TopicSpec(Topic.CONTROL, "deployment", compacted=True, retention_ms=None),
     TopicSpec(Topic.DEADLETTER, "original key", compacted=False, retention_ms=30 * _DAY_MS),
+    # NOTE: compaction keeps exactly the in-flight set: a finished sequence is a tombstone.
+    TopicSpec(Topic.OWNERSHIP, "deployment/request id", compacted=True, retention_ms=None),
 )
 
 

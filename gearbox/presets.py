@@ -87,5 +87,14 @@ MODEL_70B_GQA = ModelSpec(
 )
 
 MODELS: MappingProxyType[str, ModelSpec] = MappingProxyType(
-    {MODEL_7B_MHA.name: MODEL_7B_MHA, MODEL_70B_GQA.name: MODEL_70B_GQA}
+    {m.name: m for m in (MODEL_7B_MHA, MODEL_13B_MHA, MODEL_70B_GQA)}
+)
+
+# Model classes that scenario files and configs may name instead of a checkpoint.
+MODEL_ALIASES: MappingProxyType[str, ModelSpec] = MappingProxyType(
+    {
+        "llama-7b-class": MODEL_7B_MHA,
+        "llama-13b-class": MODEL_13B_MHA,
+        "llama-70b-class": MODEL_70B_GQA,
+    }
 )

@@ -309,12 +309,3 @@ class LibraryFinder:
             found[ident] = CudaLibrary(
                 str(path), st.st_dev, st.st_ino, tuple(sorted(symbols)), source
             )
-
-
-def find_cuda_libraries(
-    proc_root: Path = Path("/proc"),
-    host_root: Path = Path("/"),
-    pids: Iterable[int] | None = None,
-) -> list[CudaLibrary]:
-    """One-shot discovery (see :class:`LibraryFinder`)."""
-    return LibraryFinder(proc_root, host_root=host_root).find(pids)

@@ -24,9 +24,6 @@ from flexpipe.errors import ValidationError
 
 T = TypeVar("T")
 GIB = 1024**3
-# XID codes after which NVIDIA says the GPU needs a reset or replacement: double-bit ECC (48),
-# fallen off the bus (79), contained/uncontained ECC (94/95), GSP/firmware errors (119/120).
-FATAL_XIDS = frozenset({48, 79, 92, 94, 95, 119, 120})
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,15 +107,6 @@ class ModelSpecRef:
     def weight_bytes(self) -> int:
         """bf16 weights in bytes."""
         return int(self.params_b * 1e9 * 2)
-
-
-# (params_b, num_layers, kv_bytes_per_token): Llama-2 7B/13B use full MHA (2·L·hidden·2 bytes),
-# Llama-2/3 70B uses grouped-query attention (2·80 layers·8 kv heads·128·2 bytes).
-MODEL_PRESETS: dict[str, tuple[float, int, int]] = {
-    "llama-7b-class": (7.0, 32, 2 * 32 * 4096 * 2),
-    "llama-13b-class": (13.0, 40, 2 * 40 * 5120 * 2),
-    "llama-70b-class": (70.0, 80, 2 * 80 * 8 * 128 * 2),
-}
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 from flexpipe.errors import ValidationError
 from flexpipe.schemas import (
+    FATAL_XIDS,
+    INTER_DOMAIN_ID,
     ClusterEvent,
     ClusterEventType,
     DomainInfo,
@@ -38,7 +40,6 @@ from flexpipe.schemas import (
     KernelLaunches,
 )
 from probes.scenario import (
-    FATAL_XIDS,
     DeploymentSpec,
     Isolate,
     LinkChange,
@@ -62,7 +63,6 @@ from probes.sim_load import (
     replica_load,
 )
 
-INTER_DOMAIN_ID = "inter-domain"  # DomainInfo id of the network between domains in NODE_UP
 _ECC_XIDS = frozenset({48, 94, 95})  # uncorrectable ECC
 _RETIRE_XIDS = frozenset({63, 64})  # row remapping / page retirement
 

@@ -1,4 +1,4 @@
-"""Process entry point of a runtime worker (``python -m runtime.worker``).
+"""Process entry point of a runtime worker (``python -m runtime.cli``).
 
 ``flexpipe runtime`` takes the same options and calls :func:`run_worker`.
 """
@@ -18,7 +18,7 @@ from runtime.worker import RuntimeWorker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by ``python -m runtime.worker`` and ``flexpipe runtime``."""
+    """Options shared by ``python -m runtime.cli`` and ``flexpipe runtime``."""
     parser.add_argument("--deployment", action="append", default=None, help="repeatable")
     parser.add_argument("--port", type=int, default=None, help="HTTP port (0 = pick one)")
     parser.add_argument(
@@ -59,8 +59,8 @@ async def run_worker(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m runtime.worker``: same options as ``flexpipe runtime``."""
-    parser = argparse.ArgumentParser(prog="runtime.worker", description=RuntimeWorker.__doc__)
+    """``python -m runtime.cli``: same options as ``flexpipe runtime``."""
+    parser = argparse.ArgumentParser(prog="python -m runtime.cli", description=RuntimeWorker.__doc__)
     parser.add_argument("--config", default=None, help="YAML config (default $FLEXPIPE_CONFIG)")
     add_arguments(parser)
     args = parser.parse_args(argv)

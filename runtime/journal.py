@@ -6,76 +6,32 @@ so after a ``kill -9`` the only way to know which sequences were in flight is a 
 written when each was admitted. Key ``<deployment>/<request id>``; value the request (prompt
 tokens, output budget, arrival, first owner); a tombstone when it finishes. Compaction keeps
 exactly the in-flight set, so recovery reads a small topic to its end, replays each sequence on
-the serving plan and gives it exactly one owner. Records use the envelope's shape (``v``,
-``kind``, ``event_time_ms``, ``source``, ``seq``, ``payload``) so they can move into
-:mod:`flexpipe.schemas` unchanged.
+the serving plan and gives it exactly one owner. Records are envelopes of kind
+``runtime.ownership`` (:class:`flexpipe.schemas.OwnershipRecord`); the topic is in the catalog.
 
-The Kafka helpers here only read a topic to its end and create this one topic; producers and
-consumers come from :mod:`flexpipe.kafka`.
+The Kafka helper here only reads a topic to its end; producers and consumers come from
+:mod:`flexpipe.kafka`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import ClassVar, Literal
 
-import orjson
-import pydantic
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import NewTopic
-from pydantic import ConfigDict
 
+from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import ValidationError
-from flexpipe.kafka import create_topics, make_consumer
-from flexpipe.schemas import STRICT
-from runtime.types import OwnershipEvent, OwnershipKind, Request, RequestKind
-
-OWNERSHIP_TOPIC = "flexpipe.runtime.ownership"
-OWNERSHIP_KIND = "runtime.ownership"
-
-
-@dataclass(frozen=True, slots=True)
-class OwnershipRecord:
-    """An admitted sequence, as journaled."""
-
-    __pydantic_config__: ClassVar[ConfigDict] = STRICT
-
-    deployment: str
-    request_id: str
-    replica_id: str | None
-    prompt_tokens: int
-    max_output_tokens: int
-    arrival_s: float
-    kind: RequestKind = RequestKind.CHAT
-
-    def request(self) -> Request:
-        """The request to replay."""
-        return Request(
-            self.request_id, self.prompt_tokens, self.max_output_tokens, self.arrival_s, self.kind
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Wire:
-    __pydantic_config__: ClassVar[ConfigDict] = STRICT
-
-    v: Literal[1]
-    kind: Literal["runtime.ownership"]
-    event_time_ms: int
-    source: str
-    seq: int
-    payload: OwnershipRecord
-
-
-_ADAPTER: pydantic.TypeAdapter[_Wire] = pydantic.TypeAdapter(_Wire)
+from flexpipe.kafka import make_consumer
+from flexpipe.schemas import Kind, OwnershipRecord
+from flexpipe.topics import Topic, topic_name
+from runtime.types import OwnershipEvent, OwnershipKind, Request
 
 
 def ownership_topic(cfg: FlexPipeConfig) -> str:
-    """The journal's broker-side name (same prefix as the catalog topics)."""
-    return f"{cfg.topics.prefix}{OWNERSHIP_TOPIC}"
+    """The journal's broker-side name (a catalog topic)."""
+    return topic_name(cfg, Topic.OWNERSHIP)
 
 
 def ownership_key(deployment: str, request_id: str) -> bytes:
@@ -100,26 +56,27 @@ def encode_event(
         req.arrival_s,
         req.kind,
     )
-    wire = {
-        "v": 1,
-        "kind": OWNERSHIP_KIND,
-        "event_time_ms": now_ms,
-        "source": source,
-        "seq": seq,
-        "payload": record,
-    }
-    return key, orjson.dumps(wire)
+    env = envelope.make(record, event_time_ms=now_ms, source=source, seq=seq)
+    return key, envelope.encode(env)
 
 
 def decode_record(raw: bytes) -> OwnershipRecord:
     """Validate a journal value; raises :class:`ValidationError` naming the field."""
-    try:
-        return _ADAPTER.validate_json(raw).payload
-    except pydantic.ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        raise ValidationError(".".join(str(p) for p in err["loc"]), err["msg"]) from None
-    except ValueError as exc:
-        raise ValidationError("", f"not a JSON journal record: {exc}") from None
+    env = envelope.decode(raw)
+    if env.kind is not Kind.RUNTIME_OWNERSHIP:
+        raise ValidationError("kind", f"expected {Kind.RUNTIME_OWNERSHIP.value}, got {env.kind}")
+    record: OwnershipRecord = env.payload
+    return record
+
+
+def _request(record: OwnershipRecord) -> Request:
+    return Request(
+        record.request_id,
+        record.prompt_tokens,
+        record.max_output_tokens,
+        record.arrival_s,
+        record.kind,
+    )
 
 
 def unfinished(
@@ -140,21 +97,10 @@ def unfinished(
         if value is None:
             continue
         try:
-            out.append(decode_record(value).request())
+            out.append(_request(decode_record(value)))
         except ValidationError:
             continue
     return sorted(out, key=lambda r: (r.arrival_s, r.request_id))
-
-
-async def ensure_ownership_topic(cfg: FlexPipeConfig) -> None:
-    """Create the compacted journal topic when missing and wait until it is visible."""
-    topic = NewTopic(
-        name=ownership_topic(cfg),
-        num_partitions=cfg.topics.partitions,
-        replication_factor=cfg.topics.replication_factor,
-        topic_configs={"cleanup.policy": "compact"},
-    )
-    await create_topics(cfg, [topic])
 
 
 async def read_to_end(

@@ -5,14 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from flexpipe.schemas import RequestKind
 from runtime.throttle import DEFAULT_WATERMARK
 
-
-class RequestKind(StrEnum):
-    """The request classes the load generator and stats distinguish."""
-
-    CHAT = "chat"  # short prompt, online
-    SUMMARISATION = "summarisation"  # long prompt, batch
+__all__ = [
+    "Admission",
+    "Completion",
+    "OwnershipEvent",
+    "OwnershipKind",
+    "Reason",
+    "Request",
+    "RequestKind",
+    "ServingSettings",
+]
 
 
 class Reason(StrEnum):

@@ -9,7 +9,7 @@ on), journals sequence ownership, publishes serving load, and serves the HTTP AP
 lives in the runtimes.
 
 Run it in-process (``async with RuntimeWorker(cfg) as w``) or as a process:
-``python -m runtime.worker --deployment NAME`` / ``flexpipe runtime --deployment NAME``.
+``python -m runtime.cli --deployment NAME`` / ``flexpipe runtime --deployment NAME``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from runtime.inventory import GpuInventory
 from runtime.journal import (
     catch_up,
     encode_event,
-    ensure_ownership_topic,
     ownership_topic,
     read_to_end,
 )
@@ -198,7 +197,6 @@ class RuntimeWorker:
 
     async def _start(self) -> None:
         await create_topics(self.cfg)
-        await ensure_ownership_topic(self.cfg)
         self._producer_ = make_producer(self.cfg)
         self._control_ = make_producer(self.cfg)  # control never shares a connection with data
         await self._producer.start()
@@ -525,9 +523,3 @@ def _payload(raw: bytes | None, kind: type[Any]) -> Any | None:
     except ValidationError:
         return None
     return env.payload if isinstance(env.payload, kind) else None
-
-
-if __name__ == "__main__":
-    from runtime.cli import main
-
-    raise SystemExit(main())

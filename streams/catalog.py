@@ -19,9 +19,7 @@ from gearbox.model import ModelSpec
 from gearbox.presets import (
     GPU_CLASSES,
     LINK_CLASSES,
-    MODEL_7B_MHA,
-    MODEL_13B_MHA,
-    MODEL_70B_GQA,
+    MODEL_ALIASES,
     MODELS,
 )
 from gearbox.types import GpuClass, LinkClass
@@ -32,13 +30,6 @@ __all__ = ["DEFAULT_INTER_DOMAIN_LINK", "Catalog", "default_catalog", "scenario_
 V = TypeVar("V")
 DEFAULT_INTER_DOMAIN_LINK = "ethernet"
 UNKNOWN_LINK_LATENCY_US = 25.0  # an unknown link is treated like plain TCP over Ethernet
-
-# The simulator's scenario files name model classes, not checkpoints.
-_MODEL_ALIASES: dict[str, ModelSpec] = {
-    "llama-7b-class": MODEL_7B_MHA,
-    "llama-13b-class": MODEL_13B_MHA,
-    "llama-70b-class": MODEL_70B_GQA,
-}
 
 
 def _frozen(items: Mapping[str, V]) -> Mapping[str, V]:
@@ -52,7 +43,7 @@ class Catalog:
     gpu_classes: Mapping[str, GpuClass] = field(default_factory=lambda: _frozen(GPU_CLASSES))
     links: Mapping[str, LinkClass] = field(default_factory=lambda: _frozen(LINK_CLASSES))
     models: Mapping[str, ModelSpec] = field(
-        default_factory=lambda: _frozen({**MODELS, **_MODEL_ALIASES})
+        default_factory=lambda: _frozen({**MODELS, **MODEL_ALIASES})
     )
 
     def gpu_class(self, key: str | None, total_memory_bytes: int) -> GpuClass:

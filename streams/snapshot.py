@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from flexpipe.schemas import INTER_DOMAIN_ID
 from gearbox.model import ModelSpec
 from gearbox.types import Domain, Gpu, LinkClass, LoadSnapshot, TopologySnapshot
 from streams.catalog import DEFAULT_INTER_DOMAIN_LINK, Catalog
@@ -21,7 +22,6 @@ from streams.load import ServingAggregate
 from streams.state import GpuState, NodeState
 
 __all__ = [
-    "INTER_DOMAIN_ID",
     "LoadSource",
     "NominalLoad",
     "build_load",
@@ -29,8 +29,6 @@ __all__ = [
     "gpu_domain",
     "snapshot_digest",
 ]
-
-INTER_DOMAIN_ID = "inter-domain"  # DomainInfo id agents use for the network between domains
 
 
 def gpu_domain(state: GpuState) -> str:

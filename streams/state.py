@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from flexpipe.schemas import ClusterEvent, ClusterEventType, DomainInfo, GpuSample
-from probes.scenario import FATAL_XIDS
+from flexpipe.schemas import FATAL_XIDS, ClusterEvent, ClusterEventType, DomainInfo, GpuSample
 
 __all__ = [
     "Dedupe",

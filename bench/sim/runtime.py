@@ -22,10 +22,9 @@ from typing import Any
 
 from bench.sim.engine import DecodeObserver, EventSimEngine
 from bench.sim.timing import MemoTiming
-from flexpipe.schemas import ClusterEvent, ClusterEventType
+from flexpipe.schemas import FATAL_XIDS, ClusterEvent, ClusterEventType
 from gearbox.plans import ExecutionPlan
 from gearbox.switch import KvAction, KvHandover
-from probes.scenario import FATAL_XIDS
 from runtime.deployment import DeploymentRuntime, RuntimeSettings
 from runtime.engine.base import Engine
 from runtime.engine.sim import SimEngine

@@ -12,12 +12,9 @@ streams, so decisions see the cluster with the telemetry's delay.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
 
 from flexpipe.errors import ValidationError
 from gearbox import (
-    MODEL_7B_MHA,
-    MODEL_70B_GQA,
     DeploymentPlan,
     Domain,
     ExecutionPlan,
@@ -34,13 +31,9 @@ from gearbox import (
 )
 from gearbox.candidates import limiting_class
 from gearbox.cost import min_tp_for_memory
+from gearbox.presets import MODEL_ALIASES
 from probes.scenario import DeploymentSpec, GpuClassSpec, LinkSpec, Scenario
 from probes.sim import SimCluster
-
-# Scenario model presets → gearbox model shapes (Llama-2 7B MHA and 70B GQA, see gearbox.presets).
-SCENARIO_MODELS: Mapping[str, ModelSpec] = MappingProxyType(
-    {"llama-7b-class": MODEL_7B_MHA, "llama-70b-class": MODEL_70B_GQA}
-)
 
 
 def gpu_class(spec: GpuClassSpec) -> GpuClass:
@@ -57,9 +50,9 @@ def link_class(spec: LinkSpec) -> LinkClass:
 
 def model_of(dep: DeploymentSpec) -> ModelSpec:
     """The gearbox model a scenario deployment serves."""
-    model = SCENARIO_MODELS.get(dep.model.preset)
+    model = MODEL_ALIASES.get(dep.model.preset)
     if model is None:
-        known = ", ".join(sorted(SCENARIO_MODELS))
+        known = ", ".join(sorted(MODEL_ALIASES))
         raise ValidationError(
             f"deployments.{dep.name}.model",
             f"preset {dep.model.preset!r} has no gearbox model shape (known: {known})",

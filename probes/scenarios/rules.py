@@ -14,10 +14,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from flexpipe.errors import ValidationError
+from flexpipe.schemas import FATAL_XIDS
+from gearbox.presets import MODEL_ALIASES
 from probes.scenario import (
     DEFAULT_LINKS,
-    FATAL_XIDS,
-    MODEL_PRESETS,
     DeploymentSpec,
     DomainSpec,
     GpuClassSpec,
@@ -268,11 +268,16 @@ def _model(raw: Any, path: str) -> ModelSpecRef:
         "kv_bytes_per_token": COUNT,
     }
     m = _record(raw, path, fields, ("preset",))
-    preset = MODEL_PRESETS.get(m["preset"]) or (None, None, None)
-    for key, default in zip(("params_b", "num_layers", "kv_bytes_per_token"), preset, strict=True):
+    spec = MODEL_ALIASES.get(m["preset"])
+    defaults = (
+        (spec.num_params / 1e9, spec.num_layers, spec.kv_bytes_per_token) if spec else (None,) * 3
+    )
+    for key, default in zip(
+        ("params_b", "num_layers", "kv_bytes_per_token"), defaults, strict=True
+    ):
         if key not in m and default is None:
             raise ValidationError(
-                _at(path, key), f"required for a preset not in {sorted(MODEL_PRESETS)}"
+                _at(path, key), f"required for a preset not in {sorted(MODEL_ALIASES)}"
             )
         m.setdefault(key, default)
     return ModelSpecRef(**m)

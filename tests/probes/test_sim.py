@@ -8,10 +8,10 @@ import pytest
 
 from flexpipe import envelope
 from flexpipe.errors import ValidationError
-from flexpipe.schemas import ClusterEventType, GpuSample
+from flexpipe.schemas import INTER_DOMAIN_ID, ClusterEventType, GpuSample
 from probes.base import GpuSampler, LaunchCounter
 from probes.scenario import Scenario, parse_scenario
-from probes.sim import INTER_DOMAIN_ID, Origin, SimCluster, SimGpuSampler, SimLaunchCounter
+from probes.sim import Origin, SimCluster, SimGpuSampler, SimLaunchCounter
 from tests.fixtures.scenarios.builders import tiny, tiny_raw
 
 pytestmark = pytest.mark.unit

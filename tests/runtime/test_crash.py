@@ -37,7 +37,7 @@ NEW = make_plan(make_replica(["GPU-B0"], domain="B", gpu_class="a100-80g", link=
 
 
 class WorkerProcess:
-    """``python -m runtime.worker`` as a child process, with its HTTP URL once ready."""
+    """``python -m runtime.cli`` as a child process, with its HTTP URL once ready."""
 
     def __init__(self, cfg: FlexPipeConfig, *extra: str) -> None:
         env = {
@@ -52,7 +52,7 @@ class WorkerProcess:
             "FLEXPIPE_RUNTIME__DRAIN_TIMEOUT_S": "20",
             "FLEXPIPE_RUNTIME__WORKER_ID": "crash-test",
         }
-        args = [sys.executable, "-m", "runtime.worker", "--deployment", DEPLOYMENT, "--port", "0"]
+        args = [sys.executable, "-m", "runtime.cli", "--deployment", DEPLOYMENT, "--port", "0"]
         self.proc = subprocess.Popen(
             [*args, *extra],
             cwd=ROOT,
