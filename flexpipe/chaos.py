@@ -126,9 +126,10 @@ class Chaos:
         self.broker_planned.set()
         self.busy = True
         # NOTE: every Kafka client here retries and logs each failed connect; chaos says once.
-        quiet = logging.getLogger("aiokafka")
-        level = quiet.level
-        quiet.setLevel(logging.CRITICAL)
+        quiet = [logging.getLogger(n) for n in ("aiokafka", "probes.publisher", "runtime.worker")]
+        levels = [q.level for q in quiet]
+        for q in quiet:
+            q.setLevel(logging.CRITICAL)
         try:
             await asyncio.to_thread(self._kill_broker)
             print(f"chaos: broker killed ({where}); back in {self.plan.broker_down_s:.0f} s")
@@ -137,7 +138,9 @@ class Chaos:
         finally:
             self.broker_planned.clear()
             self.busy = False
-            asyncio.get_running_loop().call_later(QUIET_AFTER_S, quiet.setLevel, level)
+            loop = asyncio.get_running_loop()
+            for q, level in zip(quiet, levels, strict=True):
+                loop.call_later(QUIET_AFTER_S, q.setLevel, level)
         end_s = self.clock()
         detail = f"killed {where}, {self.plan.broker_down_s:.0f} wall s down"
         self.outages.append(Outage("broker_stopped", start_s, end_s, detail))

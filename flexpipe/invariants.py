@@ -92,6 +92,7 @@ class _Done:
     t_s: float
     plan_id: str
     gpus: frozenset[str]
+    decision_id: str  # the decision the transition carried out
 
 
 def _done_plans(transitions: Iterable[tuple[float, GearTransition]]) -> dict[str, list[_Done]]:
@@ -100,7 +101,7 @@ def _done_plans(transitions: Iterable[tuple[float, GearTransition]]) -> dict[str
     for t_s, rec in transitions:
         if rec.phase is TransitionPhase.DONE and rec.plan and rec.to_plan_id:
             gpus = DeploymentPlan.from_dict(rec.plan).gpu_uuids
-            out[rec.deployment].append(_Done(t_s, rec.to_plan_id, gpus))
+            out[rec.deployment].append(_Done(t_s, rec.to_plan_id, gpus, rec.decision_id))
     for items in out.values():
         items.sort(key=lambda d: d.t_s)
     return out
@@ -158,25 +159,20 @@ def _event_outcome(
         (d for d in facts.decisions if d.deployment == dep and d.seen_s >= ev.t_s),
         key=lambda d: d.seen_s,
     )
-    answer = next((d for d in after if d.forced or d.reason == NO_FEASIBLE_PLAN), None)
+    again = next((d for d in done.get(dep, []) if d.t_s > ev.t_s and not d.gpus & lost), None)
+    answer, enough, moving = _answer(after, again)
     answered_s = answer.seen_s if answer else None
     t0_answer = measured_from(ev.t_s, facts.outages, answered_s)
-    again = next((d for d in done.get(dep, []) if d.t_s > ev.t_s and not d.gpus & lost), None)
-    # NOTE: "not enough GPUs" only when the stream never found a plan for it afterwards: a
-    # no_feasible_plan on a stale view (after an outage) followed by a forced plan is no excuse.
-    enough = (
-        answer is None
-        or again is not None
-        or any(d.forced and d.to_plan_id is not None for d in after)
-    )
     t0_serving = measured_from(ev.t_s, facts.outages, again.t_s if again else None)
     answered_after = answered_s - t0_answer if answered_s is not None else None
     serving_after = again.t_s - t0_serving if again else None
     # NOTE: a run that ended before a limit ran out cannot say the limit was missed.
     cut_answer = answer is None and t0_answer + limits.answer_within_s > facts.end_s
     cut_serving = again is None and t0_serving + limits.serve_within_s > facts.end_s
-    answered_ok = cut_answer or (
-        answered_after is not None and answered_after <= limits.answer_within_s
+    answered_ok = (
+        moving
+        or cut_answer
+        or (answered_after is not None and answered_after <= limits.answer_within_s)
     )
     serving_ok = (
         not enough
@@ -191,7 +187,7 @@ def _event_outcome(
         lost_gpus=len(plan.gpus & lost),
         measured_from_s=t0_answer,
         answered_after_s=answered_after,
-        answer_reason=answer.reason if answer else None,
+        answer_reason=answer.reason if answer else ("shift_under_way" if moving else None),
         decision_id=answer.decision_id if answer else None,
         enough_gpus=enough,
         serving_again_after_s=serving_after,
@@ -200,6 +196,23 @@ def _event_outcome(
         answered_ok=answered_ok,
         serving_ok=serving_ok,
     )
+
+
+def _answer(
+    after: Sequence[DecisionFact], again: _Done | None
+) -> tuple[DecisionFact | None, bool, bool]:
+    """The decision that answered an event, whether enough GPUs existed, and whether a shift
+    decided before the event took the deployment clear of the lost GPUs (no answer needed).
+
+    NOTE: the answer is the first forced decision with a plan. A ``no_feasible_plan`` answers
+    only when the stream never found a plan afterwards (not enough GPUs): one on a stale view
+    (after an outage) followed by a forced plan is no answer.
+    """
+    forced = next((d for d in after if d.forced and d.to_plan_id is not None), None)
+    none_fits = next((d for d in after if d.reason == NO_FEASIBLE_PLAN), None)
+    enough = forced is not None or again is not None or none_fits is None
+    moving = again is not None and again.decision_id not in {d.decision_id for d in after}
+    return (forced if enough else none_fits), enough, moving
 
 
 def _targets_serving(

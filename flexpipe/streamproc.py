@@ -156,14 +156,21 @@ class StreamWorker:
                 self._members = await self._wait_group_stable(skip)
                 return
             except StaleAssignment:
-                self._stop_counting()
+                await self._retire()
                 if attempt == STREAMS_STARTS:
                     raise
                 print("up: the stream worker joined before its topics were visible; restarting it")
             except BaseException:
-                self._stop_counting()
+                await self._retire()
                 raise
         raise AssertionError("unreachable")
+
+    async def _retire(self) -> None:
+        """Stop a worker that will not serve this run, its failed ticks counted first."""
+        await self.scrape()
+        if self.proc is not None:
+            await asyncio.to_thread(stop_process, self.proc)
+        self._stop_counting()
 
     async def _wait_group_stable(self, skip: frozenset[str]) -> frozenset[str]:
         """Wait until the group is stable with every triggers partition held by members not in

@@ -166,7 +166,25 @@ def test_no_feasible_plan_then_a_plan_that_never_serves_is_not_excused() -> None
     run = make_run(decisions=(none_fits, forced), transitions=(*shift(0, TP8, 1, 20), *rolled))
     summary = evaluate(run)
     assert broken(summary) == {Invariant.SERVING_AGAIN}
-    assert summary.events[0].enough_gpus and summary.events[0].answer_reason == "no_feasible_plan"
+    (event,) = summary.events
+    assert event.enough_gpus and event.answer_reason == "forced_infeasible"
+    assert event.answered_after_s == pytest.approx(20.5)
+    # Found only after the limit: the stale "no plan" does not count as the answer.
+    late = replace(forced, decision_id="chat:34", seen_s=560.0)
+    summary = evaluate(replace(run, decisions=(none_fits, late)))
+    assert Invariant.INFEASIBLE_ANSWERED in broken(summary)
+
+
+def test_a_shift_decided_before_the_event_that_clears_the_lost_gpus_needs_no_answer() -> None:
+    moving = decision(31, 470.0, 471.0, TP4, reason="switch_gain")
+    run = make_run(
+        decisions=(moving,),
+        transitions=(*shift(0, TP8, 1.0, 20.0), *shift(31, TP4, 471.5, 484.0, from_plan=TP8)),
+    )
+    summary = evaluate(run)
+    assert summary.invariants_ok, summary.broken_line()
+    assert summary.events[0].answer_reason == "shift_under_way"
+    assert summary.events[0].serving_again_after_s == pytest.approx(4.0)
 
 
 def test_a_decision_id_twice_is_counted_and_named() -> None:
