@@ -54,12 +54,19 @@ class Timeline:
     """Follows decisions, transitions and cluster events; prints the live gear timeline."""
 
     def __init__(
-        self, cfg: FlexPipeConfig, epoch_ms: int, fleet: SimFleet, clock: Callable[[], float]
+        self,
+        cfg: FlexPipeConfig,
+        epoch_ms: int,
+        fleet: SimFleet,
+        clock: Callable[[], float],
+        wall_to_sim: Callable[[int], float] | None = None,
     ) -> None:
         self.cfg = cfg
         self.epoch_s = epoch_ms / 1000.0
         self.fleet = fleet
         self.clock = clock  # the shared simulated clock: when this job saw a record
+        # A record's broker timestamp (wall ms) on the simulated clock: when it was produced.
+        self.wall_to_sim = wall_to_sim
         self.record = RunRecord()
         self.window_holds: Counter[str] = Counter()  # holds since the last status block
 
@@ -74,10 +81,11 @@ class Timeline:
                 batch = await consumer.getmany(timeout_ms=200)
                 for records in batch.values():
                     for rec in records:
-                        self.on_message(rec.value)
+                        self.on_message(rec.value, rec.timestamp)
 
-    def on_message(self, raw: bytes | None) -> None:
-        """One record from a followed topic (invalid ones are skipped)."""
+    def on_message(self, raw: bytes | None, timestamp_ms: int | None = None) -> None:
+        """One record from a followed topic (invalid ones are skipped); ``timestamp_ms`` is its
+        broker timestamp."""
         try:
             env = envelope.decode(raw)
         except ValidationError:
@@ -85,7 +93,10 @@ class Timeline:
         t_s = env.event_time_s - self.epoch_s
         p = env.payload
         if isinstance(p, GearDecision):
-            self._decision(t_s, p)
+            produced = None
+            if timestamp_ms is not None and self.wall_to_sim is not None:
+                produced = self.wall_to_sim(timestamp_ms)
+            self._decision(t_s, p, produced)
         elif isinstance(p, GearTransition):
             self._transition(t_s, p)
         elif isinstance(p, ClusterEvent) and p.type.value in SHOWN_EVENTS:
@@ -93,9 +104,9 @@ class Timeline:
             self.record.events.append(ClusterMark(t_s, p.type.value, label))
             print(f"{hms(t_s)}  ⚡ {label} {p.detail}".rstrip(), flush=True)
 
-    def _decision(self, t_s: float, d: GearDecision) -> None:
+    def _decision(self, t_s: float, d: GearDecision, produced_s: float | None = None) -> None:
         seen_s = self.clock()
-        self.record.decisions.append(SeenDecision(t_s, seen_s, d))
+        self.record.decisions.append(SeenDecision(t_s, seen_s, d, produced_s))
         if not is_change(d):
             self.record.holds[(d.deployment, d.reason)] += 1
             self.window_holds[d.reason] += 1

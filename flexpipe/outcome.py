@@ -9,11 +9,12 @@ verdict, writes ``summary.json``, ``report.md`` and ``timeline.png``, and return
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from flexpipe.summary import (
 from flexpipe.topics import Topic, topic_name
 from probes.scenario import Scenario
 
-__all__ = ["EXIT_BROKEN", "RunOutcome", "account_sequences", "conclude", "gather", "run_facts"]
+__all__ = ["EXIT_BROKEN", "RunOutcome", "SequenceLedger", "conclude", "gather", "run_facts"]
 
 EXIT_BROKEN = 1  # an invariant did not hold (2 stays "the job itself failed", see flexpipe.cli)
 
@@ -97,23 +98,67 @@ async def gather(cfg: FlexPipeConfig, record: RunRecord, epoch_ms: int, end_s: f
     )
 
 
-def account_sequences(futures: Mapping[str, Any], core: Any) -> SequenceFacts:
-    """Admitted sequences of one deployment against its runtime, at one instant: each must be
-    completed (its future resolved) or in flight (owned by a replica, or waiting for one), and
-    only once."""
+def _account(futures: Mapping[str, Any], core: Any) -> tuple[SequenceFacts, set[str]]:
+    """Admitted sequences of one deployment against its runtime at one instant, and the ids
+    neither completed (future resolved) nor in flight (owned by a replica, or waiting for one)."""
     completed = {rid for rid, fut in futures.items() if fut.done() and not fut.cancelled()}
     owned = set(core.router.ownership())
     unplaced = set(core.unplaced())
     in_flight = owned | unplaced
-    lost = set(futures) - completed - in_flight
+    unaccounted = set(futures) - completed - in_flight
     twice = (completed & in_flight) | (owned & unplaced)
-    return SequenceFacts(
+    facts = SequenceFacts(
         admitted=len(futures),
         completed=len(completed),
-        in_flight=len(in_flight),
-        lost=len(lost),
+        in_flight=len(in_flight & set(futures)),
+        lost=len(unaccounted),
         owned_twice=len(twice) + len(core.router.check_invariants()),
     )
+    return facts, unaccounted
+
+
+class SequenceLedger:
+    """Every sequence the load generator got admitted, to account for each at the end.
+
+    NOTE: a finished sequence leaves the router before the runtime resolves its future (the
+    outbox is delivered across awaits), so one instant can show it nowhere. :meth:`load_ended`
+    takes the figures when the load stops; :meth:`settle`, after the drain, calls lost only the
+    sequences still neither completed nor in flight.
+    """
+
+    def __init__(self) -> None:
+        self.futures: dict[str, dict[str, asyncio.Future[Any]]] = {}
+        self.waiters: set[asyncio.Task[None]] = set()  # completion bookkeeping, cancelled last
+        self._at_end: dict[str, SequenceFacts] = {}
+        self._unaccounted: dict[str, set[str]] = {}
+
+    def admit(self, deployment: str, request_id: str, fut: asyncio.Future[Any]) -> None:
+        """One admitted sequence."""
+        self.futures.setdefault(deployment, {})[request_id] = fut
+
+    def load_ended(self, worker: Any) -> None:
+        """The figures when the load stopped (one instant: no await here)."""
+        for dep in worker.deployments:
+            futures = self.futures.get(dep, {})
+            facts, unaccounted = _account(futures, worker.runtimes[dep].core)
+            self._at_end[dep], self._unaccounted[dep] = facts, unaccounted
+
+    def settle(self, worker: Any) -> dict[str, SequenceFacts]:
+        """Per deployment: the figures at the load's end, with lost recounted now."""
+        out = {}
+        for dep, facts in self._at_end.items():
+            now, unaccounted = _account(self.futures.get(dep, {}), worker.runtimes[dep].core)
+            lost = self._unaccounted[dep] & unaccounted
+            out[dep] = replace(
+                facts, lost=len(lost), owned_twice=max(facts.owned_twice, now.owned_twice)
+            )
+        return out
+
+    async def close(self) -> None:
+        """Stop following completions."""
+        for task in list(self.waiters):
+            task.cancel()
+        await asyncio.gather(*self.waiters, return_exceptions=True)
 
 
 def run_facts(outcome: RunOutcome, scenario: Scenario) -> RunFacts:
@@ -121,7 +166,10 @@ def run_facts(outcome: RunOutcome, scenario: Scenario) -> RunFacts:
     record = outcome.record
     seen: dict[str, float] = {}
     for d in record.decisions:
-        seen.setdefault(d.decision.decision_id, d.seen_s)
+        # NOTE: when the stream produced it (its broker timestamp), not when this job's busy
+        # consumer got to it; the read time only where the timestamp is missing.
+        when = d.produced_s if d.produced_s is not None else d.seen_s
+        seen.setdefault(d.decision.decision_id, max(when, d.t_s))
     decisions = tuple(
         DecisionFact(
             decision_id=d.decision_id,

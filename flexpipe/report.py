@@ -42,6 +42,7 @@ class SeenDecision:
     t_s: float  # the trigger's event time
     seen_s: float  # when this job read it (the shared simulated clock): event → decision delay
     decision: GearDecision
+    produced_s: float | None = None  # its record's broker timestamp on the simulated clock
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from flexpipe.kafka import client_kwargs, create_topics
 from flexpipe.kafka_local import LocalKafka
 from flexpipe.live import Timeline, status_loop
 from flexpipe.mainjob import broker, dedicated_broker, publish_buffered, scenario_path
-from flexpipe.outcome import RunOutcome, account_sequences, conclude, gather
+from flexpipe.outcome import RunOutcome, SequenceLedger, conclude, gather
 from flexpipe.report import RunRecord, Served
 from flexpipe.streamproc import StreamWorker, cancel_quietly, free_port
 from gearbox.plans import DeploymentPlan
@@ -145,9 +145,9 @@ def starting_plans(cfg: FlexPipeConfig, scenario: Scenario, seed: int) -> dict[s
     from gearbox.config import DEFAULT_CONFIG
     from streams.app import resolve_deployments
     from streams.deployments import hint_plan
-    from streams.loop import view_timeout_s
     from streams.replay import Replayer
     from streams.snapshot import build_topology
+    from streams.step import view_timeout_s
 
     catalog, deployments = resolve_deployments(cfg)
     replayer = Replayer(cfg, catalog, deployments)
@@ -178,12 +178,13 @@ async def drive_load(
     duration_s: float,
     record: RunRecord,
     stop: asyncio.Event,
+    ledger: SequenceLedger,
 ) -> None:
     """Submit the scenario's requests at their simulated arrival times; record completions.
 
     The load starts once the starting plans serve (as one would switch traffic on), so the
-    rejections counted are the control loop's, not the start-up's. When it stops, every
-    admitted sequence is accounted for against the runtime (``record.sequences``).
+    rejections counted are the control loop's, not the start-up's. Every admitted sequence goes
+    into ``ledger``, which takes its figures when the load stops.
     """
     from runtime.loadgen import generate, rates_from_workload
 
@@ -199,8 +200,6 @@ async def drive_load(
         ),
         key=lambda x: (x[0].arrival_s, x[1]),
     )
-    admitted: dict[str, dict[str, asyncio.Future[Any]]] = {d: {} for d in worker.deployments}
-    pending: set[asyncio.Task[None]] = set()
     for request, dep in arrivals:
         delay = (request.arrival_s - worker.now_s()) / worker.clock.speed
         if delay > 0:
@@ -214,16 +213,12 @@ async def drive_load(
         if fut is None:
             record.rejections.append((worker.now_s(), dep, str(admission.reason)))
             continue
-        admitted[dep][request.request_id] = fut
+        ledger.admit(dep, request.request_id, fut)
         task = asyncio.create_task(_complete(dep, request.request_id, fut, record))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
-    # NOTE: one instant, no await in between: completions and ownership agree.
+        ledger.waiters.add(task)
+        task.add_done_callback(ledger.waiters.discard)
     record.load_end_s = worker.now_s()
-    for dep, futures in admitted.items():
-        record.sequences[dep] = account_sequences(futures, worker.runtimes[dep].core)
-    for task in list(pending):
-        task.cancel()
+    ledger.load_ended(worker)
 
 
 async def _complete(dep: str, request_id: str, fut: asyncio.Future[Any], record: RunRecord) -> None:
@@ -356,7 +351,7 @@ async def run_loop(
 ) -> RunOutcome:
     """Agents, runtime worker and load on one simulated clock, for ``duration_s``; then the
     drain and the read-back (with chaos when ``local`` is the run's own broker)."""
-    from runtime.offsets import SimClock
+    from runtime.clock import SimClock
     from runtime.worker import RuntimeWorker
     from streams.catalog import scenario_catalog
 
@@ -374,14 +369,18 @@ async def run_loop(
         event_epoch_ms=scenario.epoch_ms,
         start_plans=plans,
     )
-    timeline = Timeline(cfg, scenario.epoch_ms, fleet, clock.now_s)
+    wall0 = time.time() - (time.monotonic() - t0)  # the wall clock at simulated time 0
+    timeline = Timeline(
+        cfg, scenario.epoch_ms, fleet, clock.now_s, lambda ms: (ms / 1000.0 - wall0) * speed
+    )
+    ledger = SequenceLedger()
     chaos = Chaos(chaos_plan(duration_s), streams, local, worker, clock.now_s) if local else None
     stop = asyncio.Event()
     async with worker:
         helpers = [
             asyncio.create_task(timeline.follow(stop)),
             asyncio.create_task(
-                drive_load(worker, scenario, seed, duration_s, timeline.record, stop)
+                drive_load(worker, scenario, seed, duration_s, timeline.record, stop, ledger)
             ),
             asyncio.create_task(status_loop(timeline, worker, STATUS_EVERY_S, stop)),
         ]
@@ -398,10 +397,13 @@ async def run_loop(
         try:
             await supervise(agents, [*watchdogs, *helpers, *([faults] if faults else [])])
             stop.set()
+            await supervise(helpers[1], watchdogs)  # the load stops: its ledger is taken
             if faults is not None and chaos is not None:
                 await chaos.settle(faults)
             await supervise(asyncio.create_task(drain(worker, DRAIN_S)), watchdogs)
+            timeline.record.sequences = ledger.settle(worker)
         finally:
+            await ledger.close()
             stop.set()
             for task in (agents, *watchdogs, *([faults] if faults else [])):
                 await cancel_quietly(task)

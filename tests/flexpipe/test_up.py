@@ -10,6 +10,7 @@ run with an injected violation exits 1 naming it, and summary.json says so.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import pytest
 
 from flexpipe.config import FlexPipeConfig
 from flexpipe.mainjob import scenario_path
-from flexpipe.outcome import EXIT_BROKEN, RunOutcome, conclude
+from flexpipe.outcome import EXIT_BROKEN, RunOutcome, SequenceLedger, conclude
 from flexpipe.report import RunRecord, SeenDecision
 from flexpipe.schemas import GearDecision
 from flexpipe.streamproc import TICK_FAILURES, metric_total, tick_failures_in_log
@@ -183,3 +184,53 @@ def test_failed_ticks_from_the_metric_and_from_the_log() -> None:
         ]
     )
     assert tick_failures_in_log(log) == 1 + 99 + 1 + 1
+
+
+class _Router:
+    def __init__(self, owned: dict[str, str]) -> None:
+        self.owned = owned
+
+    def ownership(self) -> dict[str, str]:
+        return dict(self.owned)
+
+    def check_invariants(self) -> list[str]:
+        return []
+
+
+class _Core:
+    def __init__(self, owned: dict[str, str]) -> None:
+        self.router = _Router(owned)
+
+    def unplaced(self) -> tuple[str, ...]:
+        return ()
+
+
+class _Runtime:
+    def __init__(self, core: _Core) -> None:
+        self.core = core
+
+
+class _Worker:
+    def __init__(self, core: _Core) -> None:
+        self.deployments = ("chat",)
+        self.runtimes = {"chat": _Runtime(core)}
+
+
+@pytest.mark.unit
+async def test_the_ledger_calls_lost_only_what_stays_unaccounted() -> None:
+    loop = asyncio.get_running_loop()
+    futures = {rid: loop.create_future() for rid in ("done", "running", "delivering", "gone")}
+    futures["done"].set_result(object())
+    core = _Core({"running": "r1"})
+    worker = _Worker(core)
+    ledger = SequenceLedger()
+    for rid, fut in futures.items():
+        ledger.admit("chat", rid, fut)
+    ledger.load_ended(worker)  # "delivering" finished in the engine, its future not yet resolved
+    futures["delivering"].set_result(object())
+    (facts,) = ledger.settle(worker).values()
+    assert (facts.admitted, facts.completed, facts.in_flight) == (4, 1, 1)
+    assert facts.lost == 1 and facts.owned_twice == 0  # "gone": nowhere, then and now
+    core.router.owned["done"] = "r2"  # a completed sequence owned again
+    assert ledger.settle(worker)["chat"].owned_twice == 1
+    await ledger.close()
