@@ -60,7 +60,9 @@ async def run_worker(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m runtime.cli``: same options as ``flexpipe runtime``."""
-    parser = argparse.ArgumentParser(prog="python -m runtime.cli", description=RuntimeWorker.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m runtime.cli", description=RuntimeWorker.__doc__
+    )
     parser.add_argument("--config", default=None, help="YAML config (default $FLEXPIPE_CONFIG)")
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -1,23 +1,8 @@
-"""Small pure helpers of the worker: the runtime clock and decision-offset bookkeeping."""
+"""Decision-offset bookkeeping of the runtime worker."""
 
 from __future__ import annotations
 
-import time
-
 from aiokafka import TopicPartition
-
-
-class SimClock:
-    """Simulated seconds since start: ``speed`` simulated seconds per wall second."""
-
-    def __init__(self, speed: float = 1.0, t0: float | None = None) -> None:
-        self.speed = speed
-        # A shared t0 (time.monotonic()) lets several components run one simulated clock.
-        self._t0 = time.monotonic() if t0 is None else t0
-
-    def now_s(self) -> float:
-        """The runtime clock now."""
-        return (time.monotonic() - self._t0) * self.speed
 
 
 class OffsetTracker:

@@ -42,6 +42,7 @@ from flexpipe.topics import Topic, topic_name
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.presets import LINK_CLASSES, MODELS
+from runtime.clock import SimClock
 from runtime.deployment import DeploymentRuntime, Outbox, RuntimeSettings
 from runtime.engine.simgpu import SimGpuPool
 from runtime.executor import ExecutorSettings
@@ -55,7 +56,7 @@ from runtime.journal import (
 )
 from runtime.journal import unfinished as journal_unfinished
 from runtime.metrics import RuntimeMetrics
-from runtime.offsets import OffsetTracker, SimClock
+from runtime.offsets import OffsetTracker
 from runtime.stats import ServingWindow
 from runtime.transition import TransitionPolicy
 from runtime.types import Admission, Completion, Request, ServingSettings

@@ -1,4 +1,5 @@
-"""The Faust app: topics, tables, agents and timers wired to the :class:`~streams.engine.Engine`.
+"""The Faust app: topics, tables, agents and timers wired to the
+:class:`~streams.processor.StreamProcessor`.
 
 Thin on purpose — it decodes nothing itself (every topic is raw bytes), routes each message to
 the engine, and adapts Faust tables, topic sends and partition assignment to the engine's ports.
@@ -34,12 +35,13 @@ from flexpipe.topics import Topic, topic_name
 from gearbox.config import DEFAULT_CONFIG, GearboxConfig
 from probes.scenario import load_scenario
 from streams.catalog import Catalog, default_catalog, scenario_catalog
+from streams.decider import Decider
 from streams.deployments import Deployment, deployments_from_config
-from streams.engine import Engine, EngineTopics
 from streams.health import FailureLog, FailureVerdict, wait_writable
 from streams.intake import DeadLetterReason, Rejected, SourceTopic
 from streams.metrics import StreamsMetrics
 from streams.ports import Message, TableName
+from streams.processor import ProcessorTopics, StreamProcessor
 from streams.readers import KafkaDecisionLog, ViewReader, partition_for
 
 __all__ = [
@@ -111,7 +113,7 @@ class Wiring:
     """The app and what the worker entry point and tests need to reach."""
 
     app: StreamsApp
-    engine: Engine
+    engine: StreamProcessor
     app_id: str
     triggers_topic: str
     failures: FailureLog  # the decision path's failures; ``exhausted`` once the bound was hit
@@ -276,23 +278,21 @@ def create_app(
     def owns(name: str) -> bool:
         return partition_for(name, n) in owned["partitions"]
 
-    topics = EngineTopics(
+    topics = ProcessorTopics(
         topic_name(cfg, Topic.DECISIONS), topic_name(cfg, Topic.DEADLETTER), triggers
     )
     decision_log = KafkaDecisionLog(cfg, topics.decisions, n)
-    engine = Engine(
+    engine = StreamProcessor(
         cfg,
         catalog=catalog,
         deployments=deployments,
         tables=_FaustTables(tables),
         send=send,
-        decision_log=decision_log,
-        owns=owns,
+        decisions=lambda p: Decider(p, decision_log, owns, gearbox_config),
         topics=topics,
         metrics=StreamsMetrics(registry),
         worker=worker,
     )
-    engine.decider.gearbox_config = gearbox_config
     failures = FailureLog(cfg.streams.max_tick_failures)
     _agents(app, cfg, engine)
     _triggers_agent(app, cfg, engine, triggers, failures)
@@ -312,7 +312,7 @@ def create_app(
     return Wiring(app, engine, app_id(cfg), triggers, failures)
 
 
-def _agents(app: StreamsApp, cfg: FlexPipeConfig, engine: Engine) -> None:
+def _agents(app: StreamsApp, cfg: FlexPipeConfig, engine: StreamProcessor) -> None:
     by_topic = {topic_name(cfg, topic): src for src, topic in _SOURCES.items()}
 
     async def agent(stream: Any) -> None:
@@ -349,7 +349,7 @@ def _agents(app: StreamsApp, cfg: FlexPipeConfig, engine: Engine) -> None:
 
 
 def _triggers_agent(
-    app: StreamsApp, cfg: FlexPipeConfig, engine: Engine, name: str, failures: FailureLog
+    app: StreamsApp, cfg: FlexPipeConfig, engine: StreamProcessor, name: str, failures: FailureLog
 ) -> None:
     within_s = max(cfg.streams.debounce_ms / 1000.0, 0.001)
 
@@ -370,7 +370,7 @@ def _triggers_agent(
 
 
 async def _decision_failed(
-    app: StreamsApp, engine: Engine, failures: FailureLog, path: str, exc: Exception
+    app: StreamsApp, engine: StreamProcessor, failures: FailureLog, path: str, exc: Exception
 ) -> None:
     """Count a failed decision run, log each distinct error once with its count, and stop the
     worker (non-zero, see :mod:`streams.worker`) after ``streams.max_tick_failures`` in a row."""
@@ -405,7 +405,7 @@ def _milestone(verdict: FailureVerdict) -> bool:
 def _housekeeping(
     app: StreamsApp,
     cfg: FlexPipeConfig,
-    engine: Engine,
+    engine: StreamProcessor,
     tables: Mapping[TableName, Any],
     decision_log: KafkaDecisionLog,
     failures: FailureLog,

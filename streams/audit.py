@@ -25,8 +25,8 @@ from flexpipe.errors import ValidationError
 from flexpipe.kafka import make_consumer
 from flexpipe.schemas import GearDecision
 from flexpipe.topics import Topic, topic_name
-from streams.loop import LoggedDecision
 from streams.replay import Replayer, ReplayReport, compare
+from streams.step import LoggedDecision
 
 __all__ = ["format_decision", "read_topics", "replay_topics", "run_audit", "tail"]
 

@@ -1,7 +1,7 @@
 """Triggers and cursors: when a trigger is newer than the last one decided, where periodic ticks
 fall, and the deterministic decision ids — what makes a replayed trigger yield no second decision.
 
-Pure; :mod:`streams.loop` re-exports these names.
+Pure; :mod:`streams.step` re-exports these names.
 """
 
 from __future__ import annotations

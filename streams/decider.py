@@ -1,10 +1,10 @@
 """The decision loop's I/O side: when to decide, for which deployments, and publishing.
 
-Runs :func:`streams.loop.step` on periodic ticks (every ``intervals.decision_s`` of event time)
+Runs :func:`streams.step.step` on periodic ticks (every ``intervals.decision_s`` of event time)
 and on topology triggers (debounced by the trigger agent's batching). A deployment is decided by
 the worker that owns its partition; on the first decision after every rebalance the worker reads
 the deployment's last decision back from the decisions topic and rolls its tables forward
-(:func:`streams.loop.reconcile`). Tables are written only after the broker acknowledged the
+(:func:`streams.step.reconcile`). Tables are written only after the broker acknowledged the
 decision, and a revoked worker stops deciding before it gives its partitions up — so no decision
 id is ever published twice.
 """
@@ -15,8 +15,6 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from flexpipe import envelope
 from gearbox.config import DEFAULT_CONFIG, GearboxConfig
@@ -26,7 +24,10 @@ from gearbox.types import TopologySnapshot
 from streams import codec
 from streams.intake import DeadLetterReason, Rejected
 from streams.load import ServingWindows
-from streams.loop import (
+from streams.ports import DecisionLog, Message, TableName, TriggerMessage
+from streams.processor import StreamProcessor
+from streams.snapshot import build_topology
+from streams.step import (
     Cursor,
     DeploymentTables,
     OverrideState,
@@ -39,30 +40,12 @@ from streams.loop import (
     tick_due_ms,
     view_timeout_s,
 )
-from streams.ports import DecisionLog, Message, TableName
-from streams.snapshot import build_topology
-from streams.state import NodeState
 
-if TYPE_CHECKING:
-    from streams.engine import Engine
-
-__all__ = ["Decider", "TriggerMessage"]
+__all__ = ["Decider"]
 
 log = logging.getLogger(__name__)
 MAX_TRIGGER_TEXT = 300
 GEAR_STATE_EVERY_S = 30.0  # event time between block-history writes when nothing else moved
-
-
-@dataclass(frozen=True, slots=True)
-class TriggerMessage:
-    """What the cluster agent sends each deployment's owner when the topology changed; it
-    carries the node's new record so the owner decides on it even before its view has it."""
-
-    deployment: str
-    kind: Trigger
-    time_ms: int
-    description: str
-    node: NodeState | None = None
 
 
 class Decider:
@@ -70,7 +53,7 @@ class Decider:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: StreamProcessor,
         decision_log: DecisionLog,
         owns: Callable[[str], bool],
         gearbox_config: GearboxConfig = DEFAULT_CONFIG,

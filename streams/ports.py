@@ -3,14 +3,29 @@ in ``tests/streams/fakes.py``; the Faust implementations live in :mod:`streams.a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from streams.loop import LoggedDecision
+from gearbox.config import GearboxConfig
+from gearbox.decisions import Trigger
+from streams.cursor import LoggedDecision, TriggerInfo
+from streams.state import NodeState
 
-__all__ = ["DecisionLog", "Message", "Sender", "TableName", "Tables"]
+if TYPE_CHECKING:
+    from streams.step import PlanState
+
+__all__ = [
+    "DecisionLog",
+    "Decisions",
+    "Message",
+    "Sender",
+    "TableName",
+    "Tables",
+    "TriggerMessage",
+]
 
 
 class TableName(StrEnum):
@@ -67,3 +82,57 @@ class Message:
     offset: int
     key: bytes | None
     value: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerMessage:
+    """What the cluster agent sends each deployment's owner when the topology changed; it
+    carries the node's new record so the owner decides on it even before its view has it."""
+
+    deployment: str
+    kind: Trigger
+    time_ms: int
+    description: str
+    node: NodeState | None = None
+
+
+class Decisions(Protocol):
+    """The decision loop (:class:`streams.decider.Decider`) as the processor and the worker
+    drive it."""
+
+    gearbox_config: GearboxConfig
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held while deciding; table writes that a decision reads take it too."""
+        ...
+
+    owns: Callable[[str], bool]  # whether this worker decides for a deployment
+
+    async def tick(self) -> None:
+        """Decide for every owned deployment whose periodic tick is due."""
+        ...
+
+    async def on_triggers(self, batch: Sequence[Message], received_wall_s: float) -> None:
+        """Decide for a debounced batch from the triggers topic."""
+        ...
+
+    async def on_revoked(self) -> None:
+        """Stop deciding before partitions move."""
+        ...
+
+    def on_assigned(self) -> None:
+        """A new assignment: re-read each deployment's last decision before deciding."""
+        ...
+
+    def submit(self, name: str, trigger: TriggerInfo, received_wall_s: float) -> None:
+        """Decide for a topology change after the debounce."""
+        ...
+
+    async def evaluate(self, name: str, trigger: TriggerInfo, received_wall_s: float) -> None:
+        """Decide once for ``trigger`` now."""
+        ...
+
+    def show_plan(self, name: str, plan: PlanState) -> None:
+        """Export ``plan`` as the deployment's current plan."""
+        ...

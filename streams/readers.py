@@ -24,8 +24,8 @@ from flexpipe.errors import ValidationError
 from flexpipe.kafka import make_consumer
 from flexpipe.schemas import GearDecision
 from streams import codec
-from streams.loop import LoggedDecision
 from streams.state import GpuState, NodeState
+from streams.step import LoggedDecision
 from streams.view import ClusterView
 
 __all__ = ["KafkaDecisionLog", "ViewReader", "partition_for"]

@@ -2,8 +2,8 @@
 
 :class:`Replayer` folds envelopes exactly as a worker does — including the shared view's
 publication rule (a GPU record moves only on a material change or after ``view_refresh_s``)
-and the heartbeat sweep — and decides through :func:`streams.loop.make_input` and
-:func:`streams.loop.step`, the code the live decider runs. Two uses:
+and the heartbeat sweep — and decides through :func:`streams.step.make_input` and
+:func:`streams.step.step`, the code the live decider runs. Two uses:
 
 * :func:`run_free` plays a trace and decides on its own triggers (ticks on event-time
   boundaries, topology changes) — the golden-trace test pins its output;
@@ -32,7 +32,16 @@ from gearbox.history import GearState
 from streams.catalog import Catalog
 from streams.deployments import Deployment
 from streams.load import ServingWindows, fold_serving
-from streams.loop import (
+from streams.state import (
+    FoldOutcome,
+    GpuState,
+    NodeState,
+    fold_cluster_event,
+    fold_gpu_sample,
+    mark_timed_out,
+    material_gpu_change,
+)
+from streams.step import (
     Cursor,
     DeploymentTables,
     LoggedDecision,
@@ -48,15 +57,6 @@ from streams.loop import (
     step,
     tick_due_ms,
     view_timeout_s,
-)
-from streams.state import (
-    FoldOutcome,
-    GpuState,
-    NodeState,
-    fold_cluster_event,
-    fold_gpu_sample,
-    mark_timed_out,
-    material_gpu_change,
 )
 from streams.windows import HoppingWindow
 

@@ -12,9 +12,9 @@ from gearbox.presets import GPU_CLASSES, LINK_CLASSES, MODEL_7B_MHA
 from gearbox.switch import SwitchCost
 from runtime.deployment import DeploymentRuntime, RuntimeSettings
 from runtime.executor import ExecutorSettings
-from runtime.simdrive import SimDriver
 from runtime.transition import TransitionPolicy
 from runtime.types import Request, RequestKind
+from tests.runtime.simdrive import SimDriver
 
 DEPLOYMENT = "assist-7b"
 

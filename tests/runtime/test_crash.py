@@ -24,9 +24,9 @@ import pytest
 from flexpipe.config import FlexPipeConfig
 from flexpipe.schemas import TransitionPhase
 from flexpipe.topics import Topic
-from runtime.logcheck import validate_log
 from tests.runtime.builders import DEPLOYMENT, make_decision, make_plan, make_replica
 from tests.runtime.kafka_helpers import journal_unfinished, publish, transitions, wait_for
+from tests.runtime.logcheck import validate_log
 
 pytestmark = pytest.mark.integration
 

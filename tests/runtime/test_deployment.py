@@ -12,7 +12,6 @@ import pytest
 
 from flexpipe.schemas import GearTransition, PhaseStatus, TransitionPhase
 from runtime.deployment import DeploymentRuntime, RuntimeSettings
-from runtime.logcheck import validate_log
 from runtime.transition import Outcome
 from runtime.types import OwnershipKind, Reason, Request, ServingSettings
 from runtime.vmm.host import HostReservationBackend
@@ -28,6 +27,7 @@ from tests.runtime.builders import (
     make_request,
     make_runtime,
 )
+from tests.runtime.logcheck import validate_log
 
 pytestmark = pytest.mark.unit
 

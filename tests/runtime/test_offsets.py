@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from aiokafka import TopicPartition
 
-from runtime.offsets import OffsetTracker, SimClock
+from runtime.clock import SimClock
+from runtime.offsets import OffsetTracker
 
 pytestmark = pytest.mark.unit
 

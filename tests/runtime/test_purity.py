@@ -13,14 +13,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PURE = (
     "runtime.router",
     "runtime.transition",
-    "runtime.logcheck",
     "runtime.throttle",
     "runtime.timing",
     "runtime.engine.sim",
     "runtime.serving",
     "runtime.executor",
     "runtime.deployment",
-    "runtime.simdrive",
     "runtime.stats",
     "runtime.inventory",
 )

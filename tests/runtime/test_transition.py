@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexpipe.schemas import GearTransition, PhaseStatus, TransitionPhase
-from runtime.logcheck import validate_log
 from runtime.transition import (
     AbortPhase,
     DecisionIn,
@@ -31,6 +30,7 @@ from runtime.transition import (
     recover,
 )
 from tests.runtime.builders import DEPLOYMENT, make_plan, make_replica
+from tests.runtime.logcheck import validate_log
 
 pytestmark = pytest.mark.unit
 

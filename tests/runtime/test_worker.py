@@ -26,10 +26,10 @@ from flexpipe.schemas import (
 )
 from flexpipe.topics import Topic, topic_name
 from runtime.journal import read_to_end
-from runtime.logcheck import validate_log
 from runtime.worker import RuntimeWorker
 from tests.runtime.builders import DEPLOYMENT, make_decision, make_plan, make_replica
 from tests.runtime.kafka_helpers import publish, transitions, wait_for
+from tests.runtime.logcheck import validate_log
 
 pytestmark = pytest.mark.integration
 

@@ -12,14 +12,15 @@ from flexpipe import envelope
 from flexpipe.schemas import GearDecision
 from streams import codec
 from streams.catalog import Catalog
+from streams.decider import Decider
 from streams.deployments import Deployment
-from streams.engine import Engine, EngineTopics
-from streams.loop import LoggedDecision
 from streams.metrics import StreamsMetrics
 from streams.ports import TableName
+from streams.processor import ProcessorTopics, StreamProcessor
 from streams.state import GpuState, NodeState
+from streams.step import LoggedDecision
 
-TOPICS = EngineTopics("decisions", "deadletter", "triggers")
+TOPICS = ProcessorTopics("decisions", "deadletter", "triggers")
 
 
 @dataclass
@@ -90,20 +91,19 @@ def make_engine(
     broker: FakeBroker | None = None,
     wall: list[float] | None = None,
     owned: set[str] | None = None,
-) -> tuple[Engine, FakeTables, FakeBroker]:
+) -> tuple[StreamProcessor, FakeTables, FakeBroker]:
     """An engine over fakes; ``wall[0]`` is the wall clock, ``owned`` the deployments owned."""
     tables = tables or FakeTables()
     broker = broker or FakeBroker()
     clock = wall if wall is not None else [0.0]
     mine = owned if owned is not None else {d.name for d in deployments}
-    engine = Engine(
+    engine = StreamProcessor(
         cfg,  # type: ignore[arg-type]
         catalog=catalog,
         deployments=deployments,
         tables=tables,
         send=broker,
-        decision_log=FakeLog(broker),
-        owns=lambda name: name in mine,
+        decisions=lambda p: Decider(p, FakeLog(broker), lambda name: name in mine),
         topics=TOPICS,
         metrics=StreamsMetrics(CollectorRegistry()),
         worker="test",

@@ -18,8 +18,8 @@ from flexpipe.topics import Topic, topic_name
 from gearbox.decisions import Trigger
 from streams.audit import read_topics
 from streams.harness import WorkerProcess
-from streams.loop import TRIGGER_RANK
 from streams.readers import partition_for
+from streams.step import TRIGGER_RANK
 from tests.streams.builders import SMALL_CLUSTER, T0_MS, cluster_envelopes, env, heartbeats
 
 TOPIC_OF: dict[Kind, Topic] = {

@@ -9,8 +9,8 @@ from gearbox.history import BlockHistory, BlockSample, BlockSeries, GearState
 from gearbox.serde import to_plain
 from streams.codec import dumps, loads
 from streams.load import LaunchWindow, ServingWindows, fold_launches, fold_serving
-from streams.loop import Cursor, OverrideState, PlanState
 from streams.state import NodeState, fold_cluster_event
+from streams.step import Cursor, OverrideState, PlanState
 from streams.windows import HoppingWindow
 from tests.streams.builders import make_launches, make_load, node_up
 

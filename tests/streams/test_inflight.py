@@ -24,7 +24,9 @@ from streams.app import resolve_deployments
 from streams.codec import dumps, loads
 from streams.inflight import InFlight
 from streams.load import ServingWindows
-from streams.loop import (
+from streams.ports import TableName
+from streams.state import GpuState, NodeState, fold_cluster_event
+from streams.step import (
     Cursor,
     DeploymentTables,
     LoggedDecision,
@@ -39,12 +41,10 @@ from streams.loop import (
     reconcile,
     step,
 )
-from streams.ports import TableName
-from streams.state import GpuState, NodeState, fold_cluster_event
 from streams.windows import HoppingWindow
 from tests.streams.builders import T0_MS, env, heartbeats, make_event, streams_config
 from tests.streams.fakes import FakeBroker
-from tests.streams.test_engine import feed, started
+from tests.streams.test_processor import feed, started
 from tests.streams.test_snapshot import folded
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.unit
 
 STREAMS = Path(__file__).resolve().parents[2] / "streams"
 PURE = (
-    "catalog", "clock", "codec", "cursor", "deployments", "inflight", "intake", "load", "loop",
+    "catalog", "clock", "codec", "cursor", "deployments", "inflight", "intake", "load", "step",
     "replay", "snapshot", "state", "view", "windows",
 )  # fmt: skip
 FORBIDDEN = {

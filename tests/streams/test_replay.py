@@ -1,7 +1,7 @@
 """Golden trace: recorded telemetry → the live decision core, offline → the pinned decisions.
 
 The replay folds and decides through the very functions the live decider calls
-(:func:`streams.loop.make_input`, :func:`streams.loop.step`); ``test_e2e`` checks that a live
+(:func:`streams.step.make_input`, :func:`streams.step.step`); ``test_e2e`` checks that a live
 run's recorded decisions are reached again by this replay. Regenerate the golden file after an
 intended change with ``FLEXPIPE_UPDATE_GOLDEN=1``.
 """
@@ -21,8 +21,8 @@ from flexpipe.envelope import Envelope
 from gearbox.decisions import DecisionReason
 from probes.scenarios import SEED_FRAGMENTED
 from streams.app import resolve_deployments
-from streams.loop import LoggedDecision, StepOutput
 from streams.replay import Replayer, compare, run_free
+from streams.step import LoggedDecision, StepOutput
 from tests.streams.builders import streams_config
 from tests.streams.golden.record import DECISIONS, TRACE
 

@@ -15,10 +15,10 @@ from flexpipe.envelope import Envelope
 from flexpipe.schemas import ClusterEventType
 from gearbox.decisions import Trigger
 from streams.app import resolve_deployments
-from streams.engine import Engine
 from streams.intake import SourceTopic
-from streams.loop import TriggerInfo
 from streams.ports import Message, TableName
+from streams.processor import StreamProcessor
+from streams.step import TriggerInfo
 from tests.streams.builders import (
     T0_MS,
     cluster_envelopes,
@@ -54,7 +54,7 @@ def key_of(e: Envelope[Any]) -> bytes:
 
 
 async def feed(
-    engine: Engine, envs: Iterable[Envelope[Any]], wall: list[float] | None = None
+    engine: StreamProcessor, envs: Iterable[Envelope[Any]], wall: list[float] | None = None
 ) -> None:
     for i, e in enumerate(envs):
         if wall is not None:
@@ -63,7 +63,7 @@ async def feed(
         await engine.on_message(src, Message(src.value, 0, i, key_of(e), envelope.encode(e)))
 
 
-async def started() -> tuple[Engine, FakeTables, FakeBroker, list[float]]:
+async def started() -> tuple[StreamProcessor, FakeTables, FakeBroker, list[float]]:
     """An engine that has seen the cluster come up, before it owned any deployment (so the
     NODE_UP topology changes decided nothing)."""
     wall = [T0_MS / 1000]

@@ -20,7 +20,8 @@ from gearbox.history import GearState
 from gearbox.plans import DeploymentPlan
 from streams.app import resolve_deployments
 from streams.load import ServingWindows
-from streams.loop import (
+from streams.state import GpuState, NodeState, fold_cluster_event
+from streams.step import (
     Cursor,
     DeploymentTables,
     LoggedDecision,
@@ -37,7 +38,6 @@ from streams.loop import (
     step,
     tick_due_ms,
 )
-from streams.state import GpuState, NodeState, fold_cluster_event
 from streams.windows import HoppingWindow
 from tests.streams.builders import T0_MS, make_event, streams_config
 from tests.streams.test_snapshot import folded

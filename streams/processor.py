@@ -1,11 +1,11 @@
-"""The stream engine: admits messages, folds them into tables, keeps the view and the clock.
+"""The stream processor: admits messages, folds them into tables, keeps the view and the clock.
 
 Independent of Faust (tables, sending and ownership are injected, see :mod:`streams.ports`), so
 unit tests drive it directly. Per-GPU telemetry is the hot path: it folds into in-memory
-caches, and :meth:`Engine.flush` writes a GPU's record to its table — and so to every worker's
-view — only when a field the planner uses moved or its last-seen time fell ``view_refresh_s``
-behind. Low-volume state (nodes, serving load, plans, overrides) is written on every change.
-Decisions are :class:`streams.decider.Decider`'s job.
+caches, and :meth:`StreamProcessor.flush` writes a GPU's record to its table — and so to every
+worker's view — only when a field the planner uses moved or its last-seen time fell
+``view_refresh_s`` behind. Low-volume state (nodes, serving load, plans, overrides) is written
+on every change. Decisions are :class:`streams.decider.Decider`'s job.
 """
 
 from __future__ import annotations
@@ -24,20 +24,11 @@ from gearbox.history import GearState
 from streams import codec
 from streams.catalog import Catalog
 from streams.clock import EventClock
-from streams.decider import Decider, TriggerMessage
 from streams.deployments import Deployment
 from streams.intake import Accepted, DeadLetterReason, Rejected, SourceTopic, admit, dead_letter
 from streams.load import LaunchWindow, ServingWindows, fold_launches, fold_serving
-from streams.loop import (
-    OverrideState,
-    PlanState,
-    TriggerInfo,
-    fold_control,
-    fold_rollback,
-    fold_transition,
-)
 from streams.metrics import StreamsMetrics
-from streams.ports import DecisionLog, Message, Sender, TableName, Tables
+from streams.ports import Decisions, Message, Sender, TableName, Tables, TriggerMessage
 from streams.state import (
     FoldOutcome,
     GpuState,
@@ -47,25 +38,33 @@ from streams.state import (
     mark_timed_out,
     material_gpu_change,
 )
+from streams.step import (
+    OverrideState,
+    PlanState,
+    TriggerInfo,
+    fold_control,
+    fold_rollback,
+    fold_transition,
+)
 from streams.view import ClusterView
 from streams.windows import HoppingWindow
 
-__all__ = ["Engine", "EngineTopics"]
+__all__ = ["ProcessorTopics", "StreamProcessor"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
-class EngineTopics:
-    """Broker-side names of the topics the engine writes."""
+class ProcessorTopics:
+    """Broker-side names of the topics the processor writes."""
 
     decisions: str
     deadletter: str
     triggers: str
 
 
-class Engine:
+class StreamProcessor:
     """One worker's stream state and folds; single-threaded on the worker's event loop."""
 
     def __init__(
@@ -76,9 +75,8 @@ class Engine:
         deployments: tuple[Deployment, ...],
         tables: Tables,
         send: Sender,
-        decision_log: DecisionLog,
-        owns: Callable[[str], bool],
-        topics: EngineTopics,
+        decisions: Callable[[StreamProcessor], Decisions],
+        topics: ProcessorTopics,
         metrics: StreamsMetrics,
         worker: str,
         wall: Callable[[], float] = time.time,
@@ -107,7 +105,7 @@ class Engine:
         self._dirty_loads: set[str] = set()
         self._cache: dict[tuple[TableName, str], Any] = {}
         self._kinds = {k: metrics.events.labels(k.value) for k in Kind}
-        self.decider = Decider(self, decision_log, owns)
+        self.decider = decisions(self)  # NOTE: a factory: the decider reads this processor
 
     # ---- tables -----------------------------------------------------------------------------
 
