@@ -7,7 +7,7 @@ Two faults, one after the other, on the run's simulated clock:
 2. the broker is killed (SIGKILL: it goes mid-shift, not after a graceful hand-off) as soon as a
    runtime starts a shift after the worker's recovery — or at ``broker_by_s`` when none does —
    and started again ``broker_down_s`` wall seconds later, on the same port and data; it has
-   recovered when it answers a metadata request.
+   recovered when every partition of the run's topics has a leader again.
 
 Each fault becomes an :class:`flexpipe.summary.Outage` in simulated seconds, from the fault to
 the recovery, so the invariants measure answers from recovery. ``broker_planned`` is set while
@@ -26,7 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+
+from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import FlexPipeError
+from flexpipe.kafka import client_kwargs
 from flexpipe.kafka_local import LocalKafka
 from flexpipe.streamproc import StreamWorker
 from flexpipe.summary import Outage
@@ -38,6 +43,7 @@ KILL_AT = 0.25  # the worker is killed at this share of the run …
 BROKER_BY = 0.75  # … and the broker stopped by this share at the latest
 POLL_S = 0.05  # wall seconds between looks at the runtime's transitions
 BROKER_GONE_S = 10.0  # wall seconds a killed broker may take to exit
+LEADERS_S = 60.0  # wall seconds a restarted broker may take to lead its partitions again
 QUIET_AFTER_S = 10.0  # wall seconds the clients' reconnect noise is muted after the restart
 
 
@@ -64,6 +70,31 @@ def shift_in_progress(worker: Any) -> str | None:
     return None
 
 
+async def wait_partitions_led(cfg: FlexPipeConfig, timeout_s: float = LEADERS_S) -> None:
+    """Wait until every partition of the run's topics has a leader again: a restarted broker
+    answers metadata requests before it leads its partitions (log recovery)."""
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg))
+    deadline = time.monotonic() + timeout_s
+    try:
+        await admin.start()
+        while time.monotonic() < deadline:
+            try:
+                names = [t for t in await admin.list_topics() if t.startswith(cfg.topics.prefix)]
+                described = await admin.describe_topics(names)
+            except KafkaError:
+                described = None
+            if described is not None and all(
+                t["error_code"] == 0 and all(p["leader"] >= 0 for p in t["partitions"])
+                for t in described
+            ):
+                return
+            await asyncio.sleep(POLL_S * 4)
+        raise FlexPipeError(f"chaos: the restarted broker led no partitions after {timeout_s} s")
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.close()
+
+
 class Chaos:
     """Carries out a :class:`ChaosPlan` against a run's worker, broker and runtime."""
 
@@ -74,7 +105,9 @@ class Chaos:
         local: LocalKafka,
         runtime: Any,
         clock: Callable[[], float],
+        cfg: FlexPipeConfig,
     ) -> None:
+        self.cfg = cfg
         self.plan = plan
         self.streams = streams
         self.local = local
@@ -135,6 +168,7 @@ class Chaos:
             print(f"chaos: broker killed ({where}); back in {self.plan.broker_down_s:.0f} s")
             await asyncio.sleep(self.plan.broker_down_s)  # NOTE: the outage itself
             await asyncio.to_thread(self.local.up)
+            await wait_partitions_led(self.cfg)
         finally:
             self.broker_planned.clear()
             self.busy = False

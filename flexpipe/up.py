@@ -374,7 +374,9 @@ async def run_loop(
         cfg, scenario.epoch_ms, fleet, clock.now_s, lambda ms: (ms / 1000.0 - wall0) * speed
     )
     ledger = SequenceLedger()
-    chaos = Chaos(chaos_plan(duration_s), streams, local, worker, clock.now_s) if local else None
+    chaos = (
+        Chaos(chaos_plan(duration_s), streams, local, worker, clock.now_s, cfg) if local else None
+    )
     stop = asyncio.Event()
     async with worker:
         helpers = [
