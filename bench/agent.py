@@ -22,9 +22,8 @@ from flexpipe.topics import Topic, topic_name
 from probes.agent import Agent, AgentClock, AgentMetrics
 from probes.delta import DeltaFilter
 from probes.publisher import BufferedPublisher, PublisherMetrics
-from probes.scenario import load_scenario
-from probes.scenarios import SEED_FRAGMENTED
-from probes.sim import SimCluster, SimGpuSampler
+from sim.cluster import SimCluster, SimGpuSampler
+from sim.scenario import SEED_FRAGMENTED, load_scenario
 
 NUM_SAMPLES = 40_000
 NUM_PUBLISH = 200_000

@@ -28,8 +28,8 @@ from typing import Any
 
 from bench.common import print_result
 from bench.sim.report import ARTICLE, SYSTEM_ORDER, headline, table, targets, targets_text
-from probes.scenario import Scenario, load_scenario
-from probes.scenarios import SEED_FRAGMENTED
+from sim.scenario import SEED_FRAGMENTED, load_scenario
+from sim.spec import Scenario
 
 RESULTS_DIR = Path(__file__).with_name("results")
 DEFAULT_SEED = 7

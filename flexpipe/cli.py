@@ -44,27 +44,31 @@ def _topics(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
 
 
 def _sim(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
-    from flexpipe.mainjob import run_sim_publish
+    from sim.run import run_sim_publish
 
     return asyncio.run(run_sim_publish(cfg, args))
 
 
 def _agent(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
-    from flexpipe.kafka import bootstrap_servers
-    from flexpipe.mainjob import with_bootstrap
-    from probes.main import run_agent
+    from flexpipe.kafka import bootstrap_servers, with_bootstrap
+    from probes.main import parse_backends, run_agent
 
-    return asyncio.run(run_agent(with_bootstrap(cfg, bootstrap_servers(cfg)), args))
+    open_sim = None
+    if "sim" in parse_backends(args.backend):
+        from sim.agent import sim_backends
+
+        open_sim = sim_backends
+    return asyncio.run(run_agent(with_bootstrap(cfg, bootstrap_servers(cfg)), args, open_sim))
 
 
 def _run(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
-    from flexpipe.mainjob import run_main_job
+    from sim.run import run_main_job
 
     return asyncio.run(run_main_job(cfg, args))
 
 
 def _up(args: argparse.Namespace, cfg: FlexPipeConfig) -> int:
-    from flexpipe.up import run_up
+    from sim.up import run_up
 
     return asyncio.run(run_up(cfg, args))
 

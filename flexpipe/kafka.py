@@ -35,6 +35,13 @@ def bootstrap_servers(cfg: FlexPipeConfig) -> str:
     )
 
 
+def with_bootstrap(cfg: FlexPipeConfig, address: str) -> FlexPipeConfig:
+    """The same config, pointed at ``address``."""
+    return cfg.model_copy(
+        update={"kafka": cfg.kafka.model_copy(update={"bootstrap_servers": address})}
+    )
+
+
 def client_kwargs(cfg: FlexPipeConfig) -> dict[str, Any]:
     """Connection and security settings shared by producers, consumers and admin clients."""
     k = cfg.kafka

@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -47,11 +48,22 @@ def parse_backends(text: str) -> frozenset[str]:
     return names
 
 
-def build_backends(args: argparse.Namespace, metrics: AgentMetrics) -> Backends:
-    """Open the requested backends; raises FlexPipeError when the GPU sampler cannot run."""
+OpenSim = Callable[[argparse.Namespace], "Backends"]
+
+
+def build_backends(
+    args: argparse.Namespace, metrics: AgentMetrics, open_sim: OpenSim | None = None
+) -> Backends:
+    """Open the requested backends; raises FlexPipeError when the GPU sampler cannot run.
+
+    The simulated backend lives with the simulator (:mod:`sim.agent`), which the caller passes
+    in as ``open_sim``: the agent itself never imports the simulated world.
+    """
     names = parse_backends(args.backend)
     if "sim" in names:
-        return _sim_backends(args)
+        if open_sim is None:
+            raise FlexPipeError("--backend sim: this entry point has no simulated cluster")
+        return open_sim(args)
     from probes.nvml import open_nvml_sampler
 
     sampler, why = open_nvml_sampler(args.node)
@@ -69,27 +81,13 @@ def build_backends(args: argparse.Namespace, metrics: AgentMetrics) -> Backends:
     return Backends(sampler, launches, clock)
 
 
-def _sim_backends(args: argparse.Namespace) -> Backends:
-    from flexpipe.mainjob import scenario_path
-    from probes.scenario import load_scenario
-    from probes.sim import SimCluster, SimGpuSampler, SimLaunchCounter
-
-    scenario = load_scenario(scenario_path(args.scenario))
-    if args.node not in {n.name for n in scenario.nodes}:
-        known = ", ".join(n.name for n in scenario.nodes)
-        raise FlexPipeError(f"--node: {args.node!r} is not in {scenario.name} ({known})")
-    cluster = SimCluster(scenario, args.seed)
-    clock = AgentClock(
-        wall=time.monotonic, origin_s=time.monotonic(), epoch_ms=scenario.epoch_ms, speed=args.speed
-    )
-    return Backends(SimGpuSampler(cluster, args.node), SimLaunchCounter(cluster, args.node), clock)
-
-
-async def run_agent(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
+async def run_agent(
+    cfg: FlexPipeConfig, args: argparse.Namespace, open_sim: OpenSim | None = None
+) -> int:
     """Run the agent until SIGINT/SIGTERM; flush what the broker takes, report what it did not."""
     registry = CollectorRegistry()
     metrics = AgentMetrics(registry)
-    backends = build_backends(args, metrics)
+    backends = build_backends(args, metrics, open_sim)
     publisher = BufferedPublisher(
         lambda: make_producer(cfg), PublisherMetrics(registry), max_buffer=args.max_buffer
     )

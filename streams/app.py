@@ -33,7 +33,7 @@ from flexpipe.errors import FlexPipeError
 from flexpipe.kafka import bootstrap_servers, catalog_topics, client_kwargs, create_topics
 from flexpipe.topics import Topic, topic_name
 from gearbox.config import DEFAULT_CONFIG, GearboxConfig
-from probes.scenario import load_scenario
+from sim.scenario import load_scenario
 from streams.catalog import Catalog, default_catalog, scenario_catalog
 from streams.decider import Decider
 from streams.deployments import Deployment, deployments_from_config

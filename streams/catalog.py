@@ -23,7 +23,7 @@ from gearbox.presets import (
     MODELS,
 )
 from gearbox.types import GpuClass, LinkClass
-from probes.scenario import ModelSpecRef, Scenario
+from sim.spec import ModelSpecRef, Scenario
 
 __all__ = ["DEFAULT_INTER_DOMAIN_LINK", "Catalog", "default_catalog", "scenario_catalog"]
 

@@ -19,7 +19,7 @@ from gearbox.candidates import limiting_class
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan, ExecutionPlan, Stage, StageRole
 from gearbox.types import Gpu, TopologySnapshot
-from probes.scenario import PlanHint, Scenario
+from sim.spec import PlanHint, Scenario
 from streams.catalog import Catalog
 from streams.snapshot import NominalLoad
 

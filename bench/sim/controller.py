@@ -29,8 +29,8 @@ from gearbox import (
     decide,
     record_failed_target,
 )
-from probes.scenario import DeploymentSpec
 from runtime.stats import ServingWindow
+from sim.spec import DeploymentSpec
 from streams.load import ServingWindows, fold_serving, serving_aggregate
 from streams.windows import HoppingWindow
 

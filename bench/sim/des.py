@@ -2,7 +2,7 @@
 
 A heap of ``(time, priority, sequence, kind)`` events drives the product code:
 
-* timeline — :class:`probes.sim.SimCluster` applies the scenario's events (preemptions,
+* timeline — :class:`sim.cluster.SimCluster` applies the scenario's events (preemptions,
   releases, XIDs); the runtime's inventory and simulated pool follow at once (the processes on a
   preempted GPU die then); the streams see it at the agent's next sample plus the debounce;
 * arrival — the trace's next request is submitted (:meth:`DeploymentRuntime.submit`) and that
@@ -34,13 +34,13 @@ from bench.sim.topology import ClusterView, model_of, starting_plan, static_layo
 from flexpipe.config import FlexPipeConfig
 from flexpipe.schemas import GearTransition, TransitionPhase
 from gearbox import DEFAULT_CONFIG, ModelSpec, Trigger
-from probes.scenario import Preempt, Scenario
-from probes.sim import SimCluster
 from runtime.deployment import RuntimeSettings
 from runtime.inventory import GpuInventory
 from runtime.types import Request, RequestKind
 from runtime.vmm.manager import ReservationManager, host_backend_factory
 from runtime.worker import runtime_settings
+from sim.cluster import SimCluster
+from sim.spec import Preempt, Scenario
 from streams.windows import HoppingWindow
 
 FAST_TICK_S = 0.05  # grid while a transition runs or requests wait (the worker ticks at 20 ms)

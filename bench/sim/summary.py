@@ -31,7 +31,7 @@ from typing import Any
 from bench.sim.controller import DecisionLog
 from bench.sim.des import RunResult, TransitionLog
 from bench.sim.metrics import DeploymentMetrics, Histogram, merge, quantile_ms, weight
-from probes.scenario import Scenario
+from sim.spec import Scenario
 
 MIN_SAMPLES = 20
 STEADY_S = 1800.0

@@ -2,7 +2,7 @@
 
 NOTE: ``streams/snapshot.py`` (the stream processor's snapshot builder) does not exist yet, so
 this small adapter builds :class:`gearbox.TopologySnapshot` straight from the simulated cluster's
-state (:class:`probes.sim.SimCluster`). What it reads is what the streams would learn from the
+state (:class:`sim.cluster.SimCluster`). What it reads is what the streams would learn from the
 agents: which GPUs are schedulable, their class and memory, the domains' links. Free memory is
 what the other deployments leave (the caller says what they hold).
 The view is refreshed by :meth:`ClusterView.observe` when an agent report would reach the
@@ -32,8 +32,8 @@ from gearbox import (
 from gearbox.candidates import limiting_class
 from gearbox.cost import min_tp_for_memory
 from gearbox.presets import MODEL_ALIASES
-from probes.scenario import DeploymentSpec, GpuClassSpec, LinkSpec, Scenario
-from probes.sim import SimCluster
+from sim.cluster import SimCluster
+from sim.spec import DeploymentSpec, GpuClassSpec, LinkSpec, Scenario
 
 
 def gpu_class(spec: GpuClassSpec) -> GpuClass:

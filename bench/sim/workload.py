@@ -2,7 +2,7 @@
 
 Each deployment has two request classes (chat, summarisation). Arrivals of a class follow a
 non-homogeneous Poisson process with rate ``arrival_rps × multiplier(t)`` — the daily swing
-times the active load phase (:meth:`probes.scenario.WorkloadSpec.multipliers`) — drawn by
+times the active load phase (:meth:`sim.spec.WorkloadSpec.multipliers`) — drawn by
 thinning (Lewis & Shedler 1979) from a homogeneous process at the rate's upper bound. The
 scenario gives token means only; lengths are drawn log-normal around them (σ below; the mean is
 preserved) and clipped to [16, 4 × mean], so no request is longer than any plan's KV could hold.
@@ -18,8 +18,8 @@ import math
 import random
 from collections.abc import Mapping
 
-from probes.scenario import DeploymentSpec, MixSpec, Scenario
 from runtime.types import Request, RequestKind
+from sim.spec import DeploymentSpec, MixSpec, Scenario
 
 SIGMA_PROMPT = 0.5  # log-normal shape of prompt lengths (heavy-ish tail, like real prompts)
 SIGMA_OUTPUT = 0.4  # and of output lengths

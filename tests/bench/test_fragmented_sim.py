@@ -17,12 +17,12 @@ from bench.sim.systems import SYSTEMS, permissive
 from bench.sim.topology import ClusterView, starting_plan, static_layout
 from bench.sim.workload import scenario_trace
 from gearbox import DEFAULT_CONFIG, MODEL_7B_MHA
-from probes.scenario import Scenario, load_scenario
-from probes.scenarios import SEED_FRAGMENTED
-from probes.sim import SimCluster
 from runtime.router import ReplicaRole
 from runtime.timing import ReplicaTiming
 from runtime.types import Request
+from sim.cluster import SimCluster
+from sim.scenario import SEED_FRAGMENTED, load_scenario
+from sim.spec import Scenario
 from tests.runtime.builders import make_replica
 
 pytestmark = pytest.mark.unit

@@ -20,9 +20,8 @@ from flexpipe.kafka_local import LocalKafka
 from flexpipe.topics import Topic, topic_name
 from probes.agent import Agent, AgentClock, AgentMetrics
 from probes.publisher import BufferedPublisher, PublisherMetrics
-from probes.scenario import load_scenario
-from probes.scenarios import SEED_FRAGMENTED
-from probes.sim import SimCluster, SimGpuSampler, SimLaunchCounter
+from sim.cluster import SimCluster, SimGpuSampler, SimLaunchCounter
+from sim.scenario import SEED_FRAGMENTED, load_scenario
 
 pytestmark = pytest.mark.integration
 

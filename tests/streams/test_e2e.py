@@ -19,9 +19,8 @@ import pytest
 from flexpipe.config import FlexPipeConfig
 from flexpipe.envelope import Envelope
 from flexpipe.schemas import ClusterEvent, ClusterEventType
-from probes.fleet import SimFleet
-from probes.scenario import load_scenario
-from probes.scenarios import SEED_FRAGMENTED
+from sim.fleet import SimFleet
+from sim.scenario import SEED_FRAGMENTED, load_scenario
 from streams.app import resolve_deployments
 from streams.audit import replay_topics, tail
 from streams.harness import wait_for

@@ -19,7 +19,7 @@ import pytest
 from flexpipe import envelope
 from flexpipe.envelope import Envelope
 from gearbox.decisions import DecisionReason
-from probes.scenarios import SEED_FRAGMENTED
+from sim.scenario import SEED_FRAGMENTED
 from streams.app import resolve_deployments
 from streams.replay import Replayer, compare, run_free
 from streams.step import LoggedDecision, StepOutput

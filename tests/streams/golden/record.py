@@ -10,9 +10,8 @@ import gzip
 from pathlib import Path
 
 from flexpipe import envelope
-from probes.fleet import SimFleet
-from probes.scenario import load_scenario
-from probes.scenarios import SEED_FRAGMENTED
+from sim.fleet import SimFleet
+from sim.scenario import SEED_FRAGMENTED, load_scenario
 
 HERE = Path(__file__).resolve().parent
 TRACE = HERE / "seed-preemption.jsonl.gz"

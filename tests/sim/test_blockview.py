@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from flexpipe import envelope
-from flexpipe.blockview import BlockView, render_row
 from flexpipe.schemas import ClusterEvent, ClusterEventType, GpuSample, SampleReason
+from sim.blockview import BlockView, render_row
 
 pytestmark = pytest.mark.unit
 GIB = 1 << 30

@@ -10,8 +10,9 @@ from flexpipe import envelope
 from flexpipe.errors import ValidationError
 from flexpipe.schemas import INTER_DOMAIN_ID, ClusterEventType, GpuSample
 from probes.base import GpuSampler, LaunchCounter
-from probes.scenario import Scenario, parse_scenario
-from probes.sim import Origin, SimCluster, SimGpuSampler, SimLaunchCounter
+from sim.cluster import Origin, SimCluster, SimGpuSampler, SimLaunchCounter
+from sim.scenario import parse_scenario
+from sim.spec import Scenario
 from tests.fixtures.scenarios.builders import tiny, tiny_raw
 
 pytestmark = pytest.mark.unit

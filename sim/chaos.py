@@ -9,7 +9,7 @@ Two faults, one after the other, on the run's simulated clock:
    and started again ``broker_down_s`` wall seconds later, on the same port and data; it has
    recovered when every partition of the run's topics has a leader again.
 
-Each fault becomes an :class:`flexpipe.summary.Outage` in simulated seconds, from the fault to
+Each fault becomes an :class:`sim.summary.Outage` in simulated seconds, from the fault to
 the recovery, so the invariants measure answers from recovery. ``broker_planned`` is set while
 the broker is meant to be away: the broker watchdog of `up` does not count that as a failure.
 """
@@ -33,8 +33,8 @@ from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import FlexPipeError
 from flexpipe.kafka import client_kwargs
 from flexpipe.kafka_local import LocalKafka
-from flexpipe.streamproc import StreamWorker
-from flexpipe.summary import Outage
+from sim.streamproc import StreamWorker
+from sim.summary import Outage
 
 __all__ = ["BROKER_DOWN_S", "Chaos", "ChaosPlan", "chaos_plan", "shift_in_progress"]
 

@@ -2,7 +2,7 @@
 
 :class:`RunFacts` is what ``up`` gathers at the end of a run (decisions and transitions read back
 from the run's topics, cluster events, planned outages, the stream worker's failed ticks, the
-runtime's sequence accounting); :func:`flexpipe.invariants.evaluate` turns it into a
+runtime's sequence accounting); :func:`sim.invariants.evaluate` turns it into a
 :class:`Summary` — one :class:`Check` per :class:`Invariant` and the figures behind each — which
 ``up`` writes to ``summary.json``. Times are simulated seconds since the scenario's epoch.
 """

@@ -3,7 +3,7 @@
 :func:`generate` yields :class:`runtime.types.Request` objects with Poisson arrivals per class
 and gamma-distributed token counts around each class's mean (shape 2: a right tail, never
 zero). Rates come from a scenario deployment's workload (daily swing and phases included, via
-:meth:`probes.scenario.WorkloadSpec.multipliers`) or from explicit :class:`MixRates`. The same
+:meth:`sim.spec.WorkloadSpec.multipliers`) or from explicit :class:`MixRates`. The same
 seed gives the same requests in any process. :func:`run_http` replays them against a worker's
 ``/v1/completions`` paced in wall time; a discrete-event benchmark feeds them straight into a
 ``DeploymentRuntime`` instead.
@@ -63,7 +63,7 @@ RatesAt = Callable[[float], MixRates]
 
 
 def rates_from_workload(workload: Any) -> RatesAt:
-    """Rates over time from a scenario :class:`probes.scenario.WorkloadSpec`."""
+    """Rates over time from a scenario :class:`sim.spec.WorkloadSpec`."""
     base = MixRates(
         ClassRate(
             workload.chat.arrival_rps,
@@ -255,8 +255,8 @@ async def _post(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m runtime.loadgen --url http://127.0.0.1:8470 --duration 60``."""
-    parser = argparse.ArgumentParser(prog="runtime.loadgen", description=__doc__)
+    """``python -m sim.loadgen --url http://127.0.0.1:8470 --duration 60``."""
+    parser = argparse.ArgumentParser(prog="sim.loadgen", description=__doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8470")
     parser.add_argument("--deployment", default=None)
     parser.add_argument("--seed", type=int, default=7)
@@ -269,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rates: MixRates | RatesAt = MixRates.default()
     if args.scenario:
-        from probes.scenario import load_scenario
+        from sim.scenario import load_scenario
 
         scenario = load_scenario(args.scenario)
         spec = next(

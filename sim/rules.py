@@ -1,4 +1,4 @@
-"""Validation rules for scenario files: raw YAML mapping → :class:`probes.scenario.Scenario`.
+"""Validation rules for scenario files: raw YAML mapping → :class:`sim.spec.Scenario`.
 
 Every check raises :class:`flexpipe.errors.ValidationError` with the dotted path of the bad entry
 (``domains.A.nodes.node-a1.gpus``, ``timeline[3].count``), never a KeyError or TypeError. Checks
@@ -16,7 +16,7 @@ from typing import Any
 from flexpipe.errors import ValidationError
 from flexpipe.schemas import FATAL_XIDS
 from gearbox.presets import MODEL_ALIASES
-from probes.scenario import (
+from sim.spec import (
     DEFAULT_LINKS,
     DeploymentSpec,
     DomainSpec,

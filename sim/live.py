@@ -22,7 +22,17 @@ from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import ValidationError
 from flexpipe.kafka import make_consumer, running
-from flexpipe.report import (
+from flexpipe.schemas import (
+    ClusterEvent,
+    GearDecision,
+    GearTransition,
+    PhaseStatus,
+    TransitionPhase,
+)
+from flexpipe.topics import Topic, topic_name
+from gearbox.plans import DeploymentPlan
+from sim.fleet import SimFleet
+from sim.report import (
     ClusterMark,
     RunRecord,
     SeenDecision,
@@ -34,16 +44,6 @@ from flexpipe.report import (
     plan_shape,
     short_explanation,
 )
-from flexpipe.schemas import (
-    ClusterEvent,
-    GearDecision,
-    GearTransition,
-    PhaseStatus,
-    TransitionPhase,
-)
-from flexpipe.topics import Topic, topic_name
-from gearbox.plans import DeploymentPlan
-from probes.fleet import SimFleet
 
 SHOWN_EVENTS = frozenset({"preempt", "release", "xid", "node_down"})
 LATE_S = 5.0  # simulated seconds between a decision's trigger and its reading worth a mention

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from flexpipe.schemas import FATAL_XIDS, GearTransition, TransitionPhase
-from flexpipe.summary import (
+from gearbox.plans import DeploymentPlan
+from sim.summary import (
     Check,
     DecisionFact,
     DeploymentFacts,
@@ -38,7 +39,6 @@ from flexpipe.summary import (
     RunFacts,
     Summary,
 )
-from gearbox.plans import DeploymentPlan
 
 __all__ = ["DEFAULT_LIMITS", "count_flaps", "evaluate", "measured_from", "unserved_s"]
 

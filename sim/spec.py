@@ -5,7 +5,7 @@ nodes and GPUs, the deployments that run on them with their request mix, and a t
 topology events (preemptions, releases, node failures, XID errors, isolation). :func:`load_scenario`
 turns a file into frozen dataclasses or raises :class:`flexpipe.errors.ValidationError` whose
 ``field`` is the path of the bad entry (``timeline[3].count``, ``domains.A.link``). The annotated
-reference of every key is ``probes/scenarios/seed-fragmented.yaml``.
+reference of every key is ``sim/scenarios/seed-fragmented.yaml``.
 
 Bandwidths ending in ``_gbps`` are gigabytes per second (1e9 bytes/s) throughout: the datasheet
 unit of HBM and NVLink, and the unit KV-migration arithmetic wants.
@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
-
-import yaml
-
-from flexpipe.errors import ValidationError
+from typing import TypeVar
 
 T = TypeVar("T")
 GIB = 1024**3
@@ -312,27 +307,3 @@ def _find(items: tuple[T, ...], attr: str, value: str) -> T:
 def gpu_uuid(domain: str, node: str, index: int) -> str:
     """The deterministic uuid of a simulated GPU."""
     return f"GPU-sim-{domain}-{node}-{index}"
-
-
-def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario file; every problem is a ValidationError naming its entry."""
-    p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValidationError("", f"cannot read scenario {p}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ValidationError("", f"{p}: not valid YAML{where}") from None
-    return parse_scenario(raw, source=str(p))
-
-
-def parse_scenario(raw: Any, *, source: str = "<mapping>") -> Scenario:
-    """Validate a scenario already parsed from YAML/JSON (see :func:`load_scenario`)."""
-    from probes.scenarios.rules import build  # the rules import these types
-
-    try:
-        return build(raw, source)
-    except ValidationError as exc:
-        raise ValidationError(exc.field, f"{exc.reason} (in {source})") from None

@@ -14,9 +14,8 @@ import pytest
 from flexpipe import envelope
 from flexpipe.envelope import Envelope
 from flexpipe.schemas import ClusterEventType, Kind, SampleReason
-from probes.fleet import SCHEDULER_SOURCE, SimFleet, paced
-from probes.scenario import load_scenario
-from probes.scenarios import SEED_FRAGMENTED
+from sim.fleet import SCHEDULER_SOURCE, SimFleet, paced
+from sim.scenario import SEED_FRAGMENTED, load_scenario
 from tests.fixtures.scenarios.builders import tiny
 
 pytestmark = pytest.mark.unit
@@ -151,9 +150,9 @@ def test_paced_does_not_sleep_when_late_or_unbounded() -> None:
 _DIGEST_SCRIPT = """
 import hashlib
 from flexpipe import envelope
-from probes.fleet import SimFleet
-from probes.scenario import load_scenario
-from probes.scenarios import SEED_FRAGMENTED
+from sim.fleet import SimFleet
+from sim.scenario import load_scenario
+from sim.scenario import SEED_FRAGMENTED
 fleet = SimFleet(load_scenario(SEED_FRAGMENTED), seed=5)
 digest = hashlib.sha256()
 for env in fleet.events(14390.0, 14420.0):

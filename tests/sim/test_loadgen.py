@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from aiohttp.test_utils import TestServer
 
-from probes.scenario import load_scenario
 from runtime.http import build_app
-from runtime.loadgen import ClassRate, MixRates, generate, rates_from_workload, run_http
 from runtime.types import Reason, RequestKind
+from sim.loadgen import ClassRate, MixRates, generate, rates_from_workload, run_http
+from sim.scenario import SEED_FRAGMENTED, load_scenario
 from tests.runtime.test_http import FakeWorker
 
-SCENARIO = Path(__file__).resolve().parents[2] / "probes" / "scenarios" / "seed-fragmented.yaml"
+SCENARIO = SEED_FRAGMENTED
 RATES = MixRates(ClassRate(5.0, 500, 200), ClassRate(1.0, 6000, 400))
 
 

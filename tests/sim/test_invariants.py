@@ -12,9 +12,10 @@ from dataclasses import replace
 
 import pytest
 
-from flexpipe.invariants import count_flaps, evaluate, measured_from, unserved_s
 from flexpipe.schemas import GearTransition, PhaseStatus, TransitionPhase
-from flexpipe.summary import (
+from gearbox.plans import DeploymentPlan
+from sim.invariants import count_flaps, evaluate, measured_from, unserved_s
+from sim.summary import (
     DecisionFact,
     DeploymentFacts,
     EventFact,
@@ -24,7 +25,6 @@ from flexpipe.summary import (
     SequenceFacts,
     Summary,
 )
-from gearbox.plans import DeploymentPlan
 from tests.runtime.builders import make_plan, make_replica
 
 pytestmark = pytest.mark.unit

@@ -15,14 +15,11 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from aiokafka import TopicPartition
 
 from flexpipe import envelope
-from flexpipe.blockview import BlockRow, BlockView, render_row
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import FlexPipeError, ValidationError
 from flexpipe.kafka import (
@@ -31,23 +28,17 @@ from flexpipe.kafka import (
     make_consumer,
     make_producer,
     running,
+    with_bootstrap,
 )
 from flexpipe.kafka_local import LocalKafka
 from flexpipe.topics import Topic, telemetry_route, topic_name
-from probes.fleet import SimFleet
-from probes.scenario import Scenario, load_scenario
+from sim.blockview import BlockRow, BlockView, render_row
+from sim.fleet import SimFleet
+from sim.scenario import load_scenario, scenario_path
+from sim.spec import Scenario
 
 DEFAULT_WALL_S = 90.0  # `make run` fits in two minutes with start-up and the summary
 DEFAULT_LAUNCH_DRAIN_S = 5.0  # the demo drains launch maps less often than agents (200 ms)
-
-
-def scenario_path(name: str | None) -> Path:
-    """A scenario file path; a bare name picks one shipped in ``probes/scenarios``."""
-    if name and (Path(name).exists() or "/" in name):
-        return Path(name)
-    stem = name or "seed-fragmented"
-    shipped = resources.files("probes") / "scenarios" / f"{stem.removesuffix('.yaml')}.yaml"
-    return Path(str(shipped))
 
 
 @asynccontextmanager
@@ -87,13 +78,6 @@ async def dedicated_broker(cfg: FlexPipeConfig, name: str) -> AsyncIterator[Loca
         await asyncio.to_thread(local.down)
         shutil.rmtree(local.run_dir, ignore_errors=True)
         print("kafka: stopped and removed this run's broker")
-
-
-def with_bootstrap(cfg: FlexPipeConfig, address: str) -> FlexPipeConfig:
-    """The same config, pointed at ``address``."""
-    return cfg.model_copy(
-        update={"kafka": cfg.kafka.model_copy(update={"bootstrap_servers": address})}
-    )
 
 
 def fleet_events(

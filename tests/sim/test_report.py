@@ -9,8 +9,10 @@ import pytest
 
 from flexpipe import envelope
 from flexpipe.config import load_config
-from flexpipe.live import Timeline
-from flexpipe.report import (
+from flexpipe.schemas import GearDecision, GearTransition, PhaseStatus, TransitionPhase
+from sim.fleet import SimFleet
+from sim.live import Timeline
+from sim.report import (
     ClusterMark,
     Served,
     handover_text,
@@ -19,10 +21,7 @@ from flexpipe.report import (
     summary_lines,
     write_report,
 )
-from flexpipe.schemas import GearDecision, GearTransition, PhaseStatus, TransitionPhase
-from probes.fleet import SimFleet
-from probes.scenario import load_scenario
-from probes.scenarios import SEED_FRAGMENTED
+from sim.scenario import SEED_FRAGMENTED, load_scenario
 from tests.runtime.builders import make_plan, make_replica
 
 pytestmark = pytest.mark.unit

@@ -9,16 +9,8 @@ import pytest
 import yaml
 
 from flexpipe.errors import ValidationError
-from probes.scenario import (
-    LinkChange,
-    Preempt,
-    Release,
-    Xid,
-    gpu_uuid,
-    load_scenario,
-    parse_scenario,
-)
-from probes.scenarios import SEED_FRAGMENTED
+from sim.scenario import SEED_FRAGMENTED, load_scenario, parse_scenario
+from sim.spec import LinkChange, Preempt, Release, Xid, gpu_uuid
 from tests.fixtures.scenarios.builders import at, tiny, tiny_raw
 
 pytestmark = pytest.mark.unit

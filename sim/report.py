@@ -1,7 +1,7 @@
 """What `flexpipe up` saw: a gear timeline, latency over time, shifts and their phases.
 
 Pure bookkeeping plus text rendering (the closing summary and ``report.md``); the orchestration in
-:mod:`flexpipe.up` and the live view in :mod:`flexpipe.live` feed it, :mod:`flexpipe.plot` draws
+:mod:`sim.up` and the live view in :mod:`sim.live` feed it, :mod:`sim.plot` draws
 ``timeline.png`` from it. Times are simulated seconds since the scenario's epoch.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexpipe.schemas import GearDecision, GearTransition, PhaseStatus, TransitionPhase
-from flexpipe.summary import SequenceFacts, Summary
 from gearbox.plans import DeploymentPlan
+from sim.summary import SequenceFacts, Summary
 
 BUCKET_S = 120.0  # summary table: latency quantiles per 2 simulated minutes
 PHASES = (TransitionPhase.PREPARE, TransitionPhase.SWITCH, TransitionPhase.CLEANUP)
@@ -361,7 +361,7 @@ def write_report(
 ) -> tuple[Path, Path]:
     """Write ``report.md`` and ``timeline.png`` into ``out_dir``; the report's first lines say
     which of ``summary``'s invariants held."""
-    from flexpipe.plot import plot_timeline
+    from sim.plot import plot_timeline
 
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / "timeline.png"

@@ -1,8 +1,8 @@
 """A whole simulated fleet: one "sim" agent per node on one simulated clock, as envelopes.
 
-:class:`SimFleet` runs every node's :class:`~probes.sim.SimGpuSampler` (through a
+:class:`SimFleet` runs every node's :class:`~sim.cluster.SimGpuSampler` (through a
 :class:`~probes.delta.DeltaFilter`, as the real agent does) and
-:class:`~probes.sim.SimLaunchCounter` over a :class:`~probes.sim.SimCluster`, and yields the
+:class:`~sim.cluster.SimLaunchCounter` over a :class:`~sim.cluster.SimCluster`, and yields the
 envelopes in event-time order: cluster events first at an instant, then GPU samples, then
 launch counts, node by node. Sources are ``<node>/sim`` (seq strictly increasing per source);
 NODE_DOWN, which a dead node's agent cannot send, comes from ``scheduler/sim``. Same scenario
@@ -22,8 +22,8 @@ from flexpipe import envelope
 from flexpipe.envelope import Envelope
 from flexpipe.schemas import ClusterEvent, ClusterEventType, GpuSample, KernelLaunches
 from probes.delta import DeltaFilter, DeltaThresholds
-from probes.scenario import Scenario
-from probes.sim import Origin, SimCluster, SimGpuSampler, SimLaunchCounter
+from sim.cluster import Origin, SimCluster, SimGpuSampler, SimLaunchCounter
+from sim.spec import Scenario
 
 SCHEDULER_SOURCE = "scheduler/sim"
 

@@ -39,7 +39,16 @@ from flexpipe.schemas import (
     GpuSample,
     KernelLaunches,
 )
-from probes.scenario import (
+from sim.gpu_load import (
+    GpuLoad,
+    GpuState,
+    Reservation,
+    Worker,
+    build_launches,
+    build_sample,
+    replica_load,
+)
+from sim.spec import (
     DeploymentSpec,
     Isolate,
     LinkChange,
@@ -52,15 +61,6 @@ from probes.scenario import (
     Scenario,
     TimelineEvent,
     Xid,
-)
-from probes.sim_load import (
-    GpuLoad,
-    GpuState,
-    Reservation,
-    Worker,
-    build_launches,
-    build_sample,
-    replica_load,
 )
 
 _ECC_XIDS = frozenset({48, 94, 95})  # uncorrectable ECC

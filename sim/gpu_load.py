@@ -21,7 +21,7 @@ from flexpipe.schemas import (
     ProcessLaunches,
     SampleReason,
 )
-from probes.scenario import GIB, DeploymentSpec, GpuClassSpec, GpuSpec, LinkSpec
+from sim.spec import GIB, DeploymentSpec, GpuClassSpec, GpuSpec, LinkSpec
 
 MIB = 1024**2
 MFU = 0.45  # fraction of dense bf16 peak that serving reaches

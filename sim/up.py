@@ -1,10 +1,10 @@
 """`flexpipe up` (what `make run` runs): the whole loop on a simulated cluster, time-compressed.
 
 A local Kafka (unless one is configured), the simulated node agents of a scenario, a faust stream
-worker (its own process, as in production: :mod:`flexpipe.streamproc`), a runtime worker with
+worker (its own process, as in production: :mod:`sim.streamproc`), a runtime worker with
 SimEngine (in this process), and a load generator (short chat plus long-prompt summarisation) all
-run on one simulated clock. The job prints a live gear timeline (:mod:`flexpipe.live`), then a
-summary, checks its own outcome (:mod:`flexpipe.outcome`, :mod:`flexpipe.invariants`) and writes
+run on one simulated clock. The job prints a live gear timeline (:mod:`sim.live`), then a
+summary, checks its own outcome (:mod:`sim.outcome`, :mod:`sim.invariants`) and writes
 ``out/summary.json``, ``out/report.md`` and ``out/timeline.png``; it exits 1 naming the invariant
 that broke. Topics get a per-run prefix so a run never reads another run's data.
 
@@ -15,7 +15,7 @@ empty and follows the runtime's placements, so its GPUs report what the runtime 
 
 End of a run: the agents' timeline is over, the load stops (its sequences are accounted for at
 that instant), the runtime gets ``DRAIN_S`` wall seconds to finish the transitions in flight,
-and the run's topics are read back for the checks. ``--chaos`` (:mod:`flexpipe.chaos`) runs on a
+and the run's topics are read back for the checks. ``--chaos`` (:mod:`sim.chaos`) runs on a
 broker of its own, kills the stream worker once and stops the broker during a shift.
 """
 
@@ -36,19 +36,20 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from flexpipe.chaos import Chaos, chaos_plan
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import FlexPipeError
 from flexpipe.kafka import client_kwargs, create_topics
 from flexpipe.kafka_local import LocalKafka
-from flexpipe.live import Timeline, status_loop
-from flexpipe.mainjob import broker, dedicated_broker, publish_buffered, scenario_path
-from flexpipe.outcome import RunOutcome, SequenceLedger, conclude, gather
-from flexpipe.report import RunRecord, Served
-from flexpipe.streamproc import StreamWorker, cancel_quietly, free_port
 from gearbox.plans import DeploymentPlan
-from probes.fleet import SimFleet
-from probes.scenario import Scenario, load_scenario
+from sim.chaos import Chaos, chaos_plan
+from sim.fleet import SimFleet
+from sim.live import Timeline, status_loop
+from sim.outcome import RunOutcome, SequenceLedger, conclude, gather
+from sim.report import RunRecord, Served
+from sim.run import broker, dedicated_broker, publish_buffered
+from sim.scenario import load_scenario, scenario_path
+from sim.spec import Scenario
+from sim.streamproc import StreamWorker, cancel_quietly, free_port
 from streams.app import app_id
 
 DEFAULT_SCENARIO = "demo-shift"
@@ -186,7 +187,7 @@ async def drive_load(
     rejections counted are the control loop's, not the start-up's. Every admitted sequence goes
     into ``ledger``, which takes its figures when the load stops.
     """
-    from runtime.loadgen import generate, rates_from_workload
+    from sim.loadgen import generate, rates_from_workload
 
     record.load_start_s = await wait_serving(worker, START_DEADLINE_S)
     arrivals = sorted(

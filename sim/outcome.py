@@ -2,7 +2,7 @@
 
 :func:`gather` reads the run's decisions, transitions and cluster events back from their topics
 (the run has its own topic prefix), collects the stream worker's failed ticks and the planned
-outages, and :func:`conclude` judges them with :func:`flexpipe.invariants.evaluate`, prints the
+outages, and :func:`conclude` judges them with :func:`sim.invariants.evaluate`, prints the
 verdict, writes ``summary.json``, ``report.md`` and ``timeline.png``, and returns the exit code:
 0 when every invariant held, 1 (with one line on stderr naming what broke) when not.
 """
@@ -21,10 +21,12 @@ from typing import Any
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import ValidationError
-from flexpipe.invariants import evaluate, unserved_s
-from flexpipe.report import RunRecord, summary_lines, write_report
 from flexpipe.schemas import ClusterEvent, GearDecision, GearTransition
-from flexpipe.summary import (
+from flexpipe.topics import Topic, topic_name
+from sim.invariants import evaluate, unserved_s
+from sim.report import RunRecord, summary_lines, write_report
+from sim.spec import Scenario
+from sim.summary import (
     DecisionFact,
     DeploymentFacts,
     EventFact,
@@ -33,8 +35,6 @@ from flexpipe.summary import (
     SequenceFacts,
     Summary,
 )
-from flexpipe.topics import Topic, topic_name
-from probes.scenario import Scenario
 
 __all__ = ["EXIT_BROKEN", "RunOutcome", "SequenceLedger", "conclude", "gather", "run_facts"]
 

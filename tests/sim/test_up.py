@@ -21,13 +21,12 @@ from pathlib import Path
 import pytest
 
 from flexpipe.config import FlexPipeConfig
-from flexpipe.mainjob import scenario_path
-from flexpipe.outcome import EXIT_BROKEN, RunOutcome, SequenceLedger, conclude
-from flexpipe.report import RunRecord, SeenDecision
 from flexpipe.schemas import GearDecision
-from flexpipe.streamproc import TICK_FAILURES, metric_total, tick_failures_in_log
-from flexpipe.summary import SequenceFacts
-from probes.scenario import load_scenario
+from sim.outcome import EXIT_BROKEN, RunOutcome, SequenceLedger, conclude
+from sim.report import RunRecord, SeenDecision
+from sim.scenario import load_scenario, scenario_path
+from sim.streamproc import TICK_FAILURES, metric_total, tick_failures_in_log
+from sim.summary import SequenceFacts
 
 PREEMPT = "00:08:00"
 
