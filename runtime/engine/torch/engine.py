@@ -58,7 +58,7 @@ class TorchEngineConfig:
     block_size: int = 16  # tokens per block (equal across engines that exchange KV)
     max_batch: int = 32  # sequences held at once
     max_prefill_tokens: int = 2048  # prompt tokens per iteration
-    device: str = "cpu"  # "cpu" or "cuda:<n>" for every rank (one GPU: ranks share it)
+    device: str = "cpu"  # "cpu", "cuda:<n>" (all ranks share GPU n) or "cuda" (rank r on GPU r)
     backend: str = "gloo"  # torch.distributed backend ("nccl" on GPUs)
     capacity_bytes_per_gpu: int = 64 * _GIB  # VMM ledger capacity when the engine reserves
 
@@ -192,7 +192,8 @@ class TorchEngine:
                 s.num_blocks,
                 s.block_size,
                 str(self._workdir / "store"),
-                s.device,
+                # NOTE: "cuda" alone puts rank r on GPU r (NCCL needs one GPU per rank)
+                f"cuda:{spec.rank}" if s.device == "cuda" else s.device,
                 s.backend,
             )
             for spec in specs

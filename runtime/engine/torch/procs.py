@@ -16,6 +16,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
+import torch.multiprocessing  # receives shared pools (shm on CPU, CUDA IPC on GPUs)
 
 from runtime.engine.torch.rank import RankBoot, rank_main
 
