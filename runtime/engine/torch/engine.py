@@ -38,7 +38,7 @@ from runtime.engine.base import (
 )
 from runtime.engine.torch import procs
 from runtime.engine.torch.config import F32_BYTES, LlamaConfig
-from runtime.engine.torch.kvmove import copy_kv
+from runtime.engine.torch.kvmove import copy_kv, map_pages, place_blocks
 from runtime.engine.torch.kvpool import BlockAllocator
 from runtime.engine.torch.layout import Pipeline, RankSpec, kv_holders, plan_ranks, repartition
 from runtime.engine.torch.model import SeqChunk
@@ -204,6 +204,8 @@ class TorchEngine:
         try:
             for rp in started:
                 rp.pool = procs.receive(rp, procs.LOAD_TIMEOUT_S)[1]
+                if rp.pool is not None:
+                    map_pages(rp.pool)
         except procs.RankFailure as exc:
             procs.stop(started)
             for rp in started:
@@ -324,23 +326,39 @@ class TorchEngine:
         return tuple(out)
 
     def import_kv(self, exports: Sequence[KvExport], now_s: float, transfer_s: float) -> OpResult:
-        """Copy each sequence's KV from its source engine, re-partitioned for this layout."""
+        """Copy each sequence's KV from its source engine, re-partitioned for this layout.
+
+        All sequences from one source take their blocks in one allocation, placed in the
+        source's block order (:func:`place_blocks`), so the copy runs over the longest
+        contiguous ranges both pools allow rather than a few per sequence."""
         if self.health() is not None:
             return OpResult(False, fault=EngineFault.TRANSFER_FAILED, detail="destination down")
-        taken: list[str] = []
         self.last_handoff_bytes = 0
+        groups: dict[int, list[TorchKvExport]] = {}
         for export in exports:
-            src = export.source if isinstance(export, TorchKvExport) else None
-            if src is None or src.health() is not None:
-                self.drop(taken)
+            if not isinstance(export, TorchKvExport) or export.source is None:
                 return OpResult(False, fault=EngineFault.TRANSFER_FAILED, detail="no source KV")
-            assert isinstance(export, TorchKvExport)
-            blocks = self._alloc.allocate(len(export.blocks))
-            if blocks is None:
+            groups.setdefault(id(export.source), []).append(export)
+        taken: list[str] = []
+        for group in groups.values():
+            fault = self._import_group(group, taken)
+            if fault is not None:
                 self.drop(taken)
-                return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=export.spec.seq_id)
+                return fault
+        return OpResult(True, now_s)
+
+    def _import_group(self, group: list[TorchKvExport], taken: list[str]) -> OpResult | None:
+        src = group[0].source
+        assert src is not None
+        if src.health() is not None:
+            return OpResult(False, fault=EngineFault.TRANSFER_FAILED, detail="source down")
+        free = self._alloc.allocate(sum(len(e.blocks) for e in group))
+        if free is None:
+            return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=group[0].spec.seq_id)
+        tables = place_blocks([e.blocks for e in group], free)
+        for export, blocks in zip(group, tables, strict=True):
             sid = export.spec.seq_id
-            q = _Seq(
+            self._seqs[sid] = _Seq(
                 export.spec,
                 SeqState.STAGED,
                 self.ledger.prompt(sid, export.spec.prompt_tokens),
@@ -348,19 +366,24 @@ class TorchEngine:
                 blocks=blocks,
                 kv_tokens=export.kv_tokens,
             )
-            self._seqs[sid] = q
             taken.append(sid)
-            ops = repartition(tuple(src.kv_specs().values()), tuple(self.kv_specs().values()))
-            self.last_handoff_bytes += copy_kv(
-                ops,
-                src.pools(),
-                src.kv_specs(),
-                export.blocks,
-                self.pools(),
-                self.kv_specs(),
-                blocks,
-            )
-        return OpResult(True, now_s)
+        src_specs, dst_specs = src.kv_specs(), self.kv_specs()
+        ops = repartition(tuple(src_specs.values()), tuple(dst_specs.values()))
+        pairs = sorted(
+            (s, d)
+            for export, table in zip(group, tables, strict=True)
+            for s, d in zip(export.blocks, table, strict=True)
+        )
+        self.last_handoff_bytes += copy_kv(
+            ops,
+            src.pools(),
+            src_specs,
+            [s for s, _ in pairs],
+            self.pools(),
+            dst_specs,
+            [d for _, d in pairs],
+        )
+        return None
 
     def staged_ready(self, seq_ids: Sequence[str], now_s: float) -> bool:
         """Each sequence staged (imports complete synchronously; replays after their prefill)."""

@@ -7,8 +7,10 @@ mixed — continuous batching); attention runs per sequence over its blocks. A T
 its heads and MLP columns and ``allreduce`` sums the partial outputs; with ``tp_size`` 1 it is
 the identity, so the single-process reference and every layout run the same code.
 
-KV pool layout per rank: ``[layers, 2 (K,V), blocks, block_size, kv_heads, head_dim]`` — one
-layer's K (or V) is contiguous, and a sequence's block table indexes dimension 2.
+KV pool layout per rank: ``[layers, 2 (K,V), kv_heads, blocks, block_size, head_dim]`` — head
+major, so one head's run of consecutive blocks is one contiguous range: a migration that re-splits
+heads (TP2 → TP1) copies whole runs instead of a head slice of every token; a sequence's block
+table indexes dimension 3.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def new_pool(
     device: str = "cpu",
 ) -> torch.Tensor:
     """A zeroed KV pool for one rank."""
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, cfg.head_dim)
+    shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, cfg.head_dim)
     return torch.zeros(shape, dtype=torch.float32, device=device)
 
 
@@ -80,19 +82,19 @@ def _attend(
 ) -> torch.Tensor:
     """Causal GQA attention of one sequence's ``n`` queries over its cached keys/values."""
     total = chunk.start + chunk.n
-    bs = k_cache.shape[1]
+    bs = k_cache.shape[2]
     blocks = torch.tensor(chunk.blocks[: -(-total // bs)], dtype=torch.long, device=q.device)
-    k = k_cache[blocks].flatten(0, 1)[:total]  # [total, kv_heads, d]
-    v = v_cache[blocks].flatten(0, 1)[:total]
+    k = k_cache[:, blocks].flatten(1, 2)[:, :total]  # [kv_heads, total, d]
+    v = v_cache[:, blocks].flatten(1, 2)[:, :total]
     n, heads, d = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = k.shape[0]
     qg = q.view(n, kv_heads, heads // kv_heads, d)
-    scores = torch.einsum("nkgd,tkd->kgnt", qg, k) * scale
+    scores = torch.einsum("nkgd,ktd->kgnt", qg, k) * scale
     query_pos = torch.arange(chunk.start, total, device=q.device)[:, None]
     key_pos = torch.arange(total, device=q.device)[None, :]
     scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("kgnt,tkd->nkgd", probs, v).reshape(n, heads * d)
+    return torch.einsum("kgnt,ktd->nkgd", probs, v).reshape(n, heads * d)
 
 
 def forward_layers(
@@ -109,7 +111,7 @@ def forward_layers(
     Writes the new tokens' K/V into ``pool`` at the chunks' block slots, then attends.
     """
     d = cfg.head_dim
-    positions, blk, off = _slots(chunks, pool.shape[3], hidden.device)
+    positions, blk, off = _slots(chunks, pool.shape[4], hidden.device)
     scale = d**-0.5
     for local, layer in enumerate(range(*layer_range)):
         w = {k[len(f"l{layer}.") :]: v for k, v in weights.items() if k.startswith(f"l{layer}.")}
@@ -119,8 +121,8 @@ def forward_layers(
         v = (x @ w["wv"].T).view(len(x), -1, d)
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         k_cache, v_cache = pool[local, 0], pool[local, 1]
-        k_cache[blk, off] = k
-        v_cache[blk, off] = v
+        k_cache[:, blk, off] = k.transpose(0, 1)  # [kv_heads, T, d]
+        v_cache[:, blk, off] = v.transpose(0, 1)
         outs, at = [], 0
         for chunk in chunks:
             outs.append(_attend(q[at : at + chunk.n], k_cache, v_cache, chunk, scale))

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from runtime.engine.torch.kvmove import block_runs
+from runtime.engine.torch.kvmove import block_runs, place_blocks
 from runtime.engine.torch.kvpool import BlockAllocator
 from runtime.engine.torch.layout import Pipeline, kv_holders, plan_ranks, repartition
 from runtime.engine.torch.plans import make_plan
@@ -53,6 +53,18 @@ def test_pd_ranks_form_two_pipelines_with_activation_routes() -> None:
 
 def test_block_runs_merge_consecutive_pairs() -> None:
     assert block_runs([3, 4, 5, 9], [0, 1, 2, 3]) == [(3, 0, 3), (9, 3, 1)]
+
+
+def test_placed_blocks_follow_source_order_into_one_run() -> None:
+    # two prefilled-together sequences, each grown by one decode block later
+    src = [[0, 1, 2, 8], [3, 4, 5, 9]]
+    tables = place_blocks(src, [10, 11, 12, 13, 14, 15, 16, 17])
+    assert tables == [[10, 11, 12, 16], [13, 14, 15, 17]]
+    pairs = sorted(
+        (s, d) for st, dt in zip(src, tables, strict=True) for s, d in zip(st, dt, strict=True)
+    )
+    runs = block_runs([s for s, _ in pairs], [d for _, d in pairs])
+    assert runs == [(0, 10, 6), (8, 16, 2)]  # placed per sequence it would be 4 runs
 
 
 def test_allocator_commits_pages_and_refuses_past_capacity() -> None:
