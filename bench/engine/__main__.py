@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = GpuClass("cpu-host", m.gflops / 1000, 16 * GIB, m.memcpy_gbps)
     lens = [32, 128] if args.quick else [32, 64, 128, 256]
     batches = [1, 8] if args.quick else [1, 4, 8, 16]
-    repeats = 2 if args.quick else 3
+    repeats = 3 if args.quick else 7
     settings = TorchEngineConfig(
         num_blocks=512, block_size=16, max_batch=32, max_prefill_tokens=4096
     )
