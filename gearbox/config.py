@@ -78,6 +78,12 @@ class GearboxConfig(Serialisable):
     mfu_decode: float = 0.5  # compute utilisation once decode turns compute-bound
     mbu_decode: float = 0.7  # decode memory-bandwidth utilisation
     collective_efficiency: float = 0.8  # achieved share of link bandwidth in all-reduce
+    # Fixed costs a roofline misses (0 = pure roofline, the behaviour before they existed);
+    # calibrated per engine by `python -m bench.engine`, see gearbox.cost.
+    step_overhead_s: float = 0.0  # per stage forward: scheduling, launches, control message
+    seq_layer_overhead_s: float = 0.0  # per sequence per layer: attention dispatched per sequence
+    roofline_overlap: float = 1.0  # memory/compute overlap: 1 = max(mem, compute), 0 = sum
+    pp_microbatching: bool = True  # decode splits the batch over PP stages (False: one pass)
     ttft_slo_ms: float = 2000.0
     tbt_slo_ms: float = 150.0
     slo_weight: float = 0.5  # share of served tokens lost at zero SLO attainment
@@ -138,6 +144,10 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "mfu_decode": (0.01, 1.0),
     "mbu_decode": (0.01, 1.0),
     "collective_efficiency": (0.01, 1.0),
+    "step_overhead_s": (0.0, 10.0),
+    "seq_layer_overhead_s": (0.0, 1.0),
+    "roofline_overlap": (0.0, 1.0),
+    "pp_microbatching": (0, 1),
     "ttft_slo_ms": (1.0, _INF),
     "tbt_slo_ms": (1.0, _INF),
     "slo_weight": (0.0, 1.0),

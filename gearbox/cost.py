@@ -21,6 +21,15 @@ Relative accuracy is the goal — decisions compare plans on the same formulas. 
   pipeline, and by the sum of stages (a bubble) when the batch has fewer sequences than stages
   (Huang et al. 2019, GPipe; Narayanan et al. 2021, bubble (p−1)/m). Activations of
   tokens × hidden × dtype bytes cross the inter-stage link.
+* Fixed costs (calibrated, 0 by default): each stage forward pays ``step_overhead_s`` (host-side
+  scheduling, kernel launches, the control message — the CPU overhead vLLM hides with CUDA
+  graphs), and each sequence pays ``seq_layer_overhead_s`` per layer where attention is
+  dispatched sequence by sequence over a ragged batch (the torch reference engine; a batched
+  paged-attention kernel makes it ~0). ``pp_microbatching`` False models an engine that passes
+  one packed batch through the stages in turn (a decode cycle is then one full pass).
+  ``roofline_overlap`` below 1 adds (1 − overlap) × the smaller of memory and compute time to
+  the larger (a single CPU thread does not overlap them); prefill, taken as compute-bound, then
+  also pays that share of reading its weight shard once.
 * Queueing (stated approximation): a continuously batching replica has ``max_batch`` sequence
   slots sharing its service rate μ (requests/s at full batch) — an M/M/c queue with c = max_batch.
   Its probability of waiting uses the Halfin–Whitt approximation P(wait) ≈ 1 / (1 + β·Φ(β)/φ(β)),
@@ -142,9 +151,10 @@ def _layer_share(model: ModelSpec, num_layers: int) -> float:
 def stage_prefill_s(
     shape: StageShape, model: ModelSpec, num_tokens: float, config: GearboxConfig
 ) -> float:
-    """Prefill of ``num_tokens`` through one stage.
+    """Prefill of ``num_tokens`` (one prompt) through one stage.
 
-    FLOPs / (tp · peak · MFU) plus two all-reduces of the activations per layer.
+    FLOPs / (tp · peak · MFU) plus two all-reduces of the activations per layer, plus the
+    fixed costs (one forward, one sequence).
     """
     flops = (
         2 * model.num_params * _layer_share(model, shape.num_layers) * num_tokens
@@ -157,13 +167,22 @@ def stage_prefill_s(
         * shape.num_layers
         * allreduce_s(activation_bytes, shape.tp, shape.tp_link, config.collective_efficiency)
     )
-    return compute_s + comm_s
+    weights_s = (
+        model.weight_bytes
+        * _layer_share(model, shape.num_layers)
+        / shape.tp
+        / (shape.gpu_class.memory_bandwidth_gbps * _GB * config.mbu_decode)
+    )
+    compute_s += (1.0 - config.roofline_overlap) * weights_s
+    fixed_s = config.step_overhead_s + shape.num_layers * config.seq_layer_overhead_s
+    return compute_s + comm_s + fixed_s
 
 
 def stage_decode_s(
     shape: StageShape, model: ModelSpec, batch: float, context_tokens: float, config: GearboxConfig
 ) -> float:
-    """One decode step of ``batch`` sequences: max(memory, compute) time + 2 all-reduces/layer.
+    """One decode step of ``batch`` sequences: max(memory, compute) time + 2 all-reduces/layer
+    + the fixed costs.
 
     Memory time reads the stage's weight shard and the batch's KV shard at mbu × bandwidth.
     """
@@ -183,7 +202,9 @@ def stage_decode_s(
         * shape.num_layers
         * allreduce_s(activation_bytes, shape.tp, shape.tp_link, config.collective_efficiency)
     )
-    return max(memory_s, compute_s) + comm_s
+    fixed_s = config.step_overhead_s + shape.num_layers * batch * config.seq_layer_overhead_s
+    busy_s = max(memory_s, compute_s) + (1.0 - config.roofline_overlap) * min(memory_s, compute_s)
+    return busy_s + comm_s + fixed_s
 
 
 def _usable_bytes(available_bytes: int, config: GearboxConfig) -> float:
@@ -275,11 +296,12 @@ def pipeline_decode_cycle_s(
 ) -> float:
     """Time for all ``batch`` sequences to advance one token (= TBT without prefill stalls).
 
-    The batch is cut into min(stages, batch) micro-batches; a cycle is bounded by one full pass
+    The batch is cut into min(stages, batch) micro-batches (one with ``pp_microbatching``
+    False); a cycle is bounded by one full pass
     (sum of stages and hops) and by micro-batches × the bottleneck stage. With fewer sequences
     than stages the pass dominates: that is the pipeline bubble.
     """
-    num_micro = max(1, min(len(stages), batch))
+    num_micro = max(1, min(len(stages), batch)) if config.pp_microbatching else 1
     micro = math.ceil(batch / num_micro)
     times = [stage_decode_s(s, model, micro, context_tokens, config) for s in stages]
     hop = _transfer_s(micro * model.hidden_size * model.dtype_bytes, pp_link)

@@ -1,0 +1,1 @@
+"""Torch reference engine benchmark (``python -m bench.engine``)."""
