@@ -32,18 +32,8 @@ from flexpipe.schemas import (
 from flexpipe.topics import Topic, topic_name
 from gearbox.plans import DeploymentPlan
 from sim.fleet import SimFleet
-from sim.report import (
-    ClusterMark,
-    RunRecord,
-    SeenDecision,
-    handover_text,
-    hms,
-    is_change,
-    ms,
-    p95,
-    plan_shape,
-    short_explanation,
-)
+from sim.record import ClusterMark, RunRecord, SeenDecision, hms, is_change, ms, p95, plan_shape
+from sim.report import handover_text, short_explanation
 
 SHOWN_EVENTS = frozenset({"preempt", "release", "xid", "node_down"})
 LATE_S = 5.0  # simulated seconds between a decision's trigger and its reading worth a mention

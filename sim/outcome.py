@@ -24,7 +24,8 @@ from flexpipe.errors import ValidationError
 from flexpipe.schemas import ClusterEvent, GearDecision, GearTransition
 from flexpipe.topics import Topic, topic_name
 from sim.invariants import evaluate, unserved_s
-from sim.report import RunRecord, summary_lines, write_report
+from sim.record import RunRecord
+from sim.report import summary_lines, write_report
 from sim.spec import Scenario
 from sim.summary import (
     DecisionFact,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sim.report import PHASES, RunRecord, hms
+from sim.record import PHASES, RunRecord, hms
 
 PLOT_BUCKET_S = 60.0  # latency quantiles per simulated minute in the plot
 PHASE_COLOURS = {"prepare": "tab:blue", "switch": "tab:orange", "cleanup": "tab:green"}

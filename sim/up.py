@@ -45,7 +45,7 @@ from sim.chaos import Chaos, chaos_plan
 from sim.fleet import SimFleet
 from sim.live import Timeline, status_loop
 from sim.outcome import RunOutcome, SequenceLedger, conclude, gather
-from sim.report import RunRecord, Served
+from sim.record import RunRecord, Served
 from sim.run import broker, dedicated_broker, publish_buffered
 from sim.scenario import load_scenario, scenario_path
 from sim.spec import Scenario

@@ -12,15 +12,8 @@ from flexpipe.config import load_config
 from flexpipe.schemas import GearDecision, GearTransition, PhaseStatus, TransitionPhase
 from sim.fleet import SimFleet
 from sim.live import Timeline
-from sim.report import (
-    ClusterMark,
-    Served,
-    handover_text,
-    plan_shape,
-    short_explanation,
-    summary_lines,
-    write_report,
-)
+from sim.record import ClusterMark, Served, plan_shape
+from sim.report import handover_text, short_explanation, summary_lines, write_report
 from sim.scenario import SEED_FRAGMENTED, load_scenario
 from tests.runtime.builders import make_plan, make_replica
 

@@ -23,7 +23,7 @@ import pytest
 from flexpipe.config import FlexPipeConfig
 from flexpipe.schemas import GearDecision
 from sim.outcome import EXIT_BROKEN, RunOutcome, SequenceLedger, conclude
-from sim.report import RunRecord, SeenDecision
+from sim.record import RunRecord, SeenDecision
 from sim.scenario import load_scenario, scenario_path
 from sim.streamproc import TICK_FAILURES, metric_total, tick_failures_in_log
 from sim.summary import SequenceFacts
