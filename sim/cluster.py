@@ -39,6 +39,7 @@ from flexpipe.schemas import (
     GpuSample,
     KernelLaunches,
 )
+from gearbox.starting import hint_groups
 from sim.gpu_load import (
     GpuLoad,
     GpuState,
@@ -49,7 +50,6 @@ from sim.gpu_load import (
     replica_load,
 )
 from sim.spec import (
-    DeploymentSpec,
     Isolate,
     LinkChange,
     LinkSpec,
@@ -96,15 +96,13 @@ class SimCluster:
         self._down: dict[str, bool] = {n: False for n in self._nodes}
         self._bandwidth = {d.id: scenario.link(d.link).bandwidth_gbps for d in scenario.domains}
         self._deployments = {d.name: d for d in scenario.deployments}
-        self._placement: dict[str, tuple[tuple[str, ...], ...]] = {}
+        self._placement: dict[str, tuple[tuple[str, ...], ...]] = self._initial_placement()
         self._workers: dict[str, Worker] = {}
         self._reservations: dict[str, Reservation] = {}  # insertion order = age
         self._next_pid = 4100
         self._applied = 0
         self._agent_queues: dict[str, list[ClusterEvent]] = {n: [] for n in self._nodes}
         self._load_cache: tuple[float, dict[str, GpuLoad]] | None = None
-        for dep in scenario.deployments:
-            self._placement[dep.name] = self._initial_placement(dep)
         self._reconcile()
         self._pending: list[TimedEvent] = []
         self._startup_events()
@@ -290,12 +288,14 @@ class SimCluster:
 
     # ---- placement and load -----------------------------------------------------------------
 
-    def _initial_placement(self, dep: DeploymentSpec) -> tuple[tuple[str, ...], ...]:
-        taken = {u for groups in self._placement.values() for g in groups for u in g}
-        block = self.scenario.domain(dep.plan.block).gpus
-        free = [g.uuid for g in block if not g.isolated and g.uuid not in taken]
-        size = dep.plan.tp * dep.plan.pp
-        return tuple(tuple(free[i * size : (i + 1) * size]) for i in range(dep.plan.replicas))
+    def _initial_placement(self) -> dict[str, tuple[tuple[str, ...], ...]]:
+        """Each deployment on its hint's GPUs by the one starting rule
+        (:func:`gearbox.starting.hint_groups`); a hint that does not fit starts unplaced."""
+        available = {
+            d.id: [g.uuid for g in d.gpus if not g.isolated] for d in self.scenario.domains
+        }
+        groups = hint_groups(((d.name, d.plan) for d in self.scenario.deployments), available)
+        return {name: chosen or () for name, chosen in groups.items()}
 
     def _reconcile(self) -> None:
         """Workers exist exactly on placed, schedulable GPUs (restarted with a new pid)."""

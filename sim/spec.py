@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import TypeVar
 
+from gearbox.starting import PlanHint
+
 T = TypeVar("T")
 GIB = 1024**3
 
@@ -102,21 +104,6 @@ class ModelSpecRef:
     def weight_bytes(self) -> int:
         """bf16 weights in bytes."""
         return int(self.params_b * 1e9 * 2)
-
-
-@dataclass(frozen=True, slots=True)
-class PlanHint:
-    """Where a deployment starts: ``replicas`` groups of tp×pp GPUs taken in order from a block."""
-
-    block: str
-    tp: int = 1
-    pp: int = 1
-    replicas: int = 1
-
-    @property
-    def num_gpus(self) -> int:
-        """GPUs the initial plan occupies."""
-        return self.tp * self.pp * self.replicas
 
 
 @dataclass(frozen=True, slots=True)

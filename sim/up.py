@@ -136,16 +136,17 @@ def make_fleet(cfg: FlexPipeConfig, scenario: Scenario, seed: int) -> SimFleet:
 
 
 def starting_plans(cfg: FlexPipeConfig, scenario: Scenario, seed: int) -> dict[str, DeploymentPlan]:
-    """Each deployment's hint plan, computed as the stream computes it.
+    """Each deployment's starting plan, computed as the stream computes it.
 
-    NOTE: the same path as the stream worker — fold the agents' first round of telemetry, build
-    the topology and its blocks, :func:`streams.deployments.hint_plan` — so the runtime's
-    transition 0 loads exactly the plan id the stream assumes is serving.
+    NOTE: the stream's own view of the agents' first round of telemetry — folded through
+    :class:`streams.replay.Replayer`, its topology and blocks — and the one starting rule
+    (:func:`gearbox.starting.starting_plans`), so the runtime's transition 0 loads exactly the
+    plan id the stream assumes is serving.
     """
     from gearbox.blocks import build_blocks
     from gearbox.config import DEFAULT_CONFIG
+    from gearbox.starting import starting_plans as plans_on
     from streams.app import resolve_deployments
-    from streams.deployments import hint_plan
     from streams.replay import Replayer
     from streams.snapshot import build_topology
     from streams.step import view_timeout_s
@@ -159,7 +160,7 @@ def starting_plans(cfg: FlexPipeConfig, scenario: Scenario, seed: int) -> dict[s
         replayer.published, replayer.nodes, catalog, now_s, view_timeout_s(cfg)
     )
     blocks = build_blocks(topology, DEFAULT_CONFIG)
-    plans = {d.name: hint_plan(deployments, d.name, topology, blocks) for d in deployments}
+    plans = plans_on(deployments, topology, blocks)
     return {name: plan for name, plan in plans.items() if plan is not None}
 
 

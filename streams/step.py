@@ -33,6 +33,7 @@ from gearbox.decide import decide
 from gearbox.decisions import DecideResult, Overrides
 from gearbox.history import GearState, record_failed_target
 from gearbox.plans import DeploymentPlan
+from gearbox.starting import starting_plan
 from gearbox.types import LoadSnapshot, TopologySnapshot
 from streams.catalog import Catalog
 from streams.cursor import (
@@ -44,7 +45,7 @@ from streams.cursor import (
     parse_trigger,
     tick_due_ms,
 )
-from streams.deployments import Deployment, hint_plan
+from streams.deployments import Deployment
 from streams.inflight import InFlight, guard, logged_marker, unsettled
 from streams.load import ServingWindows, serving_aggregate
 from streams.snapshot import build_load, build_topology, snapshot_digest
@@ -230,7 +231,7 @@ def make_input(
 def _with_hint(inp: StepInput, blocks: tuple[AtomicBlock, ...]) -> PlanState:
     if inp.plan.source is not PlanSource.NONE:
         return inp.plan
-    hint = hint_plan(inp.deployments, inp.deployment.name, inp.topology, blocks)
+    hint = starting_plan(inp.deployments, inp.deployment.name, inp.topology, blocks)
     if hint is None:
         return inp.plan
     return replace(inp.plan, current=hint, source=PlanSource.HINT, baseline=hint, known=(hint,))

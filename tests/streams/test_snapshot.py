@@ -1,4 +1,4 @@
-"""Snapshots from folded state: schedulability, links, load fallback; hint plans."""
+"""Snapshots from folded state: schedulability, links, load fallback; hint plans on them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from flexpipe.schemas import ClusterEventType, DomainInfo
 from gearbox.blocks import build_blocks
 from gearbox.config import DEFAULT_CONFIG
 from gearbox.presets import MODEL_7B_MHA
+from gearbox.starting import PlanHint, natural_key, starting_plan
 from gearbox.types import TopologySnapshot
 from streams.catalog import default_catalog
-from streams.deployments import Deployment, PlanHint, hint_plan, natural_key
+from streams.deployments import Deployment
 from streams.load import ServingWindows, fold_serving, serving_aggregate
 from streams.snapshot import LoadSource, NominalLoad, build_load, build_topology
 from streams.state import GpuState, NodeState, fold_cluster_event, fold_gpu_sample
@@ -120,13 +121,13 @@ def test_hint_plans_take_gpus_in_order_and_skip_earlier_hints() -> None:
     snap = topology(*folded())
     blocks = build_blocks(snap, DEFAULT_CONFIG)
     deps = (dep("first", "A", 4), dep("second", "A", 2, replicas=2))
-    first = hint_plan(deps, "first", snap, blocks)
-    second = hint_plan(deps, "second", snap, blocks)
+    first = starting_plan(deps, "first", snap, blocks)
+    second = starting_plan(deps, "second", snap, blocks)
     assert first is not None and second is not None
     assert sorted(first.gpu_uuids, key=natural_key) == [
         gpu_uuid("A", "node-a1", i) for i in range(4)
     ]
     assert first.gpu_uuids.isdisjoint(second.gpu_uuids) and second.num_gpus == 4
-    assert hint_plan((dep("big", "A", 16),), "big", snap, blocks) is None  # too few GPUs
-    assert hint_plan((dep("odd", "A", 3),), "odd", snap, blocks) is None  # 3 does not divide heads
+    assert starting_plan((dep("big", "A", 16),), "big", snap, blocks) is None  # too few GPUs
+    assert starting_plan((dep("odd", "A", 3),), "odd", snap, blocks) is None  # 3 ∤ heads
     assert natural_key("node-2") < natural_key("node-10")
