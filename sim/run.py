@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
+import itertools
 import shutil
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,6 +210,45 @@ async def end_offsets(cfg: FlexPipeConfig, topics: list[str]) -> dict[TopicParti
         return dict(await consumer.end_offsets(parts)) if parts else {}
 
 
+@dataclass
+class EventTimeMerge:
+    """Envelopes of several partitions, released in event-time order.
+
+    Each partition is in event-time order by itself, but a consumer fetches them in chunks, one
+    partition far ahead of another when it lags (a busy machine). A view folding records as
+    they come would then take the GPUs of a lagging partition for silent (its clock is the
+    newest event seen) and print blocks half-built. So records wait here until every partition
+    that still has records to fetch has reached their event time (the low watermark).
+    """
+
+    partitions: tuple[TopicPartition, ...]
+    _heap: list[tuple[int, int, envelope.Envelope[Any]]] = field(default_factory=list)
+    _newest_ms: dict[TopicPartition, int] = field(default_factory=dict)
+    _order: Iterator[int] = field(default_factory=itertools.count)
+
+    def push(self, tp: TopicPartition, env: envelope.Envelope[Any]) -> None:
+        """Hold one envelope fetched from ``tp``."""
+        heapq.heappush(self._heap, (env.event_time_ms, next(self._order), env))
+        self._newest_ms[tp] = max(self._newest_ms.get(tp, env.event_time_ms), env.event_time_ms)
+
+    def release(
+        self, caught_up: Collection[TopicPartition], final: bool = False
+    ) -> list[envelope.Envelope[Any]]:
+        """The held envelopes no partition can precede any more, oldest first: every one when
+        ``final``, else those up to the newest event time of the most lagging partition not in
+        ``caught_up`` (partitions read to their end wait for nobody).
+
+        NOTE: a caught-up partition's next records were published after the ones held here, so
+        they are not older (up to the producer's own batching, a blip in a demo view).
+        """
+        lagging = [self._newest_ms.get(tp, -1) for tp in self.partitions if tp not in caught_up]
+        watermark = None if final or not lagging else min(lagging)
+        out = []
+        while self._heap and (watermark is None or self._heap[0][0] <= watermark):
+            out.append(heapq.heappop(self._heap)[2])
+        return out
+
+
 async def watch(
     cfg: FlexPipeConfig,
     start: dict[TopicPartition, int],
@@ -215,19 +256,27 @@ async def watch(
     view: BlockView,
     printer: ViewPrinter,
 ) -> Counter[str]:
-    """Consume from ``start`` until the offsets ``done`` resolves to; fold into ``view``."""
+    """Consume from ``start`` until the offsets ``done`` resolves to; fold into ``view`` in
+    event-time order across partitions (:class:`EventTimeMerge`)."""
     consumer = make_consumer(cfg, group_id=None)
     seen: Counter[str] = Counter()
+    merge = EventTimeMerge(tuple(start))
     async with running(consumer):
         consumer.assign(list(start))
         for tp, offset in start.items():
             consumer.seek(tp, offset)
         while True:
             batch = await consumer.getmany(timeout_ms=200, max_records=5000)
-            for records in batch.values():
+            for tp, records in batch.items():
                 for rec in records:
-                    _fold(rec.value, view, printer, seen)
-            if done.done() and all(await _reached(consumer, done.result())):
+                    env = _decode(rec.value, seen)
+                    if env is not None:
+                        merge.push(tp, env)
+            final = done.done() and all(await _reached(consumer, done.result()))
+            caught_up = [tp for tp in start if await _caught_up(consumer, tp)]
+            for env in merge.release(caught_up, final):
+                _fold(env, view, printer)
+            if final:
                 return seen
 
 
@@ -235,14 +284,23 @@ async def _reached(consumer: Any, target: dict[TopicPartition, int]) -> list[boo
     return [await consumer.position(tp) >= off for tp, off in target.items()]
 
 
-def _fold(raw: bytes | None, view: BlockView, printer: ViewPrinter, seen: Counter[str]) -> None:
+async def _caught_up(consumer: Any, tp: TopicPartition) -> bool:
+    highwater = consumer.highwater(tp)  # None until a fetch answered for this partition
+    return highwater is not None and await consumer.position(tp) >= highwater
+
+
+def _decode(raw: bytes | None, seen: Counter[str]) -> envelope.Envelope[Any] | None:
     try:
         env = envelope.decode(raw)
     except ValidationError as exc:
         seen["invalid"] += 1
         print(f"  skipped invalid message: {exc}")
-        return
+        return None
     seen[env.kind.value] += 1
+    return env
+
+
+def _fold(env: envelope.Envelope[Any], view: BlockView, printer: ViewPrinter) -> None:
     event = view.apply(env)
     if event is not None:
         t_s = env.event_time_s - printer.epoch_ms / 1000.0
