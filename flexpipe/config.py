@@ -4,6 +4,11 @@ Load it once at the entry point with :func:`load_config`; nothing reads the envi
 time. Environment variables override the file: ``FLEXPIPE_KAFKA__BOOTSTRAP_SERVERS=host:9092``
 sets ``kafka.bootstrap_servers`` (double underscore separates nesting). Any bad key or value raises
 :class:`ConfigError` with one line naming it.
+
+Besides each component's own section, three describe the world every component shares:
+``deployments`` (what is served and decided for, with an optional starting-plan hint),
+``catalog`` (GPU classes, links and model shapes beyond gearbox's presets) and ``gearbox`` (the
+decision's knobs, :class:`gearbox.config.GearboxConfig` itself, checked by its own bounds).
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flexpipe.errors import ConfigError
+from gearbox.config import DEFAULT_CONFIG, GearboxConfig
+from gearbox.model import ModelSpec
+from gearbox.presets import GPU_CLASSES, LINK_CLASSES, MODEL_ALIASES, MODELS
+from gearbox.types import GpuClass, LinkClass
 
 ENV_PREFIX = "FLEXPIPE_"
 CONFIG_ENV = "FLEXPIPE_CONFIG"  # path of the YAML file when --config is not given
@@ -87,10 +96,14 @@ class IntervalsConfig(_Section):
 
 
 class DeploymentConfig(_Section):
-    """A deployment the stream decides for: its model, starting plan hint and nominal load."""
+    """A deployment: its model, starting plan hint and nominal load.
+
+    The stream decides for it; a runtime worker serves it. Without ``block`` there is no hint:
+    the deployment has no plan until gearbox picks one.
+    """
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9._-]+$", description="deployment name (topic key)")
-    model: str = Field(..., description="model preset key (gearbox or scenario preset)")
+    model: str = Field(..., description="model key: a gearbox preset or alias, or catalog.models")
     block: str | None = Field(None, description="domain of the starting plan; None = gearbox picks")
     tp: int = Field(1, ge=1, le=64)
     pp: int = Field(1, ge=1, le=16)
@@ -100,14 +113,78 @@ class DeploymentConfig(_Section):
     output_tokens: float = Field(256.0, ge=1)
 
 
+class GpuClassConfig(_Section):
+    """A GPU class by its datasheet figures; its key in ``catalog.gpu_classes`` names it."""
+
+    peak_bf16_tflops: float = Field(..., gt=0, description="dense bf16 tensor-core peak")
+    memory_bytes: int = Field(..., gt=0)
+    memory_bandwidth_gbps: float = Field(..., gt=0, description="DRAM bandwidth, GB/s")
+
+    def spec(self, name: str) -> GpuClass:
+        """The gearbox value called ``name``."""
+        return GpuClass(name, self.peak_bf16_tflops, self.memory_bytes, self.memory_bandwidth_gbps)
+
+
+class LinkClassConfig(_Section):
+    """An interconnect's per-GPU, per-direction bandwidth and one-hop latency."""
+
+    bandwidth_gbps: float = Field(..., gt=0, description="GB/s per GPU per direction")
+    latency_us: float = Field(..., ge=0)
+
+    def spec(self, name: str) -> LinkClass:
+        """The gearbox value called ``name``."""
+        return LinkClass(name, self.bandwidth_gbps, self.latency_us)
+
+
+class ModelConfig(_Section):
+    """A dense decoder's shape, in Hugging Face ``config.json`` terms, for a model that is no
+    gearbox preset; its key in ``catalog.models`` is its name in plans."""
+
+    num_params: int = Field(..., gt=0)
+    num_layers: int = Field(..., gt=0)
+    hidden_size: int = Field(..., gt=0)
+    num_heads: int = Field(..., gt=0)
+    num_kv_heads: int = Field(..., gt=0, description="must divide num_heads")
+    head_dim: int = Field(..., gt=0)
+    dtype_bytes: Literal[1, 2, 4] = 2
+
+    @model_validator(mode="after")
+    def _kv_heads_divide_heads(self) -> ModelConfig:
+        self.spec("check")  # NOTE: ModelSpec's own checks, raising ValueError naming the field
+        return self
+
+    def spec(self, name: str) -> ModelSpec:
+        """The gearbox value called ``name``."""
+        return ModelSpec(name=name, **self.model_dump())
+
+
+class CatalogConfig(_Section):
+    """Hardware and model keys beyond gearbox's presets (:mod:`gearbox.presets`), which they
+    extend and, on a clash, replace."""
+
+    gpu_classes: dict[str, GpuClassConfig] = Field(default_factory=dict)
+    links: dict[str, LinkClassConfig] = Field(default_factory=dict)
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+
+    def gpu_class_specs(self) -> dict[str, GpuClass]:
+        """Presets, then the configured classes, by key."""
+        return {**GPU_CLASSES, **{k: c.spec(k) for k, c in self.gpu_classes.items()}}
+
+    def link_specs(self) -> dict[str, LinkClass]:
+        """Presets, then the configured links, by key."""
+        return {**LINK_CLASSES, **{k: c.spec(k) for k, c in self.links.items()}}
+
+    def model_specs(self) -> dict[str, ModelSpec]:
+        """Presets and their aliases, then the configured models, by key."""
+        return {**MODELS, **MODEL_ALIASES, **{k: m.spec(k) for k, m in self.models.items()}}
+
+
 class StreamsConfig(_Section):
     """The stream processors (`flexpipe streams worker`); the decision interval is
     ``intervals.decision_s``."""
 
     app_id: str = Field("flexpipe-streams", pattern=r"^[A-Za-z0-9._-]+$")
     worker_id: str | None = Field(None, description="names this worker in decisions; None = pid")
-    scenario: str | None = Field(None, description="scenario file: deployments and GPU classes")
-    deployments: tuple[DeploymentConfig, ...] = ()
     debounce_ms: float = Field(25.0, ge=0, le=5000, description="topology-event debounce")
     warmup_s: float = Field(5.0, ge=0, le=600, description="event time seen before deciding")
     load_window_s: float = Field(60.0, gt=0, le=3600, description="serving-load hopping window")
@@ -146,9 +223,6 @@ class StreamsConfig(_Section):
                     f"{name}_window_s must be a whole multiple of {name}_step_s: hopping windows "
                     "are built from step-sized panes"
                 )
-        names = [d.name for d in self.deployments]
-        if len(set(names)) != len(names):
-            raise ValueError("deployments: names must be unique (they key the decisions topic)")
         return self
 
 
@@ -216,6 +290,23 @@ class FlexPipeConfig(_Section):
     intervals: IntervalsConfig = IntervalsConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     streams: StreamsConfig = StreamsConfig()
+    deployments: tuple[DeploymentConfig, ...] = ()
+    catalog: CatalogConfig = CatalogConfig()
+    gearbox: GearboxConfig = DEFAULT_CONFIG
+
+    @model_validator(mode="after")
+    def _deployments_unique_and_known(self) -> FlexPipeConfig:
+        names = [d.name for d in self.deployments]
+        if len(set(names)) != len(names):
+            raise ValueError("deployments: names must be unique (they key the decisions topic)")
+        known = self.catalog.model_specs()
+        for d in self.deployments:
+            if d.model not in known:
+                raise ValueError(
+                    f"deployments: {d.name}: unknown model {d.model!r} (known: "
+                    f"{', '.join(sorted(known))}; add its shape under catalog.models)"
+                )
+        return self
 
 
 def load_config(
@@ -265,9 +356,18 @@ def _set_path(data: dict[str, Any], parts: list[str], value: str, env_key: str) 
 
 def _describe(exc: pydantic.ValidationError) -> str:
     err = exc.errors(include_url=False)[0]
-    key = ".".join(str(p) for p in err["loc"]) or "config"
-    if err["type"] == "extra_forbidden":
-        return f"config key {key}: unknown key"
+    loc = [str(p) for p in err["loc"]]
+    msg = err["msg"]
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        return f"config key {'.'.join(loc)}: unknown key"
+    if err["type"] == "value_error":
+        # NOTE: a validator's message that starts with a field's name ("hysteresis: must be
+        # within ...", as gearbox's and the sections' checks write them) names the key.
+        msg = msg.removeprefix("Value error, ")
+        field, sep, rest = msg.partition(": ")
+        if sep and field.isidentifier():
+            loc, msg = ([*loc, field] if loc and loc[-1] != field else [field]), rest
+    key = ".".join(loc) or "config"
     given = err.get("input")
-    shown = "" if isinstance(given, dict) else f" (got {given!r})"
-    return f"config key {key}: {err['msg']}{shown}"
+    shown = "" if isinstance(given, dict | list | tuple) else f" (got {given!r})"
+    return f"config key {key}: {msg}{shown}"

@@ -50,15 +50,18 @@ SCRAPE_EVERY_S = 2.0  # wall seconds between scrapes of the worker's metrics
 SCRAPE_TIMEOUT_S = 2.0
 
 
-def config_env(cfg: FlexPipeConfig) -> dict[str, str]:
-    """Environment overrides that give a child process the same config."""
+def config_env(cfg: FlexPipeConfig, config_path: Path | None = None) -> dict[str, str]:
+    """Environment overrides that give a child process the same config; the sections that do
+    not fit in variables (deployments, catalog, gearbox) come from ``config_path``, the run's
+    config file (:func:`sim.catalog.write_config`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXPIPE_")}
+    if config_path is not None:
+        env["FLEXPIPE_CONFIG"] = str(config_path)
     s = cfg.streams
     flat = {
         "KAFKA__BOOTSTRAP_SERVERS": cfg.kafka.bootstrap_servers or "",
         "TOPICS__PREFIX": cfg.topics.prefix,
         "TOPICS__PARTITIONS": str(cfg.topics.partitions),
-        "STREAMS__SCENARIO": s.scenario or "",
         "INTERVALS__DECISION_S": str(cfg.intervals.decision_s),
         "STREAMS__LOGLEVEL": s.loglevel,
         "STREAMS__METRICS_PORT": str(s.metrics_port),
@@ -107,9 +110,10 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None
 class StreamWorker:
     """The faust worker subprocess of one `up` run (see the module docstring)."""
 
-    def __init__(self, cfg: FlexPipeConfig, out_dir: Path) -> None:
+    def __init__(self, cfg: FlexPipeConfig, out_dir: Path, config_path: Path | None = None) -> None:
         self.cfg = cfg
         self.out_dir = out_dir
+        self.config_path = config_path  # the run's config file (deployments, catalog, gearbox)
         self.log_path = out_dir / "streams.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -140,7 +144,7 @@ class StreamWorker:
                 [sys.executable, "-m", "flexpipe.cli", "streams", "worker", "--worker-id", "up"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=config_env(self.cfg),
+                env=config_env(self.cfg, self.config_path),
                 cwd=self.out_dir,
                 start_new_session=True,
             )

@@ -8,10 +8,15 @@ summary, checks its own outcome (:mod:`sim.outcome`, :mod:`sim.invariants`) and 
 ``out/summary.json``, ``out/report.md`` and ``out/timeline.png``; it exits 1 naming the invariant
 that broke. Topics get a per-run prefix so a run never reads another run's data.
 
-Start-up contract: the stream assumes each deployment's scenario *hint* is its current plan until
-a transition confirms one; the runtime worker makes that true by loading the hint as transition 0
-(a normal, persisted three-phase transition) before the load starts. The simulated cluster starts
-empty and follows the runtime's placements, so its GPUs report what the runtime loaded.
+The run's config — the scenario's deployments and catalog (:mod:`sim.catalog`) over the given
+config — is written to ``out/flexpipe.yaml``; the stream worker reads it, as a deployed worker
+reads its ConfigMap.
+
+Start-up contract: the stream assumes each deployment's *hint* plan (:mod:`gearbox.starting`) is
+its current plan until a transition confirms one; the runtime worker makes that true by loading
+the same plan as transition 0 (a normal, persisted three-phase transition) before the load
+starts. The simulated cluster starts empty and follows the runtime's placements, so its GPUs
+report what the runtime loaded.
 
 End of a run: the agents' timeline is over, the load stops (its sequences are accounted for at
 that instant), the runtime gets ``DRAIN_S`` wall seconds to finish the transitions in flight,
@@ -41,6 +46,7 @@ from flexpipe.errors import FlexPipeError
 from flexpipe.kafka import client_kwargs, create_topics
 from flexpipe.kafka_local import LocalKafka
 from gearbox.plans import DeploymentPlan
+from sim.catalog import with_scenario, write_config
 from sim.chaos import Chaos, chaos_plan
 from sim.fleet import SimFleet
 from sim.live import Timeline, status_loop
@@ -53,6 +59,7 @@ from sim.streamproc import StreamWorker, cancel_quietly, free_port
 from streams.app import app_id
 
 DEFAULT_SCENARIO = "demo-shift"
+RUN_CONFIG = "flexpipe.yaml"  # the run's config file in the out directory, read by the workers
 # NOTE: measured on a busy 2-core machine: broker and stream-worker start take 10–15 s (one more
 # worker start when it joined on stale metadata, ~10 s), the drain, read-back and report ~10 s,
 # so 120 s of simulation keeps `make run` under three minutes.
@@ -67,12 +74,13 @@ CHAOS_SESSION_S = 6.0  # consumer-group session under chaos: a killed worker is 
 
 
 def run_config(
-    cfg: FlexPipeConfig, address: str, scenario: Path, speed: float, *, chaos: bool = False
+    cfg: FlexPipeConfig, address: str, scenario: Scenario, speed: float, *, chaos: bool = False
 ) -> FlexPipeConfig:
-    """This run's config: its broker, a fresh topic prefix, the simulated clock's speed, a port
-    for the stream worker's metrics (its failed ticks are read there)."""
+    """This run's config: the scenario's deployments and catalog (:mod:`sim.catalog`), its
+    broker, a fresh topic prefix, the simulated clock's speed, a port for the stream worker's
+    metrics (its failed ticks are read there)."""
     run_id = f"up{int(time.time())}"
-    streams: dict[str, Any] = {"scenario": str(scenario), "metrics_port": free_port()}
+    streams: dict[str, Any] = {"metrics_port": free_port()}
     if chaos:
         # NOTE: the killed worker's partitions move to its successor once its session expires.
         streams["session_timeout_s"] = min(cfg.streams.session_timeout_s, CHAOS_SESSION_S)
@@ -82,7 +90,7 @@ def run_config(
         "runtime": cfg.runtime.model_copy(update={"sim_speed": speed, "http_port": 0}),
         "streams": cfg.streams.model_copy(update=streams),
     }
-    return cfg.model_copy(update=update)
+    return with_scenario(cfg, scenario).model_copy(update=update)
 
 
 async def watch_broker(cfg: FlexPipeConfig, planned: asyncio.Event | None = None) -> None:
@@ -144,9 +152,8 @@ def starting_plans(cfg: FlexPipeConfig, scenario: Scenario, seed: int) -> dict[s
     plan id the stream assumes is serving.
     """
     from gearbox.blocks import build_blocks
-    from gearbox.config import DEFAULT_CONFIG
     from gearbox.starting import starting_plans as plans_on
-    from streams.app import resolve_deployments
+    from streams.deployments import resolve_deployments
     from streams.replay import Replayer
     from streams.snapshot import build_topology
     from streams.step import view_timeout_s
@@ -159,7 +166,7 @@ def starting_plans(cfg: FlexPipeConfig, scenario: Scenario, seed: int) -> dict[s
     topology = build_topology(
         replayer.published, replayer.nodes, catalog, now_s, view_timeout_s(cfg)
     )
-    blocks = build_blocks(topology, DEFAULT_CONFIG)
+    blocks = build_blocks(topology, cfg.gearbox)
     plans = plans_on(deployments, topology, blocks)
     return {name: plan for name, plan in plans.items() if plan is not None}
 
@@ -279,7 +286,7 @@ async def run_up(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
     try:
         outcome = await _run_with_broker(
-            cfg, scenario, path, args.seed, duration_s, speed, out_dir, chaos
+            cfg, scenario, args.seed, duration_s, speed, out_dir, chaos
         )
     except KafkaError as exc:
         raise FlexPipeError(f"Kafka: {exc}") from exc
@@ -315,7 +322,6 @@ async def _kafka(cfg: FlexPipeConfig, chaos: bool) -> AsyncIterator[tuple[str, L
 async def _run_with_broker(
     cfg: FlexPipeConfig,
     scenario: Scenario,
-    path: Path,
     seed: int,
     duration_s: float,
     speed: float,
@@ -324,9 +330,10 @@ async def _run_with_broker(
 ) -> RunOutcome:
     """Broker, topics and stream worker around :func:`run_loop`; all stopped afterwards."""
     async with _kafka(cfg, chaos) as (address, local):
-        cfg = run_config(cfg, address, path.resolve(), speed, chaos=chaos)
+        cfg = run_config(cfg, address, scenario, speed, chaos=chaos)
+        config_path = write_config(cfg, out_dir / RUN_CONFIG)
         await create_topics(cfg)
-        streams = StreamWorker(cfg, out_dir)
+        streams = StreamWorker(cfg, out_dir, config_path)
         await streams.launch()
         try:
             print(
@@ -355,7 +362,6 @@ async def run_loop(
     drain and the read-back (with chaos when ``local`` is the run's own broker)."""
     from runtime.clock import SimClock
     from runtime.worker import RuntimeWorker
-    from streams.catalog import scenario_catalog
 
     plans = starting_plans(cfg, scenario, seed)
     fleet = make_fleet(cfg, scenario, seed)
@@ -365,8 +371,8 @@ async def run_loop(
     clock = SimClock(speed, t0)
     worker = RuntimeWorker(
         cfg,
-        deployments=[d.name for d in scenario.deployments],
-        models=scenario_catalog(scenario).models,
+        deployments=[d.name for d in cfg.deployments],
+        models=cfg.catalog.model_specs(),
         clock=clock,
         event_epoch_ms=scenario.epoch_ms,
         start_plans=plans,

@@ -32,11 +32,8 @@ from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import FlexPipeError
 from flexpipe.kafka import bootstrap_servers, catalog_topics, client_kwargs, create_topics
 from flexpipe.topics import Topic, topic_name
-from gearbox.config import DEFAULT_CONFIG, GearboxConfig
-from sim.scenario import load_scenario
-from streams.catalog import Catalog, default_catalog, scenario_catalog
 from streams.decider import Decider
-from streams.deployments import Deployment, deployments_from_config
+from streams.deployments import resolve_deployments
 from streams.health import FailureLog, FailureVerdict, wait_writable
 from streams.intake import DeadLetterReason, Rejected, SourceTopic
 from streams.metrics import StreamsMetrics
@@ -50,7 +47,6 @@ __all__ = [
     "Wiring",
     "create_app",
     "ensure_topics",
-    "resolve_deployments",
 ]
 
 log = logging.getLogger(__name__)
@@ -168,13 +164,6 @@ async def ensure_topics(cfg: FlexPipeConfig) -> None:
     await create_topics(cfg, internal_topics(cfg))
 
 
-def resolve_deployments(cfg: FlexPipeConfig) -> tuple[Catalog, tuple[Deployment, ...]]:
-    """The catalog and deployments from the config (and its scenario file, if any)."""
-    scenario = load_scenario(cfg.streams.scenario) if cfg.streams.scenario else None
-    catalog = scenario_catalog(scenario) if scenario else default_catalog()
-    return catalog, deployments_from_config(cfg.streams, catalog, scenario)
-
-
 def _faust_app(cfg: FlexPipeConfig) -> StreamsApp:
     s = cfg.streams
     brokers = [f"kafka://{h.strip()}" for h in bootstrap_servers(cfg).split(",") if h.strip()]
@@ -247,9 +236,9 @@ def create_app(
     registry: CollectorRegistry,
     *,
     worker_id: str | None = None,
-    gearbox_config: GearboxConfig = DEFAULT_CONFIG,
 ) -> Wiring:
-    """Build the Faust app (call :func:`ensure_topics` before starting it)."""
+    """Build the Faust app (call :func:`ensure_topics` before starting it); deployments, catalog
+    and gearbox's knobs come from ``cfg``."""
     app = _faust_app(cfg)
     catalog, deployments = resolve_deployments(cfg)
     worker = worker_id or cfg.streams.worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -288,7 +277,7 @@ def create_app(
         deployments=deployments,
         tables=_FaustTables(tables),
         send=send,
-        decisions=lambda p: Decider(p, decision_log, owns, gearbox_config),
+        decisions=lambda p: Decider(p, decision_log, owns, cfg.gearbox),
         topics=topics,
         metrics=StreamsMetrics(registry),
         worker=worker,

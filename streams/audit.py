@@ -3,7 +3,8 @@
 ``tail`` follows the decisions topic and prints each decision with its explanation. ``replay``
 reads the recorded telemetry topics and the decisions topic to their current ends, re-decides
 every recorded decision offline through the same core (:mod:`streams.replay`) and reports
-whether it reaches the same outcomes.
+whether it reaches the same outcomes; the deployments, catalog and gearbox knobs it re-decides
+with are the config's (``deployments``, ``catalog``, ``gearbox``), as the worker's were.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from flexpipe.errors import ValidationError
 from flexpipe.kafka import make_consumer
 from flexpipe.schemas import GearDecision
 from flexpipe.topics import Topic, topic_name
+from streams.deployments import resolve_deployments
 from streams.replay import Replayer, ReplayReport, compare
 from streams.step import LoggedDecision
 
@@ -193,8 +195,6 @@ def run_audit(args: argparse.Namespace, cfg: FlexPipeConfig, out: TextIO = sys.s
             )
         )
         return 0
-    from streams.app import resolve_deployments
-
     catalog, deployments = resolve_deployments(cfg)
     report, bad = asyncio.run(replay_topics(cfg, Replayer(cfg, catalog, deployments)))
     _print_report(report, bad, out)

@@ -1,8 +1,8 @@
 """Resolving the keys telemetry carries (GPU class, link class, model preset) to gearbox types.
 
 Agents name a GPU's class and a domain's link by preset key; deployments name a model. Keys
-resolve against gearbox's presets, the scenario file's own classes when one is configured, and a
-few aliases the simulator's scenarios use. An unknown GPU class never stops the stream: it gets a
+resolve against gearbox's presets and model aliases, extended by the config's ``catalog`` section
+(:func:`catalog_from_config`). An unknown GPU class never stops the stream: it gets a
 conservative stand-in (the weakest preset's compute and bandwidth, the sample's own memory).
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TypeVar
 
+from flexpipe.config import CatalogConfig
 from gearbox.model import ModelSpec
 from gearbox.presets import (
     GPU_CLASSES,
@@ -23,9 +24,8 @@ from gearbox.presets import (
     MODELS,
 )
 from gearbox.types import GpuClass, LinkClass
-from sim.spec import ModelSpecRef, Scenario
 
-__all__ = ["DEFAULT_INTER_DOMAIN_LINK", "Catalog", "default_catalog", "scenario_catalog"]
+__all__ = ["DEFAULT_INTER_DOMAIN_LINK", "Catalog", "catalog_from_config", "default_catalog"]
 
 V = TypeVar("V")
 DEFAULT_INTER_DOMAIN_LINK = "ethernet"
@@ -77,43 +77,15 @@ def _stand_in(name: str, total_memory_bytes: int) -> GpuClass:
 
 
 def default_catalog() -> Catalog:
-    """gearbox's presets plus the scenario model aliases."""
+    """gearbox's presets plus their model aliases."""
     return Catalog()
 
 
-def _model_from_ref(ref: ModelSpecRef) -> ModelSpec:
-    """An approximate shape from a scenario's (params, layers, KV bytes per token)."""
-    head_dim, dtype_bytes = 128, 2
-    kv_heads = max(1, ref.kv_bytes_per_token // (2 * ref.num_layers * head_dim * dtype_bytes))
-    # NOTE: dense decoders hold ~12·layers·hidden² parameters; relative accuracy is enough.
-    hidden = max(head_dim, round(math.sqrt(ref.params_b * 1e9 / (12 * ref.num_layers)) / 128) * 128)
-    heads = hidden // head_dim
-    kv_heads = math.gcd(heads, kv_heads)
-    return ModelSpec(
-        name=ref.preset,
-        num_params=int(ref.params_b * 1e9),
-        num_layers=ref.num_layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype_bytes=dtype_bytes,
+def catalog_from_config(section: CatalogConfig) -> Catalog:
+    """gearbox's presets and aliases extended (and on a clash replaced) by the config's
+    ``catalog`` section."""
+    return Catalog(
+        _frozen(section.gpu_class_specs()),
+        _frozen(section.link_specs()),
+        _frozen(section.model_specs()),
     )
-
-
-def scenario_catalog(scenario: Scenario, base: Catalog | None = None) -> Catalog:
-    """``base`` extended with the scenario's GPU classes, links and deployment models."""
-    base = base or default_catalog()
-    classes = dict(base.gpu_classes)
-    for c in scenario.gpu_classes:
-        classes[c.name] = GpuClass(
-            c.name, c.peak_bf16_tflops, c.memory_total_bytes, c.memory_bandwidth_gbps
-        )
-    links = dict(base.links)
-    for link in scenario.links:
-        links[link.name] = LinkClass(link.name, link.bandwidth_gbps, link.latency_us)
-    models = dict(base.models)
-    for dep in scenario.deployments:
-        if dep.model.preset not in models:
-            models[dep.model.preset] = _model_from_ref(dep.model)
-    return Catalog(_frozen(classes), _frozen(links), _frozen(models))

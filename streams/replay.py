@@ -26,7 +26,6 @@ from flexpipe.schemas import (
     GpuSample,
     ServingLoad,
 )
-from gearbox.config import DEFAULT_CONFIG, GearboxConfig
 from gearbox.decisions import Trigger
 from gearbox.history import GearState
 from streams.catalog import Catalog
@@ -67,10 +66,9 @@ __all__ = ["Mismatch", "ReplayReport", "Replayer", "compare", "run_free"]
 class Replayer:
     """One process's replica of a worker's state, owning every deployment."""
 
-    cfg: FlexPipeConfig
+    cfg: FlexPipeConfig  # NOTE: gearbox's knobs are cfg.gearbox, as the live worker's are
     catalog: Catalog
     deployments: tuple[Deployment, ...]
-    gearbox_config: GearboxConfig = DEFAULT_CONFIG
     latest: dict[str, GpuState] = field(default_factory=dict)
     published: dict[str, GpuState] = field(default_factory=dict)
     nodes: dict[str, NodeState] = field(default_factory=dict)
@@ -126,7 +124,7 @@ class Replayer:
                 t = replace(t, plan=fold_transition(t.plan, p))
             except (TypeError, ValueError):
                 return  # the live app dead-letters it
-            t = replace(t, gear=fold_rollback(t.gear, p, env.event_time_ms, self.gearbox_config))
+            t = replace(t, gear=fold_rollback(t.gear, p, env.event_time_ms, self.cfg.gearbox))
         else:
             t = replace(t, overrides=fold_control(t.overrides, t.plan, p, env.event_time_ms))
         self.tables[p.deployment] = t
@@ -154,7 +152,7 @@ class Replayer:
             now_ms,
             trigger,
             view_timeout_s(self.cfg),
-            self.gearbox_config,
+            self.cfg.gearbox,
             "replay",
             transition_timeout_s=self.cfg.streams.transition_timeout_s,
         )

@@ -45,3 +45,9 @@ def test_configmap_is_a_valid_config(tmp_path: Path) -> None:
     path.write_text(doc["data"]["flexpipe.yaml"])
     cfg = load_config(path, env={"FLEXPIPE_KAFKA__SASL_PASSWORD": "secret"})
     assert cfg.topics.replication_factor == 3
+    served = {
+        c["args"][c["args"].index("--deployment") + 1]
+        for _, c in containers()
+        if "--deployment" in c["args"]
+    }
+    assert served and served <= {d.name for d in cfg.deployments}  # every served one is decided for

@@ -168,5 +168,5 @@ def streams_config(
         deps = (
             DeploymentConfig(name="chat", model="llama-2-7b", block="A", tp=2, arrival_rps=2.0),
         )
-    section = cfg.streams.model_copy(update={"deployments": deps, "warmup_s": 0.0, **streams})
-    return cfg.model_copy(update={"streams": section})
+    section = cfg.streams.model_copy(update={"warmup_s": 0.0, **streams})
+    return cfg.model_copy(update={"streams": section, "deployments": deps})

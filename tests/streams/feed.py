@@ -44,10 +44,10 @@ def key_of(e: Envelope[Any]) -> bytes:
 def worker_config(
     cfg: FlexPipeConfig, deployments: tuple[DeploymentConfig, ...], **streams: Any
 ) -> FlexPipeConfig:
-    """``cfg`` (the test's broker and topic prefix) with a stream section for subprocess workers."""
+    """``cfg`` (the test's broker and topic prefix) with ``deployments`` and a stream section
+    for subprocess workers."""
     section = cfg.streams.model_copy(
         update={
-            "deployments": deployments,
             "warmup_s": 0.0,
             "session_timeout_s": 6.0,
             "loglevel": "info",
@@ -55,7 +55,9 @@ def worker_config(
         }
     )
     intervals = cfg.intervals.model_copy(update={"decision_s": 10.0})
-    return cfg.model_copy(update={"streams": section, "intervals": intervals})
+    return cfg.model_copy(
+        update={"streams": section, "intervals": intervals, "deployments": deployments}
+    )
 
 
 def deployments_on_every_partition(

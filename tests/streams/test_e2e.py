@@ -19,10 +19,11 @@ import pytest
 from flexpipe.config import FlexPipeConfig
 from flexpipe.envelope import Envelope
 from flexpipe.schemas import ClusterEvent, ClusterEventType
+from sim.catalog import with_scenario
 from sim.fleet import SimFleet
 from sim.scenario import SEED_FRAGMENTED, load_scenario
-from streams.app import resolve_deployments
 from streams.audit import replay_topics, tail
+from streams.deployments import resolve_deployments
 from streams.harness import wait_for
 from streams.replay import Replayer
 from tests.streams.feed import Feeder, decisions, start_worker, worker_config
@@ -54,8 +55,8 @@ async def _paced(feeder: Feeder, envs: Iterable[Envelope[Any]], speed: float) ->
 async def test_seed_cluster_preemption_is_answered_within_40_simulated_seconds(
     kafka_cfg: FlexPipeConfig, tmp_path: Path
 ) -> None:
-    cfg = worker_config(kafka_cfg, (), scenario=str(SEED_FRAGMENTED))
     scenario = load_scenario(SEED_FRAGMENTED)
+    cfg = with_scenario(worker_config(kafka_cfg, ()), scenario)
     fleet = SimFleet(scenario, seed=7, sample_interval_s=1.0, launch_interval_s=5.0)
     epoch_ms = scenario.epoch_ms
     worker = start_worker(cfg, tmp_path, "e2e")

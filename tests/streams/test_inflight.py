@@ -20,8 +20,8 @@ from gearbox.decisions import DecisionReason, Trigger
 from gearbox.history import GearState
 from gearbox.plans import DeploymentPlan
 from streams import codec
-from streams.app import resolve_deployments
 from streams.codec import dumps, loads
+from streams.deployments import resolve_deployments
 from streams.inflight import InFlight
 from streams.load import ServingWindows
 from streams.ports import TableName

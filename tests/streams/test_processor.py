@@ -14,7 +14,7 @@ from flexpipe import envelope
 from flexpipe.envelope import Envelope
 from flexpipe.schemas import ClusterEventType
 from gearbox.decisions import Trigger
-from streams.app import resolve_deployments
+from streams.deployments import resolve_deployments
 from streams.intake import SourceTopic
 from streams.ports import Message, TableName
 from streams.processor import StreamProcessor

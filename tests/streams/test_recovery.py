@@ -80,7 +80,7 @@ async def test_kill_9_then_restart_recovers_tables_and_never_duplicates_a_decisi
         first.kill()
     decided = await decisions(cfg)
     seqs = assert_ids_unique_and_contiguous(decided)
-    assert len(seqs) == len(cfg.streams.deployments)
+    assert len(seqs) == len(cfg.deployments)
     sources = [e.source for e, _ in decided]
     assert "streams/w1" in sources and "streams/w2" in sources
     # The restarted worker carried on from the recovered plans rather than starting afresh.
@@ -137,7 +137,7 @@ async def test_two_workers_share_deployments_and_survive_one_leaving(
     assert {s for o in owners.values() for s in o} == {"streams/wa", "streams/wb"}
     late = {e.payload.deployment for e, r in decided if r.timestamp > left_ms}
     assert {e.source for e, r in decided if r.timestamp > left_ms} == {"streams/wa"}
-    assert late == {d.name for d in cfg.streams.deployments}
+    assert late == {d.name for d in cfg.deployments}
 
 
 SOURCES = ("streams/wa", "streams/wb")

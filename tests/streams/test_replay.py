@@ -19,8 +19,9 @@ import pytest
 from flexpipe import envelope
 from flexpipe.envelope import Envelope
 from gearbox.decisions import DecisionReason
-from sim.scenario import SEED_FRAGMENTED
-from streams.app import resolve_deployments
+from sim.catalog import with_scenario
+from sim.scenario import SEED_FRAGMENTED, load_scenario
+from streams.deployments import resolve_deployments
 from streams.replay import Replayer, compare, run_free
 from streams.step import LoggedDecision, StepOutput
 from tests.streams.builders import streams_config
@@ -28,7 +29,7 @@ from tests.streams.golden.record import DECISIONS, TRACE
 
 pytestmark = pytest.mark.unit
 
-CFG = streams_config(deployments=(), scenario=str(SEED_FRAGMENTED))
+CFG = with_scenario(streams_config(deployments=()), load_scenario(SEED_FRAGMENTED))
 CATALOG, DEPLOYMENTS = resolve_deployments(CFG)
 
 

@@ -18,7 +18,7 @@ from gearbox.config import DEFAULT_CONFIG
 from gearbox.decisions import DecisionReason, Trigger
 from gearbox.history import GearState
 from gearbox.plans import DeploymentPlan
-from streams.app import resolve_deployments
+from streams.deployments import resolve_deployments
 from streams.load import ServingWindows
 from streams.state import GpuState, NodeState, fold_cluster_event
 from streams.step import (
