@@ -11,7 +11,7 @@ and resolved decisions.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,17 @@ class RuntimeSettings:
     canary_share: float = 0.1
     gearbox: GearboxConfig = DEFAULT_CONFIG
     max_batch: int | None = None  # engine batch cap (default: gearbox's max_batch_sequences)
+    # Reinstall a failed replica of the serving plan once all its GPUs are back (what an
+    # orchestrator restarting a crashed pod does); off: it waits for a decision to re-home it.
+    restart_failed_in_place: bool = True
+
+
+EngineFactory = Callable[[ReplicaTiming, SimGpuPool, int | None], Engine]
+
+
+def sim_engine(timing: ReplicaTiming, pool: SimGpuPool, max_batch: int | None) -> Engine:
+    """The default engine: :class:`SimEngine` on the simulated pool."""
+    return SimEngine(timing, pool, max_batch=max_batch)
 
 
 @dataclass
@@ -87,17 +98,20 @@ class DeploymentRuntime:
         models: Mapping[str, ModelSpec] = MODELS,
         pause_in: TransitionPhase | None = None,
         pause_from_seq: int = 0,
+        engine_factory: EngineFactory = sim_engine,
+        router: Router | None = None,
     ) -> None:
         self.deployment = deployment
         self.settings = settings or RuntimeSettings()
         self.pool = pool or SimGpuPool()
         self.inventory = inventory or GpuInventory()
         self.models = models
+        self._engine_factory = engine_factory
         self.core = ServingCore(
             deployment,
             self._make_engine,
             vmm or ReservationManager(),
-            Router(self.settings.canary_share),
+            router or Router(self.settings.canary_share),
             self.settings.serving,
         )
         self.executor = TransitionExecutor(
@@ -127,7 +141,7 @@ class DeploymentRuntime:
         return cached
 
     def _make_engine(self, timing: ReplicaTiming) -> Engine:
-        return SimEngine(timing, self.pool, max_batch=self.settings.max_batch)
+        return self._engine_factory(timing, self.pool, self.settings.max_batch)
 
     # ---- inputs --------------------------------------------------------------------------------
 
@@ -157,13 +171,43 @@ class DeploymentRuntime:
         self._handle(Persisted(record, now_s), now_s)
 
     def tick(self, now_s: float) -> None:
-        """Serve up to ``now_s``, advance the running phase, check timeouts."""
+        """Restart failed replicas whose GPUs are back, serve up to ``now_s``, advance the
+        running phase, check timeouts."""
+        if self.settings.restart_failed_in_place:
+            self.restart_failed(now_s)
         self.core.step(now_s)
         result = self.executor.poll(now_s)
         if result is not None:
             self._handle(dataclasses.replace(result, now_s=now_s), now_s)
         if not self.executor.paused:  # a held phase must not time out under a crash test
             self._handle(Tick(now_s), now_s)
+
+    def restart_failed(self, now_s: float) -> int:
+        """Reinstall failed replicas of the serving plan whose GPUs are all back; the count.
+
+        NOTE: only between transitions — during one, the executor owns the replicas and a
+        forced decision re-homes what a dead replica held.
+        """
+        if self.state.active is not None:
+            return 0
+        restarted = 0
+        for rid in self.core.replica_ids():
+            if self.core.router.role(rid) is not ReplicaRole.FAILED:
+                continue
+            plan = self.core.plan_of(rid)
+            if not all(self._gpu_back(u) for u in plan.gpu_uuids):
+                continue
+            timing = self.timing_for(plan)
+            self.core.unplace_all(rid)
+            if timing is None or not self.core.retire(rid):
+                continue
+            if self.core.install(timing, now_s, ReplicaRole.ACTIVE).ok:
+                self.inventory.claim(plan.gpu_uuids, self.deployment)
+                restarted += 1
+        return restarted
+
+    def _gpu_back(self, uuid: str) -> bool:
+        return not self.pool.is_lost(uuid) and self.inventory.is_available(uuid)
 
     def submit(self, request: Request, now_s: float) -> Admission:
         """Admit or reject a new request."""

@@ -20,6 +20,7 @@ hook for crash tests.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -50,6 +51,13 @@ class SwitchStep(StrEnum):
     MIGRATE = "migrate"
 
 
+class KvPolicy(StrEnum):
+    """How running sequences move to the new plan at a switch."""
+
+    AUTO = "auto"  # gearbox's per-sequence choice: migrate the KV cache or re-prefill
+    REPLAY_ONLY = "replay_only"  # always re-prefill on the new plan; no KV crosses a link
+
+
 @dataclass(frozen=True, slots=True)
 class ExecutorSettings:
     """Knobs of the hand-over, in the caller's clock."""
@@ -59,6 +67,7 @@ class ExecutorSettings:
     max_handovers_per_poll: int = 64  # cap per batch (KV-queue backlog pitfall)
     drain_timeout_s: float = 60.0  # graceful drain, then remaining sequences are replayed
     inter_domain_link: LinkClass = LINK_CLASSES["ethernet"]
+    kv_policy: KvPolicy = KvPolicy.AUTO  # REPLAY_ONLY: never migrate KV (an ablation)
 
 
 @dataclass
@@ -246,6 +255,11 @@ class TransitionExecutor:
                     timing.config,
                     self.settings.inter_domain_link,
                 )
+                if self.settings.kv_policy is KvPolicy.REPLAY_ONLY:
+                    plan = tuple(
+                        dataclasses.replace(h, action=KvAction.REPLAY, transfer_bytes=0)
+                        for h in plan
+                    )
                 queue.extend((h, replica.plan_id, target) for h in plan)
         return sorted(queue, key=lambda q: (-q[0].num_tokens, q[0].seq_id))
 

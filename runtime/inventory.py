@@ -1,21 +1,23 @@
 """The latest known state of GPUs, from the telemetry and cluster-event topics.
 
 Prepare re-checks a transition's target GPUs here: a GPU preempted by another tenant, isolated,
-unhealthy or on a node that went down is not free, and a GPU claimed by another deployment of
-this worker is not free either. GPUs never reported are assumed usable (a worker may run without
-probes); the engine's own load is the final check. Pure state, updated by the worker.
+unhealthy, lost to a fatal XID (until GPU_RESTORED) or on a node that went down is not free, and
+a GPU claimed by another deployment of this worker is not free either. GPUs never reported are
+assumed usable (a worker may run without probes); the engine's own load is the final check.
+Pure state, updated by the worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from flexpipe.schemas import ClusterEvent, ClusterEventType, GpuSample
+from flexpipe.schemas import FATAL_XIDS, ClusterEvent, ClusterEventType, GpuSample
 
 _TAKES = {
     ClusterEventType.PREEMPT: "preempted",
     ClusterEventType.GPU_ISOLATED: "isolated",
 }
+_FATAL = "fatal xid"
 _GIVES = {
     ClusterEventType.RELEASE: "preempted",
     ClusterEventType.GPU_RESTORED: "isolated",
@@ -50,9 +52,19 @@ class GpuInventory:
                 self._node_of.setdefault(uuid, event.node)
                 self._why.setdefault(uuid, set()).add(_TAKES[event.type])
             return list(event.gpu_uuids)
+        if event.type is ClusterEventType.XID and event.xid in FATAL_XIDS:
+            # NOTE: a fatal XID means the GPU fell off the bus or needs a reset: its processes
+            # are gone until an operator restores it (as the streams' fold treats it).
+            for uuid in event.gpu_uuids:
+                self._node_of.setdefault(uuid, event.node)
+                self._why.setdefault(uuid, set()).add(_FATAL)
+            return list(event.gpu_uuids)
         if event.type in _GIVES:
             for uuid in event.gpu_uuids:
-                self._why.get(uuid, set()).discard(_GIVES[event.type])
+                reasons = self._why.get(uuid, set())
+                reasons.discard(_GIVES[event.type])
+                if event.type is ClusterEventType.GPU_RESTORED:
+                    reasons.discard(_FATAL)
         return []
 
     def known_gpus(self) -> list[str]:

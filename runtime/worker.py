@@ -31,7 +31,6 @@ from flexpipe.errors import FlexPipeError, ValidationError
 from flexpipe.kafka import create_topics, make_consumer, make_producer
 from flexpipe.schemas import (
     ClusterEvent,
-    ClusterEventType,
     ControlCommand,
     GearDecision,
     GearTransition,
@@ -41,13 +40,12 @@ from flexpipe.schemas import (
 from flexpipe.topics import Topic, topic_name
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
-from gearbox.presets import LINK_CLASSES, MODELS
+from gearbox.presets import LINK_CLASSES
 from runtime.clock import SimClock
 from runtime.deployment import DeploymentRuntime, Outbox, RuntimeSettings
-from runtime.engine.simgpu import SimGpuPool
 from runtime.executor import ExecutorSettings
+from runtime.host import DecisionOutcome, RuntimeHost
 from runtime.http import build_app
-from runtime.inventory import GpuInventory
 from runtime.journal import (
     catch_up,
     encode_event,
@@ -57,7 +55,6 @@ from runtime.journal import (
 from runtime.journal import unfinished as journal_unfinished
 from runtime.metrics import RuntimeMetrics
 from runtime.offsets import OffsetTracker
-from runtime.stats import ServingWindow
 from runtime.transition import TransitionPolicy
 from runtime.types import Admission, Completion, Request, ServingSettings
 from runtime.vmm.cuda import local_gpu_ordinals
@@ -69,7 +66,6 @@ from runtime.vmm.manager import (
 )
 
 log = logging.getLogger("flexpipe.runtime")
-_RESTORES = {ClusterEventType.RELEASE, ClusterEventType.GPU_RESTORED}
 
 
 def runtime_settings(rc: RuntimeConfig) -> RuntimeSettings:
@@ -105,39 +101,41 @@ class RuntimeWorker:
         pause_in: TransitionPhase | None = None,
         pause_from_seq: int = 0,
         http_port: int | None = None,
-        models: Mapping[str, ModelSpec] = MODELS,
+        models: Mapping[str, ModelSpec] | None = None,
         clock: SimClock | None = None,
         event_epoch_ms: int | None = None,
         start_plans: Mapping[str, DeploymentPlan] | None = None,
     ) -> None:
         self.cfg = cfg
         self.rc = cfg.runtime
-        self.deployments = tuple(deployments or self.rc.deployments)
+        # Served: the names given, else runtime.deployments, else every configured deployment.
+        self.deployments = tuple(
+            deployments or self.rc.deployments or (d.name for d in cfg.deployments)
+        )
         if not self.deployments:
-            raise FlexPipeError("runtime: no deployments (set runtime.deployments or --deployment)")
+            raise FlexPipeError(
+                "runtime: no deployments (set deployments, runtime.deployments or --deployment)"
+            )
+        # Model shapes by the name plans carry: gearbox's presets and the config's catalog.
+        models = cfg.catalog.model_specs() if models is None else models
         self.clock = clock or SimClock(self.rc.sim_speed)
         # With an epoch, event times follow the runtime clock (a simulated cluster's time line);
         # without, they are wall-clock times as on a real cluster.
         self._event_epoch_ms = event_epoch_ms
         # Each deployment's configured starting plan (the stream's hint), adopted on a fresh log.
         self._start_plans = dict(start_plans or {})
-        self.pool = SimGpuPool()
-        self.inventory = GpuInventory()
-        self.vmm = ReservationManager(_backend_factory(self.rc))
-        settings = runtime_settings(self.rc)
-        self.runtimes = {
-            d: DeploymentRuntime(
-                d,
-                settings=settings,
-                pool=self.pool,
-                vmm=self.vmm,
-                inventory=self.inventory,
-                pause_in=pause_in,
-                pause_from_seq=pause_from_seq,
-                models=models,
-            )
-            for d in self.deployments
-        }
+        self.host = RuntimeHost(
+            self.deployments,
+            runtime_settings(self.rc),
+            vmm=ReservationManager(_backend_factory(self.rc)),
+            models=models,
+            pause_in=pause_in,
+            pause_from_seq=pause_from_seq,
+        )
+        self.pool = self.host.pool
+        self.inventory = self.host.inventory
+        self.vmm = self.host.vmm
+        self.runtimes = self.host.runtimes
         self.metrics = RuntimeMetrics()
         self.source = f"{self.rc.worker_id}/runtime"
         self.http_port = self.rc.http_port if http_port is None else http_port
@@ -272,14 +270,8 @@ class RuntimeWorker:
         consumer = make_consumer(self.cfg, topic, group_id=None)
         await consumer.start()
         self._consumers.append(consumer)
-        for _, value in await catch_up(consumer, topic):
-            event = _payload(value, ClusterEvent)
-            if event is not None:
-                self.inventory.apply_event(event)
-        # NOTE: the simulated GPUs start in the state the log describes, so a plan is not loaded
-        # onto GPUs another tenant holds; from here on events also act on the simulated pool.
-        lost = {u for u in self.inventory.known_gpus() if not self.inventory.is_available(u)}
-        self.pool.preempt(sorted(lost))
+        events = [e for _, v in await catch_up(consumer, topic) if (e := _payload(v, ClusterEvent))]
+        self.host.catch_up(events)
         return consumer
 
     async def _recover(self) -> None:
@@ -409,61 +401,43 @@ class RuntimeWorker:
                 for msg in messages:
                     ref = self._offsets.add(tp, msg.offset)
                     decision = _payload(msg.value, GearDecision)
-                    rt = self.runtimes.get(decision.deployment) if decision else None
-                    if decision is None or rt is None:
-                        self._offsets.done(ref)  # not ours, or malformed: nothing to do
-                        continue
-                    if decision.to_plan_id is None:
-                        # A hold (hysteresis, cooldown, no better plan): audit trail only.
-                        self.metrics.decisions.labels(decision.deployment, "held").inc()
-                        self._offsets.done(ref)
+                    if decision is None:
+                        self._offsets.done(ref)  # malformed: nothing to do
                         continue
                     try:
-                        rt.on_decision(decision, self.clock.now_s(), ref)
+                        outcome = self.host.on_decision(decision, self.clock.now_s(), ref)
                     except Exception:  # NOTE: one bad decision must not stop the loop
                         log.exception("decision %s failed", decision.decision_id)
+                        outcome = DecisionOutcome.NOT_OURS
+                    if outcome is DecisionOutcome.HELD:
+                        # A hold (hysteresis, cooldown, no better plan): audit trail only.
+                        self.metrics.decisions.labels(decision.deployment, "held").inc()
+                    if outcome is not DecisionOutcome.FED:
                         self._offsets.done(ref)
 
     async def _cluster_loop(self, consumer: AIOKafkaConsumer) -> None:
         async for msg in consumer:
             event = _payload(msg.value, ClusterEvent)
-            if event is None:
-                continue
-            taken = self.inventory.apply_event(event)
-            self.pool.preempt(taken)  # the simulated hardware follows the simulated cluster
-            if event.type in _RESTORES:
-                self.pool.restore(event.gpu_uuids)
-            elif event.type is ClusterEventType.NODE_UP:
-                self.pool.restore(self.inventory.gpus_on(event.node))
+            if event is not None:
+                self.host.on_cluster_event(event)
 
     async def _gpu_loop(self, consumer: AIOKafkaConsumer) -> None:
         async for msg in consumer:
             sample = _payload(msg.value, GpuSample)
             if sample is not None:
-                self.inventory.apply_sample(sample)
+                self.host.on_gpu_sample(sample)
 
     async def _serving_loop(self) -> None:
         topic = topic_name(self.cfg, Topic.SERVING)
         while True:
             await asyncio.sleep(self.rc.serving_publish_s)
-            now = self.clock.now_s()
-            for deployment, rt in self.runtimes.items():
-                core = rt.core
-                load = core.window.report(
-                    deployment,
-                    core.model_name or deployment,
-                    now,
-                    queue_len=core.queue_len(),
-                    active_sequences=core.active_sequences(),
-                    kv_bytes=core.kv_bytes(),
-                    plan_id=rt.state.serving_plan_id,
-                )
-                core.window = ServingWindow(start_s=now)
+            for load in self.host.serving_reports(self.clock.now_s()):
                 env = envelope.make(
                     load, event_time_ms=self._event_time_ms(), source=self.source, seq=self._seq()
                 )
                 with contextlib.suppress(KafkaError):
-                    await self._producer.send(topic, envelope.encode(env), key=deployment.encode())
+                    key = load.deployment.encode()
+                    await self._producer.send(topic, envelope.encode(env), key=key)
 
     # ---- the HTTP layer's view -----------------------------------------------------------------
 

@@ -21,6 +21,7 @@ PURE = (
     "runtime.deployment",
     "runtime.stats",
     "runtime.inventory",
+    "runtime.host",
 )
 FORBIDDEN = {"asyncio", "aiokafka", "aiohttp", "time", "socket", "faust", "random", "threading"}
 
