@@ -370,9 +370,7 @@ async def run_loop(
     t0 = time.monotonic()
     clock = SimClock(speed, t0)
     worker = RuntimeWorker(
-        cfg,
-        deployments=[d.name for d in cfg.deployments],
-        models=cfg.catalog.model_specs(),
+        cfg,  # serves cfg.deployments, with cfg.catalog's model shapes
         clock=clock,
         event_epoch_ms=scenario.epoch_ms,
         start_plans=plans,
