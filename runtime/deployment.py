@@ -233,7 +233,7 @@ class DeploymentRuntime:
         was accepted yet; True when that transition started.
 
         The deployment's configured starting plan is the stream's assumed current plan until a
-        transition confirms one (``streams.deployments``); adopting it makes that true, in the
+        transition confirms one (config ``deployments``); adopting it makes that true, in the
         transitions log, before the first decision arrives.
         """
         if any(self.timing_for(r) is None for r in plan.replicas):
