@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 from pydantic import ConfigDict
 
 # Strict: no silent coercion of "5" into 5; unknown fields are an error, not ignored.
+from gearbox.decisions import DecisionReason, Trigger
+
 STRICT = ConfigDict(strict=True, extra="forbid")
 
 
@@ -203,8 +205,8 @@ class GearDecision:
     deployment: str
     decision_id: str  # deterministic: deployment + sequence, so replays never duplicate
     seq: int
-    trigger: str
-    reason: str
+    trigger: Trigger  # gearbox's enum: what made the loop run
+    reason: DecisionReason  # gearbox's enum: why it switched or held (machine-readable)
     forced: bool
     from_plan_id: str | None
     to_plan_id: str | None

@@ -10,6 +10,7 @@ import pytest
 from flexpipe import envelope
 from flexpipe.config import load_config
 from flexpipe.schemas import GearDecision, GearTransition, PhaseStatus, TransitionPhase
+from gearbox.decisions import DecisionReason, Trigger
 from sim.fleet import SimFleet
 from sim.live import Timeline
 from sim.record import ClusterMark, Served, plan_shape
@@ -33,8 +34,8 @@ def decision(seq: int, reason: str, to_plan: Any = None, trigger: str = "timer")
         deployment="chat",
         decision_id=f"chat:{seq}",
         seq=seq,
-        trigger=trigger,
-        reason=reason,
+        trigger=Trigger(trigger),
+        reason=DecisionReason(reason),
         forced=reason == "forced_infeasible",
         from_plan_id="dp-1",
         to_plan_id=to_plan.plan_id if to_plan is not None else None,

@@ -22,6 +22,7 @@ import pytest
 
 from flexpipe.config import FlexPipeConfig
 from flexpipe.schemas import GearDecision
+from gearbox.decisions import DecisionReason, Trigger
 from sim.outcome import EXIT_BROKEN, RunOutcome, SequenceLedger, conclude
 from sim.record import RunRecord, SeenDecision
 from sim.scenario import load_scenario, scenario_path
@@ -129,8 +130,8 @@ def _decision(seq: int) -> GearDecision:
         deployment="chat-70b",
         decision_id=f"chat-70b:{seq}",
         seq=seq,
-        trigger="timer",
-        reason="no_better_candidate",
+        trigger=Trigger.TIMER,
+        reason=DecisionReason.NO_BETTER_CANDIDATE,
         forced=False,
         from_plan_id="dp-1",
         to_plan_id=None,

@@ -67,7 +67,7 @@ def test_replay_reaches_recorded_decisions_and_names_a_difference() -> None:
     assert report.same and report.compared == len(outs)
     tampered = list(recorded)
     first = tampered[0].payload
-    tampered[0] = replace(tampered[0], payload=replace(first, reason="pinned"))
+    tampered[0] = replace(tampered[0], payload=replace(first, reason=DecisionReason.PINNED))
     report = compare(Replayer(CFG, CATALOG, DEPLOYMENTS), trace(), tampered)
     assert report.matched == len(outs) - 1
     (mismatch,) = report.mismatches
