@@ -2,15 +2,16 @@
 
 Runs the seed scenario (blocks A 12 / B 9 / C 6 GPUs, a 7B and a 70B deployment, chat plus
 long-input summarisation with a daily swing, 8 simulated hours, three preemptions on block A)
-through a discrete-event simulator built from the product's own code (see :mod:`bench.sim`),
+through the product's own loop on simulated time (:mod:`bench.sim.des`, :mod:`sim.world`),
 for six systems in the same run: the fixed TP8@A baseline, static replicas with round-robin
 routing, FlexPipe, and three FlexPipe ablations (no hysteresis/cooldown, replay-only hand-over,
 no prefill/decode split). Same trace, seeds and cost model for all.
 
 Writes ``bench/results/<scenario>.json`` (sorted keys, rounded floats, no wall-clock figures:
 the same seed gives the same bytes) and ``<scenario>.png``; prints the side-by-side table with
-the article's figures, the targets met or missed, the wall time, and LAST one JSON line — the
-results file's ``summary``.
+the article's figures, the targets met or missed, the wall time, what broke (then it exits 1:
+a runtime invariant, a deployment that completed nothing, no decision after a preemption), and
+LAST one JSON line — the results file's ``summary``.
 
 Run: ``python -m bench.fragmented [--scenario PATH] [--seed N] [--duration S] [--workers N]``.
 """
@@ -27,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import print_result
-from bench.sim.report import ARTICLE, SYSTEM_ORDER, headline, table, targets, targets_text
+from bench.sim.report import (
+    ARTICLE,
+    SYSTEM_ORDER,
+    headline,
+    run_problems,
+    table,
+    targets,
+    targets_text,
+)
 from sim.scenario import SEED_FRAGMENTED, load_scenario
 from sim.spec import Scenario
 
@@ -44,7 +53,7 @@ def run_system(job: tuple[str, str, int, float, str]) -> tuple[str, dict[str, An
     from bench.sim.des import Simulation
     from bench.sim.summary import system_summary
     from bench.sim.systems import SYSTEMS, with_engine
-    from bench.sim.workload import scenario_trace
+    from sim.loadgen import scenario_trace
 
     scenario = load_scenario(scenario_path)
     system = with_engine(next(s for s in SYSTEMS if s.key == key), engine)
@@ -159,8 +168,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {json_path} and {png_path}")
     print(f"wall: {wall_s:.1f} s for {len(systems)} systems on {args.workers} workers")
     print("cpu s per system: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu_s.items()))
+    problems = run_problems(systems, results["preemptions_s"])
+    for problem in problems:
+        print(f"FAILED: {problem}")
     print_result(results["summary"])
-    return 0
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

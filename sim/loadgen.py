@@ -1,19 +1,26 @@
 """Seeded load generator: short online chat plus long-prompt batch summarisation.
 
-:func:`generate` yields :class:`runtime.types.Request` objects with Poisson arrivals per class
-and gamma-distributed token counts around each class's mean (shape 2: a right tail, never
-zero). Rates come from a scenario deployment's workload (daily swing and phases included, via
-:meth:`sim.spec.WorkloadSpec.multipliers`) or from explicit :class:`MixRates`. The same
-seed gives the same requests in any process. :func:`run_http` replays them against a worker's
-``/v1/completions`` paced in wall time; a discrete-event benchmark feeds them straight into a
-``DeploymentRuntime`` instead.
+Arrivals of a request class follow a (non-homogeneous) Poisson process — a scenario
+deployment's workload (daily swing times the active phase,
+:meth:`sim.spec.WorkloadSpec.multipliers`) or explicit :class:`MixRates` — drawn by thinning
+(Lewis & Shedler 1979) from a homogeneous process at the rate's upper bound: exact for a
+workload (``(1 + |swing|) × the largest phase``), the peak on a 1 s grid for any other rate
+function. Token counts are heavy-tailed, as real prompts are: log-normal around the class's
+mean (σ 0.5 prompts, 0.4 outputs; the mean is preserved), clipped to [16, 4 × mean], so no
+request is longer than any plan's KV could hold. Lengths are drawn for every candidate arrival,
+accepted or not, so a change of rate never shifts other requests' lengths.
+
+Every (deployment, class) has its own ``random.Random`` seeded from a string (Python hashes
+string seeds with SHA-512: the same requests in every process), so two deployments' arrivals
+are independent. :func:`generate` serves ``flexpipe up`` and the CLI; :func:`scenario_trace`
+gives the benchmark every deployment's arrivals at once. :func:`run_http` replays requests
+against a worker's ``/v1/completions`` paced in wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import math
 import random
@@ -27,6 +34,12 @@ import aiohttp
 
 from runtime.stats import p95
 from runtime.types import Request, RequestKind
+from sim.spec import Scenario, WorkloadSpec
+
+SIGMA_PROMPT = 0.5  # log-normal shape of prompt lengths
+SIGMA_OUTPUT = 0.4  # and of output lengths
+MIN_TOKENS = 16
+MAX_OVER_MEAN = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,36 +75,86 @@ class MixRates:
 RatesAt = Callable[[float], MixRates]
 
 
-def rates_from_workload(workload: Any) -> RatesAt:
+@dataclass(frozen=True, slots=True)
+class WorkloadRates:
+    """A scenario workload's rates over time, with their exact upper bound (for thinning)."""
+
+    workload: WorkloadSpec
+    base: MixRates
+
+    def __call__(self, t_s: float) -> MixRates:
+        chat, summ = self.workload.multipliers(t_s)
+        return self.base.scaled(chat, summ)
+
+    def peak(self, kind: RequestKind) -> float:
+        """An upper bound of the class's arrival rate over all time."""
+        wl = self.workload
+        chat = kind is RequestKind.CHAT
+        phases = [1.0] + [
+            ph.chat_multiplier if chat else ph.summarisation_multiplier for ph in wl.phases
+        ]
+        return _class(self.base, kind).arrival_rps * ((1.0 + abs(wl.swing.amplitude)) * max(phases))
+
+
+def rates_from_workload(workload: WorkloadSpec) -> WorkloadRates:
     """Rates over time from a scenario :class:`sim.spec.WorkloadSpec`."""
+    c, s = workload.chat, workload.summarisation
     base = MixRates(
-        ClassRate(
-            workload.chat.arrival_rps,
-            workload.chat.prompt_tokens_mean,
-            workload.chat.output_tokens_mean,
-        ),
-        ClassRate(
-            workload.summarisation.arrival_rps,
-            workload.summarisation.prompt_tokens_mean,
-            workload.summarisation.output_tokens_mean,
-        ),
+        ClassRate(c.arrival_rps, c.prompt_tokens_mean, c.output_tokens_mean),
+        ClassRate(s.arrival_rps, s.prompt_tokens_mean, s.output_tokens_mean),
     )
-
-    def at(t_s: float) -> MixRates:
-        chat, summ = workload.multipliers(t_s)
-        return base.scaled(chat, summ)
-
-    return at
+    return WorkloadRates(workload, base)
 
 
-def _rng(seed: int, label: str) -> random.Random:
-    # NOTE: seeded from a digest, never hash(): the same seed gives the same stream everywhere.
-    digest = hashlib.sha256(f"{seed}/{label}".encode()).digest()
-    return random.Random(int.from_bytes(digest[:8], "big"))
+def _rng(seed: int, stream: str, kind: RequestKind) -> random.Random:
+    # NOTE: a string seed, never hash(); the label predates this module (the benchmark's
+    # traces keep their bytes).
+    return random.Random(f"flexpipe-bench:{seed}:{stream}:{kind.value}")
 
 
-def _tokens(rng: random.Random, mean: float, cap: int) -> int:
-    return max(1, min(cap, round(rng.gammavariate(2.0, mean / 2.0))))
+def _tokens(rng: random.Random, mean: float, sigma: float, cap: int) -> int:
+    mu = math.log(mean) - sigma * sigma / 2  # E[lognormal(mu, sigma)] = mean
+    draw = rng.lognormvariate(mu, sigma)
+    return int(min(max(round(draw), MIN_TOKENS), round(mean * MAX_OVER_MEAN), cap))
+
+
+def _peak(rates: MixRates | RatesAt, kind: RequestKind, start_s: float, duration_s: float) -> float:
+    if isinstance(rates, WorkloadRates):
+        return rates.peak(kind)
+    if isinstance(rates, MixRates):
+        return _class(rates, kind).arrival_rps
+    grid = (rates(start_s + i) for i in range(max(1, math.ceil(duration_s)) + 1))
+    return max(_class(r, kind).arrival_rps for r in grid)
+
+
+def class_arrivals(
+    rates: MixRates | RatesAt,
+    kind: RequestKind,
+    *,
+    seed: int,
+    stream: str,
+    start_s: float = 0.0,
+    duration_s: float = 60.0,
+    max_tokens: int = 32_768,
+) -> Iterator[Request]:
+    """One class's arrivals in ``[start_s, start_s + duration_s)`` from stream ``stream``
+    (a deployment's name), in order; request ids are left empty for the caller to name."""
+    rates_at = rates if callable(rates) else _constant(rates)
+    peak_rps = _peak(rates, kind, start_s, duration_s)
+    if peak_rps <= 0:
+        return
+    rng = _rng(seed, stream, kind)
+    t = start_s
+    while True:
+        t += rng.expovariate(peak_rps)
+        if t >= start_s + duration_s:
+            return
+        now = _class(rates_at(t), kind)
+        accept = rng.random() * peak_rps < now.arrival_rps
+        prompt = _tokens(rng, now.prompt_tokens_mean, SIGMA_PROMPT, max_tokens)
+        output = _tokens(rng, now.output_tokens_mean, SIGMA_OUTPUT, max_tokens)
+        if accept:
+            yield Request("", prompt, output, t, kind)
 
 
 def generate(
@@ -103,19 +166,20 @@ def generate(
     prefix: str = "lg",
     max_tokens: int = 32_768,
 ) -> Iterator[Request]:
-    """Requests arriving in ``[start_s, start_s + duration_s)``, in arrival order.
-
-    Time-varying rates are followed by thinning against the peak rate found on a 1 s grid.
-    """
-    rates_at = rates if callable(rates) else _constant(rates)
-    grid = [rates_at(start_s + i) for i in range(max(1, math.ceil(duration_s)) + 1)]
-    streams = []
-    for kind in (RequestKind.CHAT, RequestKind.SUMMARISATION):
-        peak = max(_class(r, kind).arrival_rps for r in grid)
-        if peak > 0:
-            streams.append(
-                _class_stream(rates_at, kind, peak, seed, start_s, duration_s, max_tokens)
-            )
+    """Both classes' requests in ``[start_s, start_s + duration_s)``, in arrival order, named
+    ``<prefix>-<n>``; ``prefix`` (a deployment's name) also picks the random streams."""
+    streams = [
+        class_arrivals(
+            rates,
+            kind,
+            seed=seed,
+            stream=prefix,
+            start_s=start_s,
+            duration_s=duration_s,
+            max_tokens=max_tokens,
+        )
+        for kind in (RequestKind.CHAT, RequestKind.SUMMARISATION)
+    ]
     pending = [(next(s, None), s) for s in streams]
     heads = [(r, s) for r, s in pending if r is not None]
     count = 0
@@ -135,6 +199,32 @@ def generate(
             heads.append((following, stream))
 
 
+def scenario_trace(scenario: Scenario, duration_s: float, seed: int) -> dict[str, list[Request]]:
+    """Every deployment's arrivals over ``[0, duration_s)``, both classes merged in arrival
+    order (ties by id); ids ``<deployment>/<c|s><n>``. The same for every system of a run."""
+    out: dict[str, list[Request]] = {}
+    for dep in scenario.deployments:
+        rates = rates_from_workload(dep.workload)
+        merged = []
+        for kind in (RequestKind.CHAT, RequestKind.SUMMARISATION):
+            arrivals = class_arrivals(
+                rates, kind, seed=seed, stream=dep.name, duration_s=duration_s
+            )
+            merged += [
+                Request(
+                    f"{dep.name}/{kind.value[0]}{i}",
+                    r.prompt_tokens,
+                    r.max_output_tokens,
+                    r.arrival_s,
+                    kind,
+                )
+                for i, r in enumerate(arrivals)
+            ]
+        merged.sort(key=lambda r: (r.arrival_s, r.request_id))
+        out[dep.name] = merged
+    return out
+
+
 def _constant(rates: MixRates) -> RatesAt:
     def at(_t_s: float) -> MixRates:
         return rates
@@ -144,29 +234,6 @@ def _constant(rates: MixRates) -> RatesAt:
 
 def _class(rates: MixRates, kind: RequestKind) -> ClassRate:
     return rates.chat if kind is RequestKind.CHAT else rates.summarisation
-
-
-def _class_stream(
-    rates_at: RatesAt,
-    kind: RequestKind,
-    peak_rps: float,
-    seed: int,
-    start_s: float,
-    duration_s: float,
-    max_tokens: int,
-) -> Iterator[Request]:
-    rng = _rng(seed, kind)
-    t = start_s
-    while True:
-        t += rng.expovariate(peak_rps)
-        if t >= start_s + duration_s:
-            return
-        now = _class(rates_at(t), kind)
-        if rng.random() * peak_rps > now.arrival_rps:
-            continue  # thinned: the rate here is below the peak
-        prompt = _tokens(rng, now.prompt_tokens_mean, max_tokens)
-        output = _tokens(rng, now.output_tokens_mean, max_tokens)
-        yield Request("", prompt, output, t, kind)
 
 
 @dataclass

@@ -28,9 +28,11 @@ from flexpipe.schemas import (
 )
 from gearbox.decisions import Trigger
 from gearbox.history import GearState
+from gearbox.types import TopologySnapshot
 from streams.catalog import Catalog
 from streams.deployments import Deployment
 from streams.load import ServingWindows, fold_serving
+from streams.snapshot import build_topology
 from streams.state import (
     FoldOutcome,
     GpuState,
@@ -141,6 +143,28 @@ class Replayer:
         """Decide for ``name`` at ``now_ms``; the step's state is kept."""
         self.sweep(now_ms)
         dep = next(d for d in self.deployments if d.name == name)
+        return self._decide(dep, trigger, now_ms, None)
+
+    def decide_all(self, trigger: TriggerInfo, now_ms: int) -> list[StepOutput]:
+        """Decide for every deployment at ``now_ms`` in the configured order, as the live
+        decider does for one trigger: one sweep, one topology for the instant (the decider's
+        per-instant cache), each deployment's own tables. Steps that refuse the trigger (not
+        newer than the last decided) yield nothing."""
+        self.sweep(now_ms)
+        topology = build_topology(
+            self.published, self.nodes, self.catalog, now_ms / 1000.0, view_timeout_s(self.cfg)
+        )
+        outs = (self._decide(dep, trigger, now_ms, topology) for dep in self.deployments)
+        return [out for out in outs if out is not None]
+
+    def _decide(
+        self,
+        dep: Deployment,
+        trigger: TriggerInfo,
+        now_ms: int,
+        topology: TopologySnapshot | None,
+    ) -> StepOutput | None:
+        name = dep.name
         t = self.tables[name]
         inp = make_input(
             dep,
@@ -154,6 +178,7 @@ class Replayer:
             view_timeout_s(self.cfg),
             self.cfg.gearbox,
             "replay",
+            topology=topology,
             transition_timeout_s=self.cfg.streams.transition_timeout_s,
         )
         out = step(inp)

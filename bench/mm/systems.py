@@ -125,20 +125,20 @@ class GearboxSystem:
 
     def place(self, profile: ModelProfile, count: int) -> None:
         """Place ``count`` replicas; when queued, apply the proposed evictions and try once more."""
-        decision = self._decide(profile, count)
+        decision = self._placement(profile, count)
         if decision.status is PlacementStatus.QUEUED and decision.evictions:
             for proposal in decision.evictions:
                 victim = self.sim.instance(proposal.model_name, proposal.gpu_uuid)
                 if victim is not None:
                     self.sim.evict(victim)
-            decision = self._decide(profile, count)
+            decision = self._placement(profile, count)
         if decision.status is PlacementStatus.QUEUED:
             self.sim.metrics.placement_queued += 1
             return
         for uuid in decision.gpu_uuids:
             self.sim.load(profile, uuid)
 
-    def _decide(self, profile: ModelProfile, count: int) -> PlacementDecision:
+    def _placement(self, profile: ModelProfile, count: int) -> PlacementDecision:
         sim = self.sim
         # NOTE: place_model spreads the replicas of one call; GPUs already holding the model
         # are hidden from it so a new replica never lands beside an existing one.

@@ -1,7 +1,9 @@
-"""Discrete-event simulation of FlexPipe's fragmented-cluster evaluation (see bench.fragmented).
+"""The fragmented-cluster benchmark's own parts (see bench.fragmented).
 
-Built from the product's own code: gearbox decides and costs, the runtime's DeploymentRuntime
-(transition machine, executor, serving core, router, VMM ledger) serves, the streams' load
-windows feed the decisions, and probes' SimCluster plays the scenario's timeline — under a
-simulated clock, without Kafka.
+The world and the loop are the product's and the simulator's: :mod:`sim.world` joins the
+simulated fleet's telemetry, the stream's fold and decision step (:class:`streams.replay.Replayer`)
+and the runtime worker's core (:class:`runtime.host.RuntimeHost`) under a simulated clock,
+without Kafka. Here only what a benchmark adds: the event loop and its measurements
+(:mod:`.des`, :mod:`.metrics`), the compared systems (:mod:`.systems`, :mod:`.baselines`), the
+event-stepped engine (:mod:`.engine`, :mod:`.batch`), and the summary, report and plot.
 """

@@ -1,47 +1,57 @@
 """The discrete-event loop: one system, one scenario, one seed, simulated time only.
 
-A heap of ``(time, priority, sequence, kind)`` events drives the product code:
+The product's own loop runs here (:class:`sim.world.World`): the simulated fleet's telemetry
+envelopes are folded by the stream's :class:`streams.replay.Replayer`, which decides through the
+product's decision step; the product's runtime (:class:`runtime.host.RuntimeHost`: one
+inventory, pool and VMM for all deployments, as one runtime worker serving them) carries the
+decisions out and its records and serving reports go back to the stream. A heap of
+``(time, priority, sequence, kind)`` events drives it:
 
-* timeline — :class:`sim.cluster.SimCluster` applies the scenario's events (preemptions,
-  releases, XIDs); the runtime's inventory and simulated pool follow at once (the processes on a
-  preempted GPU die then); the streams see it at the agent's next sample plus the debounce;
-* arrival — the trace's next request is submitted (:meth:`DeploymentRuntime.submit`) and that
-  deployment's runtime ticks, so a request reaches an engine when it arrives;
-* tick — every runtime ticks on a grid: fine (``FAST_TICK_S``) while a transition runs or
-  requests wait, coarse otherwise; engines are event-stepped, so the grid only bounds how late
-  the executor and the admission of waiting requests notice what happened;
-* report / decide — FlexPipe systems publish serving load every ``serving_publish_s`` and run
-  the gear loop every ``decision_s`` and on observed topology changes;
-* sample — GPU memory and busy time, every ``SAMPLE_S``.
+* fleet — the agents' envelopes of one instant (sample grid, scenario timeline): cluster
+  events reach the runtime's inventory and simulated pool at once (processes on a preempted GPU
+  die then) and the stream, which decides a topology change after its debounce;
+* arrival — the trace's next request is submitted and that deployment's runtime ticks;
+* tick — the runtimes tick on a grid: fine (``FAST_TICK_S``) while a transition runs or
+  requests wait, coarse otherwise (engines are event-stepped; the grid bounds how late the
+  executor, restarts in place and admission notice what happened);
+* report / decide — adaptive systems publish serving load every ``serving_publish_s`` and
+  decide every ``decision_s`` and on topology changes;
+* sample — GPU memory and busy time, every ``SAMPLE_S`` (the benchmark's utilisation).
 
-Transition records are acknowledged as soon as they are produced (an in-memory coordination
-store). Nothing reads the wall clock.
+Nothing reads the wall clock.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from bench.sim.controller import DecisionLog, GearLoop, LoadTracker
-from bench.sim.engine import EventSimEngine
+from bench.sim.baselines import RoundRobinRouter, static_layout
+from bench.sim.engine import EventSimEngine, VersionedPool
 from bench.sim.metrics import DeploymentMetrics, Utilisation
-from bench.sim.runtime import BenchRuntime, VersionedPool, apply_cluster_event
 from bench.sim.systems import SystemSpec
-from bench.sim.topology import ClusterView, model_of, starting_plan, static_layout
 from flexpipe.config import FlexPipeConfig
-from flexpipe.schemas import GearTransition, TransitionPhase
-from gearbox import DEFAULT_CONFIG, ModelSpec, Trigger
-from runtime.deployment import RuntimeSettings
-from runtime.inventory import GpuInventory
+from flexpipe.schemas import GearTransition
+from gearbox import Trigger
+from runtime.deployment import EngineFactory, RuntimeSettings
+from runtime.engine.base import Engine
+from runtime.engine.sim import SimEngine
+from runtime.engine.simgpu import SimGpuPool
+from runtime.executor import KvPolicy
+from runtime.host import RuntimeHost
+from runtime.router import Router
+from runtime.serving import ServingCore
+from runtime.timing import ReplicaTiming
 from runtime.types import Request, RequestKind
 from runtime.vmm.manager import ReservationManager, host_backend_factory
 from runtime.worker import runtime_settings
-from sim.cluster import SimCluster
+from sim.catalog import with_scenario
 from sim.spec import Preempt, Scenario
-from streams.windows import HoppingWindow
+from sim.world import World
+from streams.step import StepOutput
 
 FAST_TICK_S = 0.05  # grid while a transition runs or requests wait (the worker ticks at 20 ms)
 SLOW_TICK_S = 0.5  # grid otherwise
@@ -52,13 +62,49 @@ WARMUP_S = 60.0  # starting plans load before t=0, so no system starts cold
 class Kind(IntEnum):
     """Event kinds; the value orders events at the same instant."""
 
-    TIMELINE = 0
+    FLEET = 0
     ARRIVAL = 1
     TICK = 2
     REPORT = 3
-    OBSERVE = 4
-    DECIDE = 5
-    SAMPLE = 6
+    DECIDE = 4
+    SAMPLE = 5
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionLog:
+    """One decision step's outcome (every step, switches or not)."""
+
+    t_s: float
+    deployment: str
+    trigger: str
+    reason: str
+    seq: int | None  # the decision's sequence number when it switched (= transition seq)
+    forced: bool
+    from_plan_id: str | None
+    to_plan_id: str | None
+    to_gpus: int
+    est_shift_s: float  # gearbox's modelled shift duration
+    est_kv_bytes: int  # gearbox's modelled KV migration
+    explanation: str
+
+
+def decision_log(out: StepOutput, t_s: float) -> DecisionLog:
+    """The benchmark's record of one step of the product's decision loop."""
+    d = out.result.decision
+    return DecisionLog(
+        t_s=t_s,
+        deployment=out.decision.deployment,
+        trigger=str(out.result.trigger),
+        reason=str(out.result.reason),
+        seq=out.decision.seq if d is not None else None,
+        forced=d.forced if d is not None else False,
+        from_plan_id=d.from_plan_id if d is not None else None,
+        to_plan_id=d.to_plan_id if d is not None else None,
+        to_gpus=d.to_plan.num_gpus if d is not None else 0,
+        est_shift_s=d.switch_cost.duration_s if d is not None else 0.0,
+        est_kv_bytes=d.switch_cost.kv_migrate_bytes if d is not None else 0,
+        explanation=out.result.explanation,
+    )
 
 
 @dataclass
@@ -85,6 +131,7 @@ class RunResult:
     timeline: list[tuple[float, str]]
     unfinished: dict[str, int]
     observed_s: list[tuple[float, float]]  # (event time, time the streams saw it)
+    violations: list[str]  # broken runtime invariants at the end (ownership, simulated OOMs)
 
 
 class Simulation:
@@ -103,36 +150,32 @@ class Simulation:
         self.system = system
         self.scenario = scenario
         self.duration_s = duration_s
-        self.cfg = config or FlexPipeConfig()
-        self.cluster = SimCluster(scenario, seed)
-        self.view = ClusterView(scenario, self.cluster)
+        base = with_scenario(config or FlexPipeConfig(), scenario)
+        # NOTE: model_copy does not re-validate, so the "no hysteresis" ablation's config (which
+        # the validated section refuses on purpose) reaches the stream as it is.
+        self.cfg = base.model_copy(update={"gearbox": system.config})
+        names = sorted(d.name for d in scenario.deployments)
+        self.metrics = {name: DeploymentMetrics() for name in names}
+        self.engines: dict[str, list[Engine]] = {name: [] for name in names}
+        routers: dict[str, Router] | None = None
+        if system.variant.round_robin:
+            routers = {n: RoundRobinRouter(self.cfg.runtime.canary_share) for n in names}
         self.pool = VersionedPool()
-        self.inventory = GpuInventory()
-        self.vmm = ReservationManager(host_backend_factory)
-        self.specs = {d.name: d for d in scenario.deployments}
-        self.models: dict[str, ModelSpec] = {n: model_of(d) for n, d in self.specs.items()}
-        self.metrics = {name: DeploymentMetrics() for name in sorted(self.specs)}
-        settings = self._settings()
-        self.runtimes = {
-            name: BenchRuntime(
-                name,
-                settings=settings,
-                pool=self.pool,
-                vmm=self.vmm,
-                inventory=self.inventory,
-                variant=system.variant,
-                observer=self.metrics[name],
-            )
-            for name in sorted(self.specs)
-        }
-        window = HoppingWindow(self.cfg.streams.load_window_s, self.cfg.streams.load_step_s)
-        self.trackers = {
-            n: LoadTracker(self.specs[n], self.models[n], window) for n in self.runtimes
-        }
-        self.loop = GearLoop(self.runtimes, self.models, self.view, system.config, self.trackers)
+        self.host = RuntimeHost(
+            names,
+            self._settings(),
+            vmm=ReservationManager(host_backend_factory),
+            pool=self.pool,
+            models=self.cfg.catalog.model_specs(),
+            engine_factories={n: self._engine_factory(n) for n in names},
+            routers=routers,
+        )
+        self.world = World(self.cfg, scenario, seed, self.host)
+        self.runtimes = self.host.runtimes
         self.trace = trace
         self.kinds = {r.request_id: r.kind for reqs in trace.values() for r in reqs}
         self.utilisation = Utilisation()
+        self.decisions: list[DecisionLog] = []
         self.transitions: dict[tuple[str, int], TransitionLog] = {}
         self.observed: list[tuple[float, float]] = []
         self._heap: list[tuple[float, int, int, str]] = []
@@ -140,18 +183,36 @@ class Simulation:
         self._cursor = dict.fromkeys(self.runtimes, 0)
         self._work_seen: dict[int, tuple[float, float]] = {}
         self._pending_topology: float | None = None
+        self._gpu_class = {g.uuid: g.gpu_class for g in scenario.gpus}
+        self._peak = {c.name: c.peak_bf16_tflops * 1e12 for c in scenario.gpu_classes}
 
     def _settings(self) -> RuntimeSettings:
-        # NOTE: the runtime keeps the default cost model for every system; only the gear loop's
-        # decision knobs differ between systems (see bench.sim.systems).
+        # NOTE: the runtime keeps the default cost model for every system; only the decision
+        # knobs (cfg.gearbox) and the variant's seams differ between systems.
         base = runtime_settings(self.cfg.runtime)
+        kv_policy = KvPolicy.REPLAY_ONLY if self.system.variant.replay_only else KvPolicy.AUTO
         return RuntimeSettings(
             policy=base.policy,
-            executor=base.executor,
+            executor=dataclasses.replace(base.executor, kv_policy=kv_policy),
             serving=base.serving,
             canary_share=base.canary_share,
-            gearbox=DEFAULT_CONFIG,
         )
+
+    def _engine_factory(self, name: str) -> EngineFactory:
+        made = self.engines[name]
+        observer = self.metrics[name]
+        sim = self.system.variant.engine == "sim"
+
+        def make(timing: ReplicaTiming, pool: SimGpuPool, max_batch: int | None) -> Engine:
+            engine: Engine
+            if sim:
+                engine = SimEngine(timing, pool, max_batch=max_batch)
+            else:
+                engine = EventSimEngine(timing, pool, max_batch=max_batch, observer=observer)
+            made.append(engine)
+            return engine
+
+        return make
 
     # ---- event queue ---------------------------------------------------------------------------
 
@@ -170,20 +231,23 @@ class Simulation:
         return self._result()
 
     def _start(self) -> None:
-        start_s = -WARMUP_S
-        self._apply_timeline(start_s)
-        self.view.observe()
-        block_of = self.view.block_ids(DEFAULT_CONFIG)
-        deployments = [self.specs[n] for n in self.runtimes]
+        world = self.world
+        world.observe(0.0)  # the agents' first round: what the starting plans are built on
+        plans = world.starting_plans()
         if self.system.static_layout:
-            plans = static_layout(self.view, deployments, block_of, DEFAULT_CONFIG)
-        else:
-            plans = {d.name: starting_plan(self.view, d, block_of) for d in deployments}
+            topology, blocks = world.topology()
+            deployments = world.deployments
+            plans = static_layout(
+                self.scenario, deployments, plans, topology, blocks, self.cfg.gearbox
+            )
+        start_s = -WARMUP_S
+        world.start(plans, start_s)
         for name in self.runtimes:
-            self.loop.place(name, plans[name], start_s)
             self._pump(name, start_s)
-        for t_s in sorted({ev.t_s for ev in self.scenario.timeline}):
-            self._push(t_s, Kind.TIMELINE)
+        instants = world.fleet_instants(self.duration_s)
+        next(instants)  # t=0 was observed above
+        for t_s in instants:
+            self._push(t_s, Kind.FLEET)
         for name in self.runtimes:
             self._next_arrival(name)
         self._push(start_s, Kind.TICK)
@@ -197,16 +261,13 @@ class Simulation:
             self._arrival(t_s, key)
         elif kind is Kind.TICK:
             self._tick(t_s)
-        elif kind is Kind.TIMELINE:
-            self._apply_timeline(t_s)
+        elif kind is Kind.FLEET:
+            self._observe(t_s)
         elif kind is Kind.REPORT:
-            for name, tracker in self.trackers.items():
-                tracker.report(self.runtimes[name], t_s)
+            self.world.report(t_s)
             self._push(t_s + self.cfg.runtime.serving_publish_s, Kind.REPORT)
-        elif kind is Kind.OBSERVE:
-            self._observe(t_s, float(key))
         elif kind is Kind.DECIDE:
-            self._decide(t_s, Trigger(key))
+            self._decision_step(t_s, Trigger(key))
         elif kind is Kind.SAMPLE:
             self._sample(t_s)
             self._push(t_s + SAMPLE_S, Kind.SAMPLE)
@@ -232,35 +293,29 @@ class Simulation:
     def _tick(self, t_s: float) -> None:
         busy = False
         for name, rt in self.runtimes.items():
-            rt.restart_failed(t_s)
             rt.tick(t_s)
             self._pump(name, t_s)
             busy = busy or rt.state.active is not None or rt.core.queue_len() > 0
         self._push(t_s + (FAST_TICK_S if busy else SLOW_TICK_S), Kind.TICK)
 
     def _pump(self, name: str, t_s: float) -> None:
-        """Deliver a runtime's outbox: completions to the metrics, records acknowledged."""
-        rt = self.runtimes[name]
+        """Deliver a runtime's outbox: completions to the metrics, records to the log."""
+        out = self.world.pump(name, t_s)
         metrics = self.metrics[name]
-        while True:
-            out = rt.drain()
-            for done in out.completions:
-                metrics.on_completion(done, self.kinds.get(done.request_id, RequestKind.CHAT))
-            if not out.records:
-                return
-            for record in out.records:
-                self._note_record(name, record.transition_seq, t_s, record)
-                rt.on_persisted(record, t_s)
+        for done in out.completions:
+            metrics.on_completion(done, self.kinds.get(done.request_id, RequestKind.CHAT))
+        for record in out.records:
+            self._note_record(name, t_s, record)
 
-    def _note_record(self, name: str, seq: int, t_s: float, record: GearTransition) -> None:
-        key = (name, seq)
+    def _note_record(self, name: str, t_s: float, record: GearTransition) -> None:
+        key = (name, record.transition_seq)
         log = self.transitions.get(key)
         imported = self._kv_imported(name)
         if log is None:
-            log = self.transitions[key] = TransitionLog(name, seq, kv_bytes_start=imported)
+            log = self.transitions[key] = TransitionLog(
+                name, record.transition_seq, kv_bytes_start=imported
+            )
         log.kv_bytes_end = imported
-        if record.phase is TransitionPhase.ROLLED_BACK and record.to_plan_id is not None:
-            self.loop.note_rollback(name, record.to_plan_id, t_s)
         log.records.append(
             (
                 t_s,
@@ -274,56 +329,49 @@ class Simulation:
 
     def _kv_imported(self, name: str) -> int:
         return sum(
-            e.stats.kv_imported_bytes
-            for e in self.runtimes[name].engines
-            if isinstance(e, EventSimEngine)
+            e.stats.kv_imported_bytes for e in self.engines[name] if isinstance(e, EventSimEngine)
         )
 
-    def _apply_timeline(self, t_s: float) -> None:
-        changed = False
-        for timed in self.cluster.advance_to(t_s):
-            apply_cluster_event(timed.event, self.inventory, self.pool)
-            changed = True
-        if changed and t_s >= 0:
-            # The agent reports at its next sample; the streams debounce topology events.
-            sample_s = self.cfg.intervals.sample_s
-            seen = (int(t_s // sample_s) + 1) * sample_s
-            self._push(seen, Kind.OBSERVE, repr(t_s))
-
-    def _observe(self, t_s: float, event_s: float) -> None:
-        self.view.observe()
-        self.observed.append((event_s, t_s))
+    def _observe(self, t_s: float) -> None:
+        if not self.world.observe(t_s):
+            return
+        self.observed.append((t_s, t_s))
+        # The runtime's inventory and pool already followed; processes on lost GPUs died.
+        for name in self.runtimes:
+            self._pump(name, t_s)
         if not self.system.adaptive or self._pending_topology is not None:
             return
         self._pending_topology = t_s
         debounce_s = self.cfg.streams.debounce_ms / 1000.0
         self._push(t_s + debounce_s, Kind.DECIDE, Trigger.TOPOLOGY_CHANGE.value)
 
-    def _decide(self, t_s: float, trigger: Trigger) -> None:
+    def _decision_step(self, t_s: float, trigger: Trigger) -> None:
+        changed_s = None
         if trigger is Trigger.TIMER:
             self._push(t_s + self.cfg.intervals.decision_s, Kind.DECIDE, Trigger.TIMER.value)
         else:
-            self._pending_topology = None
-        self.loop.tick(t_s, trigger)
+            changed_s, self._pending_topology = self._pending_topology, None
+        for out in self.world.decision_step(trigger, t_s, changed_s):
+            self.decisions.append(decision_log(out, t_s))
         for name in self.runtimes:
             self._pump(name, t_s)
 
     def _sample(self, t_s: float) -> None:
         held: dict[str, tuple[int, int, float]] = {}
         busy_gpu_s = flops = 0.0
-        for rt in self.runtimes.values():
-            for uuid in held_gpus_installed(rt):
+        for name, rt in self.runtimes.items():
+            for uuid in held_gpus_installed(rt.core):
                 if not self.pool.is_lost(uuid):
-                    peak = self.view.gpu_class_of[uuid].peak_bf16_tflops * 1e12
+                    peak = self._peak[self._gpu_class[uuid]]
                     held[uuid] = (self.pool.used_bytes(uuid), self.pool.total_bytes(uuid), peak)
-            for engine in rt.engines:
+            for engine in self.engines[name]:
                 if isinstance(engine, EventSimEngine):
                     seen_busy, seen_flops = self._work_seen.get(id(engine), (0.0, 0.0))
                     stats = engine.stats
                     self._work_seen[id(engine)] = (stats.busy_s, stats.model_flops)
                     busy_gpu_s += (stats.busy_s - seen_busy) * len(engine.timing.gpu_uuids)
                     flops += stats.model_flops - seen_flops
-        schedulable = len(self.cluster.schedulable_gpus())
+        schedulable = len(self.world.fleet.cluster.schedulable_gpus())
         self.utilisation.add(t_s, SAMPLE_S, held, (busy_gpu_s, flops), schedulable)
 
     # ---- result --------------------------------------------------------------------------------
@@ -332,22 +380,30 @@ class Simulation:
         preemptions = [ev.t_s for ev in self.scenario.timeline if isinstance(ev, Preempt)]
         timeline = [(ev.t_s, type(ev).__name__.lower()) for ev in self.scenario.timeline]
         unfinished = {n: len(rt.core.router.ownership()) for n, rt in self.runtimes.items()}
+        violations = [
+            f"{n}: {v}"
+            for n, rt in self.runtimes.items()
+            for v in rt.core.router.check_invariants()
+        ]
+        if self.pool.oom_events:
+            violations.append(f"simulated GPUs ran out of memory {self.pool.oom_events} times")
         return RunResult(
             system=self.system,
             metrics=self.metrics,
             utilisation=self.utilisation,
-            decisions=list(self.loop.log),
+            decisions=self.decisions,
             transitions=sorted(self.transitions.values(), key=lambda x: (x.deployment, x.seq)),
             preemptions=[t for t in preemptions if t < self.duration_s],
             timeline=[e for e in timeline if e[0] < self.duration_s],
             unfinished=unfinished,
             observed_s=self.observed,
+            violations=violations,
         )
 
 
-def held_gpus_installed(rt: BenchRuntime) -> set[str]:
+def held_gpus_installed(core: ServingCore) -> set[str]:
     """GPUs of the replicas installed in a runtime (serving, loading or draining)."""
-    return {u for rid in rt.core.replica_ids() for u in rt.core.plan_of(rid).gpu_uuids}
+    return {u for rid in core.replica_ids() for u in core.plan_of(rid).gpu_uuids}
 
 
-__all__ = ["RunResult", "Simulation"]
+__all__ = ["DecisionLog", "RunResult", "Simulation"]

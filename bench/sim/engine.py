@@ -21,7 +21,7 @@ iterations after the last event due are likewise left for the next call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,6 +51,28 @@ from runtime.timing import ReplicaTiming
 
 _EMPTY = StepOutput()
 _INF = float("inf")
+
+
+class VersionedPool(SimGpuPool):
+    """The simulated GPU pool with a counter of fault changes.
+
+    Engines check their GPUs on every call; with the counter they re-check only after a
+    preemption or restore instead of scanning their GPUs thousands of times a second.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = 0
+
+    def preempt(self, gpu_uuids: Iterable[str]) -> None:
+        """As :meth:`SimGpuPool.preempt`, counted."""
+        super().preempt(gpu_uuids)
+        self.version += 1
+
+    def restore(self, gpu_uuids: Iterable[str]) -> None:
+        """As :meth:`SimGpuPool.restore`, counted."""
+        super().restore(gpu_uuids)
+        self.version += 1
 
 
 class DecodeObserver(Protocol):

@@ -234,3 +234,19 @@ def targets_text(rows: Sequence[Mapping[str, Any]]) -> str:
         state = {True: "met", False: "MISSED", None: "n/a"}[row["met"]]
         out.append(f"  {state:6} {row['target']}: {row['value']} (target {row['bound']})")
     return "\n".join(out)
+
+
+def run_problems(systems: Mapping[str, Any], preemptions: Sequence[float]) -> list[str]:
+    """What makes a run untrustworthy (not a missed article figure): a broken runtime
+    invariant, a deployment that completed nothing, an adaptive system that never decided
+    after a preemption."""
+    problems = []
+    for key, system in systems.items():
+        problems += [f"{key}: {v}" for v in system.get("violations", [])]
+        for name, dep in system["deployments"].items():
+            if not dep["completions"]:
+                problems.append(f"{key}: {name} completed no request")
+        adaptive = key not in ("fixed", "static_rr")
+        if adaptive and preemptions and system["decision_delay_s"] is None:
+            problems.append(f"{key}: no decision after the preemption at {preemptions[0]:g} s")
+    return problems

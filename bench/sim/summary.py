@@ -28,8 +28,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench.sim.controller import DecisionLog
-from bench.sim.des import RunResult, TransitionLog
+from bench.sim.des import DecisionLog, RunResult, TransitionLog
 from bench.sim.metrics import DeploymentMetrics, Histogram, merge, quantile_ms, weight
 from sim.spec import Scenario
 
@@ -304,4 +303,5 @@ def system_summary(result: RunResult, scenario: Scenario, duration_s: float) -> 
         "decision_delay_s": decision_delay_s(result),
         "first_response": _first_response(shifts, result.preemptions, duration_s),
         "observed_delays_s": [rnd(seen - t, 3) for t, seen in result.observed_s],
+        "violations": result.violations,
     }

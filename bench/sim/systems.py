@@ -6,9 +6,9 @@ in what is listed here:
 
 * ``fixed`` — the article's baseline: each deployment keeps the scenario's starting plan (chat-70b
   TP8 on block A). Replicas that lose a GPU stop; they restart in place when the GPUs return.
-* ``static_rr`` — static replicas over all blocks (:func:`bench.sim.topology.static_layout`),
+* ``static_rr`` — static replicas over all blocks (:func:`bench.sim.baselines.static_layout`),
   requests routed round-robin; same restart rule.
-* ``flexpipe`` — the gear loop with the product defaults (hysteresis 1.4, cooldown 120 s).
+* ``flexpipe`` — the product's decision loop with its defaults (hysteresis 1.4, cooldown 120 s).
 * ``no_hysteresis`` — (d): switch whenever gain > cost, no cooldown (see :func:`permissive`).
 * ``replay_only`` — (e): hand-overs re-prefill, never migrate KV.
 * ``no_pd_split`` — (f): no prefill/decode-disaggregated candidates (``max_pd_prefill_blocks=0``).
@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from bench.sim.runtime import Variant
 from gearbox import DEFAULT_CONFIG, GearboxConfig
 
 
@@ -34,6 +33,15 @@ def permissive(config: GearboxConfig) -> GearboxConfig:
     made = dataclasses.replace(config, cooldown_s=0.0, reverse_cooldown_factor=1.0)
     object.__setattr__(made, "hysteresis", 1.0)
     return made
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """How a system's runtimes differ from the product defaults."""
+
+    engine: str = "event"  # "event" (EventSimEngine) or "sim" (the product's SimEngine)
+    round_robin: bool = False  # static-RR baseline (bench.sim.baselines.RoundRobinRouter)
+    replay_only: bool = False  # ablation (e): the executor's kv_policy REPLAY_ONLY
 
 
 DEFAULT_VARIANT = Variant()

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from bench.sim.engine import EventSimEngine
-from bench.sim.timing import MemoTiming
 from gearbox import DEFAULT_CONFIG, ModelSpec
 from gearbox.plans import ExecutionPlan, StageRole
 from gearbox.presets import LINK_CLASSES, MODEL_7B_MHA, MODEL_70B_GQA
@@ -106,7 +105,7 @@ def test_event_engine_matches_sim_engine(
     timing = make_timing(model, gpus, gpu_class)
     requests = make_requests(seed=11, rps=rps, count=400)
     reference = drive(SimEngine(timing, SimGpuPool()), requests, seed=5)
-    fast = drive(EventSimEngine(MemoTiming.wrap(timing), SimGpuPool()), requests, seed=5)
+    fast = drive(EventSimEngine(timing, SimGpuPool()), requests, seed=5)
     assert reference.first.keys() == fast.first.keys()
     assert reference.finished.keys() == fast.finished.keys()
     assert len(reference.finished) > 300
@@ -122,7 +121,7 @@ def test_event_engine_matches_sim_engine_on_a_split_replica() -> None:
     timing = make_split_timing(MODEL_70B_GQA)
     requests = make_requests(seed=13, rps=6.0, count=400)
     reference = drive(SimEngine(timing, SimGpuPool()), requests, seed=7)
-    fast = drive(EventSimEngine(MemoTiming.wrap(timing), SimGpuPool()), requests, seed=7)
+    fast = drive(EventSimEngine(timing, SimGpuPool()), requests, seed=7)
     assert reference.first.keys() == fast.first.keys()
     assert reference.finished.keys() == fast.finished.keys()
     assert len(reference.finished) > 300
@@ -139,9 +138,7 @@ def test_split_replica_decodes_while_it_prefills(engine_cls: type[SimEngine]) ->
     """Prefill and decode stages are different GPUs: decode steps never wait for prefills, and
     prefill batches run back to back on their own stage (finding 2 of the bench report)."""
     timing = make_split_timing(MODEL_70B_GQA)
-    engine = engine_cls(
-        MemoTiming.wrap(timing) if engine_cls is EventSimEngine else timing, SimGpuPool()
-    )
+    engine = engine_cls(timing, SimGpuPool())
     for index in range(len(timing.plan.stages)):
         engine.load_shard(index, 0.0)
     engine.build_comm_groups(0.0)
@@ -162,15 +159,3 @@ def test_split_replica_decodes_while_it_prefills(engine_cls: type[SimEngine]) ->
     assert len(firsts) == 64 and len(ends) == 16
     for a, b in itertools.pairwise(ends):
         assert batch_s - 1e-9 <= b - a <= batch_s + longest_step + 1e-9
-
-
-def test_memo_timing_gives_the_same_figures() -> None:
-    timing = make_timing(MODEL_7B_MHA, 1, "a100-80g")
-    memo = MemoTiming.wrap(timing)
-    for tokens in (1, 63, 64, 65, 900, 8191):
-        assert memo.prefill_s(tokens) == timing.prefill_s(tokens)
-        assert memo.prefill_s(tokens) == timing.prefill_s(tokens)  # from the memo
-    for batch, context in ((1, 10.0), (17, 700.5), (256, 4000.0)):
-        assert memo.decode_cycle_s(batch, context) == timing.decode_cycle_s(batch, context)
-    assert memo.decode_cycle_s(0, 10.0) == 0.0
-    assert memo.replica_id == timing.replica_id

@@ -1,29 +1,32 @@
 """Unit: the fragmented-cluster simulator's parts — trace, layouts, ablation config, metrics —
-and one short run per baseline/FlexPipe through a preemption."""
+and one short run per baseline/FlexPipe through a preemption, on the product's own loop."""
 
 from __future__ import annotations
 
-import itertools
 from functools import cache
 from pathlib import Path
 
 import pytest
 
+from bench.sim.baselines import RoundRobinRouter, static_layout
 from bench.sim.des import RunResult, Simulation
 from bench.sim.metrics import bucket_of, bucket_value_ms, quantile_ms
-from bench.sim.runtime import RoundRobinRouter
 from bench.sim.summary import event_response, flap_counts, system_summary
 from bench.sim.systems import SYSTEMS, permissive
-from bench.sim.topology import ClusterView, starting_plan, static_layout
-from bench.sim.workload import scenario_trace
+from flexpipe.config import FlexPipeConfig
 from gearbox import DEFAULT_CONFIG, MODEL_7B_MHA
+from runtime.deployment import RuntimeSettings
+from runtime.host import RuntimeHost
 from runtime.router import ReplicaRole
 from runtime.timing import ReplicaTiming
 from runtime.types import Request
-from sim.cluster import SimCluster
+from sim.catalog import with_scenario
+from sim.loadgen import scenario_trace
 from sim.scenario import SEED_FRAGMENTED, load_scenario
 from sim.spec import Scenario
+from sim.world import World
 from tests.runtime.builders import make_replica
+from tests.runtime.test_purity import _imports
 
 pytestmark = pytest.mark.unit
 
@@ -48,18 +51,6 @@ def run(key: str) -> RunResult:
     return simulate(key)[1]
 
 
-def test_trace_is_seeded_and_follows_the_rates() -> None:
-    scenario = load_scenario(SEED_FRAGMENTED)
-    a = scenario_trace(scenario, 3600.0, seed=4)
-    assert a == scenario_trace(scenario, 3600.0, seed=4)
-    assert a != scenario_trace(scenario, 3600.0, seed=5)
-    # morning-ramp: chat × 0.6, summarisation × 0.4, tide ≈ 1.0–1.1 over the first hour
-    big = a["chat-70b"]
-    expected = 3600.0 * (2.5 * 0.6 + 0.3 * 0.4) * 1.05
-    assert abs(len(big) - expected) < 0.1 * expected
-    assert all(x.arrival_s <= y.arrival_s for x, y in itertools.pairwise(big))
-
-
 def test_permissive_config_only_drops_hysteresis_and_cooldown() -> None:
     config = permissive(DEFAULT_CONFIG)
     assert (config.hysteresis, config.cooldown_s) == (1.0, 0.0)
@@ -69,14 +60,18 @@ def test_permissive_config_only_drops_hysteresis_and_cooldown() -> None:
 
 def test_static_layout_covers_every_free_gpu_once() -> None:
     scenario = load_scenario(SEED_FRAGMENTED)
-    view = ClusterView(scenario, SimCluster(scenario, 7))
-    block_of = view.block_ids(DEFAULT_CONFIG)
-    plans = static_layout(view, scenario.deployments, block_of, DEFAULT_CONFIG)
+    names = [d.name for d in scenario.deployments]
+    cfg = with_scenario(FlexPipeConfig(), scenario)
+    world = World(cfg, scenario, 7, RuntimeHost(names, RuntimeSettings()))
+    world.observe(0.0)
+    start = world.starting_plans()
+    topology, blocks = world.topology()
+    plans = static_layout(scenario, world.deployments, start, topology, blocks, DEFAULT_CONFIG)
     used = [u for plan in plans.values() for u in plan.gpu_uuids]
-    assert len(used) == len(set(used)) == len(view.cluster.schedulable_gpus()) == 26
-    for dep in scenario.deployments:
-        start = starting_plan(view, dep, block_of)
-        assert set(start.replicas) <= set(plans[dep.name].replicas)
+    live = [g for g in topology.gpus if topology.gpu_is_live(g)]
+    assert len(used) == len(set(used)) == len(live) == 26
+    for name, plan in start.items():
+        assert set(plan.replicas) <= set(plans[name].replicas)
     assert min(len(r.gpu_uuids) for r in plans["chat-70b"].replicas) >= 2  # 70B needs TP >= 2
 
 
@@ -158,3 +153,14 @@ def test_runs_keep_the_ownership_invariant() -> None:
         for rt in sim.runtimes.values():
             assert rt.core.router.check_invariants() == []
         assert sum(m.completions.total() for m in result.metrics.values()) > 1000
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["sim.world", "bench.sim.des", "bench.sim.baselines", "bench.sim.engine", "streams.replay"],
+)
+def test_the_benchmark_loop_reads_no_clock(module: str) -> None:
+    """Event time stays simulated: the loop's own modules import no clock and no randomness
+    (the fleet and the trace take seeds; the runtime cores are checked in tests/runtime)."""
+    reached = {m.split(".")[0] for m in _imports(module)}
+    assert not reached & {"time", "datetime", "asyncio", "random", "threading"}

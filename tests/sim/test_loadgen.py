@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from aiohttp.test_utils import TestServer
 
 from runtime.http import build_app
 from runtime.types import Reason, RequestKind
-from sim.loadgen import ClassRate, MixRates, generate, rates_from_workload, run_http
+from sim.loadgen import (
+    MAX_OVER_MEAN,
+    MIN_TOKENS,
+    ClassRate,
+    MixRates,
+    generate,
+    rates_from_workload,
+    run_http,
+    scenario_trace,
+)
 from sim.scenario import SEED_FRAGMENTED, load_scenario
 from tests.runtime.test_http import FakeWorker
 
@@ -63,3 +74,33 @@ async def test_replays_requests_over_http() -> None:
     finally:
         await server.close()
     assert {r.request_id for r in worker.requests} == {r.request_id for r in requests}
+
+
+@pytest.mark.unit
+def test_lengths_are_heavy_tailed_and_clipped_around_the_mean() -> None:
+    requests = list(generate(RATES, seed=6, duration_s=2000))
+    summ = sorted(r.prompt_tokens for r in requests if r.kind is RequestKind.SUMMARISATION)
+    assert summ[0] >= MIN_TOKENS and summ[-1] <= MAX_OVER_MEAN * 6000
+    median = summ[len(summ) // 2]
+    assert median < 6000 < summ[int(len(summ) * 0.95)]  # right-skewed: a long tail above
+
+
+@pytest.mark.unit
+def test_each_deployment_draws_from_its_own_streams() -> None:
+    a = [r.arrival_s for r in generate(RATES, seed=3, duration_s=60, prefix="a")]
+    b = [r.arrival_s for r in generate(RATES, seed=3, duration_s=60, prefix="b")]
+    assert a != b
+
+
+@pytest.mark.unit
+def test_the_scenario_trace_follows_each_deployments_rates() -> None:
+    scenario = load_scenario(SEED_FRAGMENTED)
+    trace = scenario_trace(scenario, 3600.0, seed=4)
+    assert trace == scenario_trace(scenario, 3600.0, seed=4)
+    assert trace != scenario_trace(scenario, 3600.0, seed=5)
+    # morning-ramp: chat × 0.6, summarisation × 0.4, tide ≈ 1.0–1.1 over the first hour
+    big = trace["chat-70b"]
+    expected = 3600.0 * (2.5 * 0.6 + 0.3 * 0.4) * 1.05
+    assert abs(len(big) - expected) < 0.1 * expected
+    assert all(x.arrival_s <= y.arrival_s for x, y in itertools.pairwise(big))
+    assert big[0].request_id.startswith("chat-70b/")

@@ -18,12 +18,12 @@ import pytest
 
 from flexpipe import envelope
 from flexpipe.envelope import Envelope
-from gearbox.decisions import DecisionReason
+from gearbox.decisions import DecisionReason, Trigger
 from sim.catalog import with_scenario
 from sim.scenario import SEED_FRAGMENTED, load_scenario
 from streams.deployments import resolve_deployments
 from streams.replay import Replayer, compare, run_free
-from streams.step import LoggedDecision, StepOutput
+from streams.step import LoggedDecision, StepOutput, TriggerInfo, tick_due_ms
 from tests.streams.builders import streams_config
 from tests.streams.golden.record import DECISIONS, TRACE
 
@@ -72,3 +72,19 @@ def test_replay_reaches_recorded_decisions_and_names_a_difference() -> None:
     assert report.matched == len(outs) - 1
     (mismatch,) = report.mismatches
     assert mismatch.decision_id == first.decision_id and mismatch.same_inputs
+
+
+def test_decide_all_is_each_deployments_step_in_the_configured_order() -> None:
+    one, each = Replayer(CFG, CATALOG, DEPLOYMENTS), Replayer(CFG, CATALOG, DEPLOYMENTS)
+    for env in trace():
+        one.fold(env)
+        each.fold(env)
+    now_ms = one.clock_ms + 1
+    trigger = TriggerInfo(Trigger.TIMER, tick_due_ms(now_ms, CFG.intervals.decision_s), "tick")
+    together = one.decide_all(trigger, now_ms)
+    apart = [each.decide(d.name, trigger, now_ms) for d in DEPLOYMENTS]
+    assert [o.decision.deployment for o in together] == [d.name for d in DEPLOYMENTS]
+    assert [(summary(o), o.digest) for o in together] == [
+        (summary(o), o.digest) for o in apart if o is not None
+    ]
+    assert one.decide_all(trigger, now_ms) == []  # the same trigger is never decided twice
