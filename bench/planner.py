@@ -111,7 +111,7 @@ def run(repeats: int) -> list[dict[str, float | int]]:
 
         blocks = build_blocks(snapshot, config)
         ranked = rank_candidates(snapshot, blocks, MODEL_70B_GQA, load, config, deployment="b")
-        prompt, output = request_profile(load)
+        prompt, output = request_profile(load, config)
         free = available_memory(snapshot, frozenset())
         options = enumerate_options(blocks, snapshot, MODEL_70B_GQA, prompt, output, free, config)
         cold = _time_ms(plan, repeats, cold=True)

@@ -88,6 +88,11 @@ class GearboxConfig(Serialisable):
     tbt_slo_ms: float = 150.0
     slo_weight: float = 0.5  # share of served tokens lost at zero SLO attainment
     backlog_drain_s: float = 60.0  # queued requests count as demand spread over this time
+    # NOTE: replica capacities are memoised per (prompt, output) profile; a window mean that
+    # drifts by a token every tick would re-enumerate every plan from scratch (most of a
+    # decision's time). Means are costed in steps of this many tokens (about 1 % of typical
+    # profiles); what the decision reports (load, digest) keeps the observed means. 1 = whole.
+    profile_step_tokens: int = 16
     idle_gpu_value_tok_s: float = 50.0  # value of a GPU handed back, so low load scales down
     max_latency_ms: float = 3_600_000.0  # saturated estimates are capped here
     # --- switch cost (see gearbox.switch for sources) ---
@@ -121,6 +126,7 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "failed_target_quarantine_s": (0.0, 86_400.0),
     "gain_horizon_s": (1.0, 86_400.0),
     "top_k_candidates": (1, 50),
+    "profile_step_tokens": (1, 4096),
     "downshift_guard": (0, 1),
     "downshift_slo_margin": (0.01, 1.0),
     "history_window_s": (60.0, 7 * 86_400.0),

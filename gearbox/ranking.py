@@ -69,7 +69,7 @@ def plan_problems(
 ) -> tuple[str, ...]:
     """Why ``plan`` cannot run on this snapshot (empty when it can), sorted."""
     block_of = _block_of(blocks)
-    prompt, output = request_profile(load)
+    prompt, output = request_profile(load, config)
     problems: set[str] = set()
     for replica in plan.replicas:
         for stage in replica.stages:
@@ -95,7 +95,7 @@ def current_units(
 ) -> tuple[Unit, ...]:
     """The current replicas that still run: live GPUs, TP inside one block, memory fits."""
     block_of = _block_of(blocks)
-    prompt, output = request_profile(load)
+    prompt, output = request_profile(load, config)
     units = []
     for replica in plan.replicas:
         stage_blocks = [{block_of.get(u) for u in s.gpu_uuids} for s in replica.stages]
@@ -174,7 +174,7 @@ def rank_candidates(
     factors = stability or {}
     own = current.gpu_uuids if current is not None else frozenset()
     available = available_memory(snapshot, own)
-    prompt, output = request_profile(load)
+    prompt, output = request_profile(load, config)
     held = held_gpus(current, blocks)
     fresh = {u: b for u, b in available.items() if u not in held}
     options = enumerate_options(blocks, snapshot, model, prompt, output, fresh, config)

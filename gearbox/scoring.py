@@ -53,9 +53,13 @@ class DeploymentEstimate(Serialisable):
     utility_tok_s: float  # see module docstring
 
 
-def request_profile(load: LoadSnapshot) -> tuple[int, int]:
-    """(prompt, output) tokens per request, rounded so equal loads share memo entries."""
-    return max(1, round(load.mean_prompt_tokens)), max(1, round(load.mean_output_tokens))
+def request_profile(load: LoadSnapshot, config: GearboxConfig) -> tuple[int, int]:
+    """(prompt, output) tokens per request, rounded to ``config.profile_step_tokens`` (at least
+    one step) so near-equal loads share memo entries."""
+    step = config.profile_step_tokens
+    prompt = max(step, round(load.mean_prompt_tokens / step) * step)
+    output = max(step, round(load.mean_output_tokens / step) * step)
+    return prompt, output
 
 
 def demand_rps(load: LoadSnapshot, config: GearboxConfig) -> float:
@@ -71,7 +75,7 @@ def estimate_deployment(
     config: GearboxConfig,
 ) -> DeploymentEstimate:
     """Estimate a deployment made of replicas with the given shapes."""
-    prompt, output = request_profile(load)
+    prompt, output = request_profile(load, config)
     capacities = [replica_capacity(s, model, prompt, output, config) for s in shapes]
     if not shapes or not all(c.feasible for c in capacities):
         worst = config.max_latency_ms
@@ -115,7 +119,7 @@ def observed_pressure(
             f"observed TBT p95 {load.tbt_p95_ms:,.1f} ms > SLO {config.tbt_slo_ms:,.1f} ms"
         )
     if load.queue_len > 0:
-        prompt, output = request_profile(load)
+        prompt, output = request_profile(load, config)
         tokens = load.queue_len * (prompt + output)
         drain_ms = tokens / capacity_tok_s * 1000 if capacity_tok_s > 0 else float("inf")
         if drain_ms > config.ttft_slo_ms:

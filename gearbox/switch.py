@@ -238,7 +238,7 @@ def _affected(
     """
     if current is None or not removed:
         return _Affected(0.0, 0.0, 0.0)
-    prompt, output = request_profile(load)
+    prompt, output = request_profile(load, config)
     nominal = {
         u: available.get(u, s.gpu_class.memory_bytes)
         for r in current.replicas
@@ -315,7 +315,7 @@ def switch_cost(
         return SwitchCost.zero()
     if available is None:
         available = available_memory(snapshot, current.gpu_uuids if current else frozenset())
-    prompt, output = request_profile(load)
+    prompt, output = request_profile(load, config)
     affected = _affected(current, removed, model, load, config, available)
     freed = frozenset(u for r in removed for u in r.gpu_uuids)
     weights_bytes, load_s, blocking_s = _weights(added, freed, model, config)
