@@ -385,6 +385,38 @@ async def _decision_failed(
         await app.crash(FatalDecisionPath(f"{verdict.consecutive} decision runs failed in a row"))
 
 
+def _check_inputs(app: StreamsApp, engine: StreamProcessor, topics: frozenset[str]) -> None:
+    """Set ``engine.input_current``: no partition of ``topics`` this worker reads has records
+    left whose event time trails the clock (:meth:`StreamProcessor.trailing`).
+
+    NOTE: a partition counts as read to its end when the next offset to process reaches the
+    high watermark of the last fetch; before it processed anything, the next offset is the
+    committed one faust seeked to at assignment (none: behind whenever the partition holds
+    records).
+    """
+    consumer = app.consumer
+    committed: Mapping[Any, int | None] = getattr(consumer, "_committed_offset", {})
+    behind = []
+    for tp in consumer.assignment():
+        if tp.topic not in topics:
+            continue
+        highwater = consumer.highwater(tp)
+        after = engine.next_offset(tp.topic, tp.partition)
+        if after is None:
+            after = committed.get(tp)
+        if highwater is None or (highwater > 0 and (after is None or after < highwater)):
+            behind.append((tp.topic, tp.partition))
+    trailing = engine.trailing(behind)
+    current = not trailing
+    if current != engine.input_current:
+        if current:
+            log.info("input current again: deciding")
+        else:
+            shown = ", ".join(f"{t}[{p}]" for t, p in sorted(trailing)[:4])
+            log.info("input behind the clock (%s …): not deciding until caught up", shown)
+    engine.input_current = current
+
+
 def _milestone(verdict: FailureVerdict) -> bool:
     # 10, 100, 1000, ... repeats of one error, so a persistent failure stays visible in the log
     n = verdict.count
@@ -409,10 +441,13 @@ def _housekeeping(
     async def _gauges() -> None:
         engine.export_gauges()
 
+    view_inputs = frozenset(topic_name(cfg, t) for t in (Topic.GPU, Topic.CLUSTER))
+
     @app.timer(interval=CLOCK_POLL_S, name="streams.tick")
     async def _tick() -> None:
         if not app.writable.is_set():
             return
+        _check_inputs(app, engine, view_inputs)
         try:
             await engine.decider.tick()
         except Exception as exc:  # NOTE: a failed tick must not stop the next one

@@ -7,6 +7,13 @@ the deployment's last decision back from the decisions topic and rolls its table
 (:func:`streams.step.reconcile`). Tables are written only after the broker acknowledged the
 decision, and a revoked worker stops deciding before it gives its partitions up — so no decision
 id is ever published twice.
+
+No network wait holds the decider up for long: the decision log is read before the lock is
+taken, and a decision the broker does not acknowledge within ``PUBLISH_WAIT_S`` (an outage) is
+left to its producer while the lock is released — its deployment is not decided for until the
+send ends, and then the topic, read again, says whether it landed. A topology or operator trigger
+that cannot be decided now (worker not ready, log unreadable, a send unresolved) waits and is
+decided first once it can be.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+
+from aiokafka.errors import KafkaError
 
 from flexpipe import envelope
 from gearbox.config import DEFAULT_CONFIG, GearboxConfig
@@ -30,6 +39,7 @@ from streams.snapshot import build_topology
 from streams.step import (
     Cursor,
     DeploymentTables,
+    LoggedDecision,
     OverrideState,
     PlanState,
     StepOutput,
@@ -46,6 +56,9 @@ __all__ = ["Decider"]
 log = logging.getLogger(__name__)
 MAX_TRIGGER_TEXT = 300
 GEAR_STATE_EVERY_S = 30.0  # event time between block-history writes when nothing else moved
+PUBLISH_WAIT_S = 2.0  # wall seconds to wait for a decision's acknowledgement under the lock
+LOG_READ_S = 5.0  # wall seconds a read of the decisions topic may take before it is retried
+REVOKE_WAIT_S = 30.0  # wall seconds a revocation waits for unacknowledged decisions
 
 
 class Decider:
@@ -74,6 +87,9 @@ class Decider:
         self._by_name = {d.name: d for d in engine.deployments}
         self._gear_written: dict[str, tuple[int, object, float | None]] = {}
         self._gear_unwritten: set[str] = set()
+        self._unacked: dict[str, asyncio.Future[None]] = {}  # sends past PUBLISH_WAIT_S
+        self._deferred: dict[str, TriggerInfo] = {}  # triggers to decide first when possible
+        self._log_lock = asyncio.Lock()  # NOTE: one consumer reads the log: one read at a time
 
     @property
     def lock(self) -> asyncio.Lock:
@@ -87,6 +103,9 @@ class Decider:
         """Stop deciding and let decisions in flight reach the broker before partitions move."""
         self.accepting = False
         self._pending.clear()
+        self._deferred.clear()
+        if self._unacked:  # NOTE: the next owner must find them on the topic
+            await asyncio.wait(list(self._unacked.values()), timeout=REVOKE_WAIT_S)
         async with self._lock:
             for name in sorted(self._gear_unwritten):
                 gear = self.engine.load(TableName.GEAR_STATE, name, GearState)
@@ -150,12 +169,16 @@ class Decider:
         now_ms = self.engine.now_ms()
         if now_ms < 0:
             return
+        if self._deferred and self.engine.ready():
+            deferred, self._deferred = self._deferred, {}
+            await self.evaluate_many(deferred, self.engine.wall())
         due = tick_due_ms(now_ms, self.engine.cfg.intervals.decision_s)
         todo = {}
         for dep in self.engine.deployments:
             cursor = self.engine.load(TableName.CURSORS, dep.name, Cursor) or Cursor()
-            # NOTE: a topology change waiting out its debounce decides first (and explains why).
-            if dep.name in self._pending:
+            # NOTE: a topology change waiting out its debounce (or deferred) decides first, and
+            # explains why.
+            if dep.name in self._pending or dep.name in self._deferred:
                 continue
             if cursor.admits(Trigger.TIMER, due) and self.owns(dep.name):
                 todo[dep.name] = TriggerInfo(Trigger.TIMER, due, "periodic tick")
@@ -176,16 +199,53 @@ class Decider:
                 metrics.skipped.labels("not_owner").inc()
             elif not self.engine.ready():
                 metrics.skipped.labels("not_ready").inc()
+                self._defer(name, trigger)
+            elif name in self._unacked:
+                metrics.skipped.labels("publish_pending").inc()
+                self._defer(name, trigger)
             else:
                 wanted[name] = trigger
         return wanted
+
+    def _defer(self, name: str, trigger: TriggerInfo) -> None:
+        """Keep a topology or operator trigger for later (a timer comes again by itself)."""
+        if trigger.kind is Trigger.TIMER:
+            return
+        earlier = self._deferred.get(name)
+        self._deferred[name] = trigger if earlier is None else _merge([earlier, trigger])
+
+    async def _read_logs(
+        self, triggers: Mapping[str, TriggerInfo]
+    ) -> dict[str, tuple[int, LoggedDecision | None]]:
+        """The last logged decision of each deployment not yet verified since the assignment,
+        read outside the decider's lock and bounded by ``LOG_READ_S``; a deployment whose read
+        failed is left out (and its trigger deferred)."""
+        out: dict[str, tuple[int, LoggedDecision | None]] = {}
+        for name, trigger in triggers.items():
+            generation = self.generation
+            if self._verified.get(name) == generation:
+                continue
+            try:
+                async with self._log_lock:
+                    last = await asyncio.wait_for(self.decision_log.last(name), LOG_READ_S)
+            except (TimeoutError, KafkaError, OSError) as exc:
+                log.warning("%s: decisions topic not readable (%r); deciding later", name, exc)
+                self.engine.metrics.skipped.labels("log_unreadable").inc()
+                self._defer(name, trigger)
+                continue
+            out[name] = (generation, last)
+        return out
 
     async def evaluate_many(
         self, triggers: Mapping[str, TriggerInfo], received_wall_s: float
     ) -> None:
         """Decide for each (deployment, trigger); publish all, then store each acknowledged one."""
+        wanted = self._admissible(triggers)
+        if not wanted:
+            return
+        logged = await self._read_logs(wanted)
         async with self._lock:
-            wanted = self._admissible(triggers)
+            wanted = {n: t for n, t in wanted.items() if self._can_decide(n, logged.get(n))}
             if not wanted:
                 return
             e = self.engine
@@ -195,30 +255,70 @@ class Decider:
             e.flush()
             outs = []
             for name, trigger in wanted.items():
-                out = await self._decide(name, trigger)
+                out = self._decide(name, trigger, logged.get(name))
                 if out is None:
                     e.metrics.skipped.labels("already_decided").inc()
                 else:
                     outs.append((name, out, trigger))
-            if not self.accepting:
+            if not self.accepting or not outs:
                 return
-            results = await asyncio.gather(
-                *(self._send(name, out) for name, out, _ in outs), return_exceptions=True
-            )
-            for (name, out, trigger), result in zip(outs, results, strict=True):
-                if isinstance(result, BaseException):
-                    log.error("%s: decision %s not published: %r", name, out.decision.seq, result)
-                    continue
-                self._stored(name, out, trigger, received_wall_s)
+            sends = [asyncio.ensure_future(self._send(name, out)) for name, out, _ in outs]
+            await asyncio.wait(sends, timeout=PUBLISH_WAIT_S)
+            for (name, out, trigger), sent in zip(outs, sends, strict=True):
+                if not sent.done():
+                    self._park(name, out, sent)
+                elif sent.exception() is not None:
+                    self._verified.pop(name, None)  # NOTE: it may have landed all the same
+                    log.error(
+                        "%s: decision %s not published: %r",
+                        name,
+                        out.decision.seq,
+                        sent.exception(),
+                    )
+                else:
+                    self._stored(name, out, trigger, received_wall_s)
 
-    async def _state(self, name: str) -> tuple[Cursor, PlanState, GearState]:
+    def _can_decide(self, name: str, logged: tuple[int, LoggedDecision | None] | None) -> bool:
+        """After the lock was taken: still accepting, no send of its unresolved, and verified
+        since the assignment or its log read belongs to this assignment."""
+        if not self.accepting or name in self._unacked:
+            return False
+        return self._verified.get(name) == self.generation or (
+            logged is not None and logged[0] == self.generation
+        )
+
+    def _park(self, name: str, out: StepOutput, sent: asyncio.Future[None]) -> None:
+        """Leave an unacknowledged decision to its producer; when the send ends, the topic is
+        read again before the deployment is decided for (it rolls the tables forward if the
+        decision landed, and its id is not reused if it did)."""
+        log.warning(
+            "%s: decision %s not acknowledged within %.0f s; not deciding for it until it is",
+            name,
+            out.decision.decision_id,
+            PUBLISH_WAIT_S,
+        )
+        self._unacked[name] = sent
+
+        def ended(fut: asyncio.Future[None]) -> None:
+            self._unacked.pop(name, None)
+            self._verified.pop(name, None)
+            exc = None if fut.cancelled() else fut.exception()
+            if exc is None:
+                log.info("%s: decision %s acknowledged late", name, out.decision.decision_id)
+            else:
+                log.error("%s: decision %s not published: %r", name, out.decision.seq, exc)
+
+        sent.add_done_callback(ended)
+
+    def _state(
+        self, name: str, logged: tuple[int, LoggedDecision | None] | None
+    ) -> tuple[Cursor, PlanState, GearState]:
         e = self.engine
         cursor = e.load(TableName.CURSORS, name, Cursor) or Cursor()
         plan = e.load(TableName.PLANS, name, PlanState) or PlanState()
         gear = e.load(TableName.GEAR_STATE, name, GearState) or GearState()
-        if self._verified.get(name) != self.generation:
-            last = await self.decision_log.last(name)
-            fixed = reconcile(cursor, plan, gear, last)
+        if self._verified.get(name) != self.generation and logged is not None:
+            fixed = reconcile(cursor, plan, gear, logged[1])
             if fixed != (cursor, plan, gear):
                 log.info("%s: tables rolled forward to decision %s", name, fixed[0].seq)
                 cursor, plan, gear = fixed
@@ -237,9 +337,11 @@ class Decider:
             self._topology = (key, snap)
         return self._topology[1]
 
-    async def _decide(self, name: str, trigger: TriggerInfo) -> StepOutput | None:
+    def _decide(
+        self, name: str, trigger: TriggerInfo, logged: tuple[int, LoggedDecision | None] | None
+    ) -> StepOutput | None:
         e = self.engine
-        cursor, plan, gear = await self._state(name)
+        cursor, plan, gear = self._state(name, logged)
         if not cursor.admits(trigger.kind, trigger.time_ms):
             return None
         tables = DeploymentTables(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -97,6 +97,11 @@ class StreamProcessor:
         self.gpu_window = HoppingWindow(s.gpu_window_s, s.gpu_step_s)
         self.load_window = HoppingWindow(s.load_window_s, s.load_step_s)
         self.view_caught_up = False
+        # NOTE: set by the app from its consumer's positions (see :meth:`trailing`): deciding
+        # while a partition of the view's inputs trails the clock takes its GPUs for dead.
+        self.input_current = True
+        self._newest_ms: dict[tuple[str, int], int] = {}  # per input partition: newest event
+        self._next_offset: dict[tuple[str, int], int] = {}  # per input partition: next to process
         self._gpus: dict[str, GpuState] = {}
         self._published: dict[str, GpuState] = {}
         self._dirty_gpus: set[str] = set()
@@ -185,6 +190,9 @@ class StreamProcessor:
     async def _fold(self, src: SourceTopic, ok: Accepted, msg: Message, wall_s: float) -> None:
         env = ok.env
         self.clock = self.clock.observe(env.event_time_ms, wall_s)
+        where = (msg.topic, msg.partition)
+        self._newest_ms[where] = max(self._newest_ms.get(where, -1), env.event_time_ms)
+        self._next_offset[where] = msg.offset + 1
         if src is SourceTopic.GPU:
             self._fold_gpu(env)
         elif src is SourceTopic.LAUNCHES:
@@ -374,10 +382,30 @@ class StreamProcessor:
             self.metrics.table_keys.labels(table.value).set(sum(1 for _ in self.tables.keys(table)))
         self.metrics.ready.set(1 if self.ready() else 0)
 
+    def next_offset(self, topic: str, partition: int) -> int | None:
+        """The offset after the last message of an input partition this worker processed."""
+        return self._next_offset.get((topic, partition))
+
+    def trailing(self, behind: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Of the input partitions with records still to process, those whose newest processed
+        event trails the clock by more than one heartbeat interval (or that gave none yet).
+
+        NOTE: Faust reads partitions in chunks, not in event-time order: after a restart or a
+        broker outage one partition's backlog can be minutes ahead of another's, and the
+        clock follows the newest. Each partition is in event-time order by itself, so one that
+        is close to the clock (or read to its end) holds no older news.
+        """
+        now_ms = self.now_ms()
+        limit_ms = round(self.cfg.intervals.heartbeat_s * 1000)
+        return [tp for tp in behind if now_ms - self._newest_ms.get(tp, -1) > limit_ms]
+
     def ready(self) -> bool:
-        """Whether decisions may be made: the shared view caught up and holds GPUs, and this
-        worker saw ``warmup_s`` of event time (so the first snapshot is not half-built)."""
-        if not (self.view_caught_up and self.view.gpus and self.clock.started):
+        """Whether decisions may be made: the shared view caught up and holds GPUs, this
+        worker's inputs are current (:meth:`trailing`), and it saw ``warmup_s`` of event time
+        (so the first snapshot is not half-built)."""
+        if not (self.view_caught_up and self.input_current and self.view.gpus):
+            return False
+        if not self.clock.started:
             return False
         warmup_ms = round(self.cfg.streams.warmup_s * 1000)
         return self.clock.watermark_ms - self.clock.first_ms >= warmup_ms
@@ -391,6 +419,8 @@ class StreamProcessor:
         self._dirty_loads.clear()
         self._load_written_ms.clear()
         self._cache.clear()
+        self._newest_ms.clear()
+        self._next_offset.clear()
 
 
 def _describe(ev: ClusterEvent) -> str:

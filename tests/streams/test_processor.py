@@ -14,6 +14,7 @@ from flexpipe import envelope
 from flexpipe.envelope import Envelope
 from flexpipe.schemas import ClusterEventType
 from gearbox.decisions import Trigger
+from streams import decider as decider_module
 from streams.deployments import resolve_deployments
 from streams.intake import SourceTopic
 from streams.ports import Message, TableName
@@ -219,3 +220,50 @@ async def test_heartbeat_sweep_marks_silent_gpus() -> None:
     )
     engine.flush()
     assert not engine.view.gpus[silent].timed_out
+
+
+async def test_an_unacknowledged_decision_frees_the_decider_and_its_id_is_not_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(decider_module, "PUBLISH_WAIT_S", 0.05)
+    engine, tables, broker, wall = await started()
+    broker_back = asyncio.Event()
+    record = engine.send
+
+    async def away(topic: str, key: bytes | None, value: bytes, *, wait: bool) -> None:
+        if wait:  # NOTE: the record lands once the broker is back, as a producer's retry does
+            await broker_back.wait()
+        await record(topic, key, value, wait=wait)
+
+    engine.send = away
+    await asyncio.wait_for(engine.decider.tick(), 1.0)  # bounded: the lock is free again
+    assert not engine.decider.lock.locked() and tables.writes[TableName.CURSORS] == 0
+    preempt = TriggerInfo(Trigger.TOPOLOGY_CHANGE, T0_MS + 2000, "preempt")
+    await engine.decider.evaluate("chat", preempt, wall[0])  # chat:1 unresolved: deferred
+    assert broker.decisions() == []
+    broker_back.set()
+    deadline = asyncio.get_running_loop().time() + 2.0
+    while not broker.decisions() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    await feed(engine, heartbeats(T0_MS + 2000, 700), wall)
+    await engine.decider.tick()  # the deferred topology change first, after reading the log
+    decisions = broker.decisions()
+    assert [(d.decision_id, d.trigger) for d in decisions] == [
+        ("chat:1", "timer"),
+        ("chat:2", "topology_change"),
+    ]
+
+
+async def test_a_trailing_input_partition_holds_decisions_until_it_is_current() -> None:
+    engine, _, broker, wall = await started()
+    gpu = SourceTopic.GPU.value
+    assert engine.trailing([(gpu, 0)]) == [], "its newest event is at the clock"
+    assert engine.trailing([(gpu, 1)]) == [(gpu, 1)], "nothing processed from it yet"
+    engine.input_current = False  # what the app sets from its consumer's positions
+    preempt = TriggerInfo(Trigger.TOPOLOGY_CHANGE, T0_MS + 2000, "preempt")
+    await engine.decider.evaluate("chat", preempt, wall[0])
+    await engine.decider.tick()
+    assert broker.decisions() == []
+    engine.input_current = True
+    await engine.decider.tick()
+    assert [d.trigger for d in broker.decisions()] == ["topology_change"]
