@@ -46,17 +46,17 @@ DEFAULT_SEED = 7
 RUN_ORDER = ("flexpipe", "no_hysteresis", "replay_only", "no_pd_split", "static_rr", "fixed")
 
 
-def run_system(job: tuple[str, str, int, float, str]) -> tuple[str, dict[str, Any], float]:
+def run_system(job: tuple[str, str, int, float]) -> tuple[str, dict[str, Any], float]:
     """One system end to end (in a worker process): its summary and the CPU seconds it took."""
     started = time.process_time()  # printed only, never part of the results
-    key, scenario_path, seed, duration_s, engine = job
+    key, scenario_path, seed, duration_s = job
     from bench.sim.des import Simulation
     from bench.sim.summary import system_summary
-    from bench.sim.systems import SYSTEMS, with_engine
+    from bench.sim.systems import SYSTEMS
     from sim.loadgen import scenario_trace
 
     scenario = load_scenario(scenario_path)
-    system = with_engine(next(s for s in SYSTEMS if s.key == key), engine)
+    system = next(s for s in SYSTEMS if s.key == key)
     trace = scenario_trace(scenario, duration_s, seed)
     result = Simulation(system, scenario, trace, seed=seed, duration_s=duration_s).run()
     summary = system_summary(result, scenario, duration_s)
@@ -64,11 +64,11 @@ def run_system(job: tuple[str, str, int, float, str]) -> tuple[str, dict[str, An
 
 
 def run_all(
-    scenario_path: Path, seed: int, duration_s: float, workers: int, engine: str
+    scenario_path: Path, seed: int, duration_s: float, workers: int
 ) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
     """Every system, in ``workers`` spawned processes with a fixed hash seed; also the CPU
     seconds each took."""
-    jobs = [(key, str(scenario_path), seed, duration_s, engine) for key in RUN_ORDER]
+    jobs = [(key, str(scenario_path), seed, duration_s) for key in RUN_ORDER]
     # NOTE: children start fresh interpreters with PYTHONHASHSEED=0, so even set iteration in
     # any code they run is the same in every run: results depend on the seed alone.
     previous = os.environ.get("PYTHONHASHSEED")
@@ -98,7 +98,7 @@ def model_deployments(scenario: Scenario) -> tuple[str, str | None]:
 
 
 def build_results(
-    scenario: Scenario, seed: int, duration_s: float, engine: str, systems: dict[str, Any]
+    scenario: Scenario, seed: int, duration_s: float, systems: dict[str, Any]
 ) -> dict[str, Any]:
     """The results file's content (deterministic: no wall-clock figures)."""
     big, small = model_deployments(scenario)
@@ -109,7 +109,6 @@ def build_results(
         "deployments": {"large_model": big, "small_model": small},
         "seed": seed,
         "duration_s": duration_s,
-        "engine": engine,
         "article": ARTICLE,
         "summary": head,
         "targets": targets(head),
@@ -138,12 +137,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--duration", type=float, default=None, help="simulated seconds")
     parser.add_argument("--workers", type=int, default=2, help="processes (results unchanged)")
-    parser.add_argument(
-        "--engine",
-        choices=("event", "sim"),
-        default="event",
-        help="event: event-stepped engine; sim: the product's SimEngine (token by token, slow)",
-    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     return parser.parse_args(argv)
 
@@ -154,11 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     scenario = load_scenario(args.scenario)
     duration_s = min(args.duration or scenario.duration_s, scenario.duration_s)
     started = time.perf_counter()  # wall clock: printed only, never written to the results
-    systems, cpu_s = run_all(
-        args.scenario, args.seed, duration_s, max(1, args.workers), args.engine
-    )
+    systems, cpu_s = run_all(args.scenario, args.seed, duration_s, max(1, args.workers))
     wall_s = time.perf_counter() - started
-    results = build_results(scenario, args.seed, duration_s, args.engine, systems)
+    results = build_results(scenario, args.seed, duration_s, systems)
     json_path, png_path = write_outputs(args.out, results_name(scenario, duration_s), results)
     print(f"scenario {scenario.name}, seed {args.seed}, {duration_s / 3600:.2f} simulated h")
     big, small = model_deployments(scenario)

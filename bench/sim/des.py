@@ -30,14 +30,12 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from bench.sim.baselines import RoundRobinRouter, static_layout
-from bench.sim.engine import EventSimEngine, VersionedPool
 from bench.sim.metrics import DeploymentMetrics, Utilisation
 from bench.sim.systems import SystemSpec
 from flexpipe.config import FlexPipeConfig
 from flexpipe.schemas import GearTransition
 from gearbox import Trigger
 from runtime.deployment import EngineFactory, RuntimeSettings
-from runtime.engine.base import Engine
 from runtime.engine.sim import SimEngine
 from runtime.engine.simgpu import SimGpuPool
 from runtime.executor import KvPolicy
@@ -156,11 +154,11 @@ class Simulation:
         self.cfg = base.model_copy(update={"gearbox": system.config})
         names = sorted(d.name for d in scenario.deployments)
         self.metrics = {name: DeploymentMetrics() for name in names}
-        self.engines: dict[str, list[Engine]] = {name: [] for name in names}
+        self.engines: dict[str, list[SimEngine]] = {name: [] for name in names}
         routers: dict[str, Router] | None = None
         if system.variant.round_robin:
             routers = {n: RoundRobinRouter(self.cfg.runtime.canary_share) for n in names}
-        self.pool = VersionedPool()
+        self.pool = SimGpuPool()
         self.host = RuntimeHost(
             names,
             self._settings(),
@@ -199,16 +197,10 @@ class Simulation:
         )
 
     def _engine_factory(self, name: str) -> EngineFactory:
-        made = self.engines[name]
-        observer = self.metrics[name]
-        sim = self.system.variant.engine == "sim"
+        made, observer = self.engines[name], self.metrics[name]
 
-        def make(timing: ReplicaTiming, pool: SimGpuPool, max_batch: int | None) -> Engine:
-            engine: Engine
-            if sim:
-                engine = SimEngine(timing, pool, max_batch=max_batch)
-            else:
-                engine = EventSimEngine(timing, pool, max_batch=max_batch, observer=observer)
+        def make(timing: ReplicaTiming, pool: SimGpuPool, max_batch: int | None) -> SimEngine:
+            engine = SimEngine(timing, pool, max_batch=max_batch, observer=observer)
             made.append(engine)
             return engine
 
@@ -328,9 +320,7 @@ class Simulation:
         )
 
     def _kv_imported(self, name: str) -> int:
-        return sum(
-            e.stats.kv_imported_bytes for e in self.engines[name] if isinstance(e, EventSimEngine)
-        )
+        return sum(e.stats.kv_imported_bytes for e in self.engines[name])
 
     def _observe(self, t_s: float) -> None:
         if not self.world.observe(t_s):
@@ -365,12 +355,11 @@ class Simulation:
                     peak = self._peak[self._gpu_class[uuid]]
                     held[uuid] = (self.pool.used_bytes(uuid), self.pool.total_bytes(uuid), peak)
             for engine in self.engines[name]:
-                if isinstance(engine, EventSimEngine):
-                    seen_busy, seen_flops = self._work_seen.get(id(engine), (0.0, 0.0))
-                    stats = engine.stats
-                    self._work_seen[id(engine)] = (stats.busy_s, stats.model_flops)
-                    busy_gpu_s += (stats.busy_s - seen_busy) * len(engine.timing.gpu_uuids)
-                    flops += stats.model_flops - seen_flops
+                seen_busy, seen_flops = self._work_seen.get(id(engine), (0.0, 0.0))
+                stats = engine.stats
+                self._work_seen[id(engine)] = (stats.busy_s, stats.model_flops)
+                busy_gpu_s += (stats.busy_s - seen_busy) * len(engine.timing.gpu_uuids)
+                flops += stats.model_flops - seen_flops
         schedulable = len(self.world.fleet.cluster.schedulable_gpus())
         self.utilisation.add(t_s, SAMPLE_S, held, (busy_gpu_s, flops), schedulable)
 

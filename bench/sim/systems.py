@@ -39,7 +39,6 @@ def permissive(config: GearboxConfig) -> GearboxConfig:
 class Variant:
     """How a system's runtimes differ from the product defaults."""
 
-    engine: str = "event"  # "event" (EventSimEngine) or "sim" (the product's SimEngine)
     round_robin: bool = False  # static-RR baseline (bench.sim.baselines.RoundRobinRouter)
     replay_only: bool = False  # ablation (e): the executor's kv_policy REPLAY_ONLY
 
@@ -91,8 +90,3 @@ SYSTEMS: tuple[SystemSpec, ...] = (
         config=dataclasses.replace(DEFAULT_CONFIG, max_pd_prefill_blocks=0),
     ),
 )
-
-
-def with_engine(spec: SystemSpec, engine: str) -> SystemSpec:
-    """The same system on another engine implementation ("event" or "sim")."""
-    return dataclasses.replace(spec, variant=dataclasses.replace(spec.variant, engine=engine))

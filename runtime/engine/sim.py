@@ -1,24 +1,35 @@
 """SimEngine: a SIMULATED inference engine for one replica, timed by gearbox's cost model.
 
-It serves requests without a GPU: each iteration prefills waiting prompts (up to a token budget)
-and advances every running sequence by one token, taking the time :class:`runtime.timing.
-ReplicaTiming` computes for that batch on the replica's hardware. A prefill/decode-split
-replica runs its two stages on different GPUs, concurrently: its prefill stage takes a batch of
-waiting prompts whenever it is idle (at a decode-step boundary), and each prompt joins the decode
-batch at the first step boundary after its prefill (KV hand-off included) completes — the first
-token comes out at that completion; decode iterations never wait for prefills.
+It serves requests without a GPU. An iteration prefills the waiting prompts that fit a token
+budget and advances every running sequence by one token, taking the time
+:class:`runtime.timing.ReplicaTiming` computes for that batch on the replica's hardware. A
+prefill/decode-split replica runs its two stages on different GPUs, concurrently: its prefill
+stage takes a batch of waiting prompts whenever it is idle (at a decode-step boundary), and each
+prompt joins the decode batch at the first step boundary after its prefill (KV hand-off
+included) completes — the first token comes out at that completion; decode iterations never
+wait for prefills.
 
-KV is allocated per token against each simulated GPU's memory (:class:`SimGpuPool`), so a
-runtime that over-admits sees out-of-memory events exactly where a real engine would. Faults
-injected into the pool (lost GPUs, failing loads or transfers) surface as :class:`EngineFault`
-values. Time is an input: ``step(now_s)`` runs the iterations that complete by ``now_s`` and
-nothing else.
+It is stepped by events, not tokens: between two events (a prompt to prefill, a sequence
+finishing, the context crossing a 64-token timing bucket, the caller's ``now_s``) every
+iteration decodes the same batch in the same time, so a run of them is advanced at once
+(:mod:`runtime.engine.batch`). Work per simulated second is proportional to requests, not
+tokens. ``step`` is lazy: with nothing mutated since the last call and no event possible before
+``now_s`` (a lower bound from the current step time, which only grows with context) it returns
+at once and catches up later. ``tests/runtime/test_sim_engine_oracle.py`` checks first-token
+and finish times against a token-by-token oracle.
+
+KV is allocated against each simulated GPU's memory (:class:`SimGpuPool`), so a runtime that
+over-admits sees out-of-memory events where a real engine would (a run's KV is allocated at
+once; when it does not fit, the largest sequence fails first). Faults injected into the pool
+(lost GPUs, failing loads or transfers) surface as :class:`EngineFault` values. Time is an
+input: ``step(now_s)`` runs the iterations that complete by ``now_s`` and nothing else.
+``stats`` (busy time, FLOPs, tokens, KV imported) and an optional decode observer serve
+utilisation and latency measurements.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from runtime.engine.base import (
     EngineFault,
@@ -32,21 +43,23 @@ from runtime.engine.base import (
     SeqState,
     StepOutput,
 )
+from runtime.engine.batch import (
+    EMPTY_STEP,
+    DecodeObserver,
+    EngineStats,
+    RunningBatch,
+    Segment,
+    SeqRecord,
+    StepAcc,
+    StepTable,
+    context_bucket,
+    decode_segments,
+)
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
 
 _GB = 1e9
-MAX_ITERATIONS_PER_STEP = 100_000  # a bound on work per call if the clock jumps far ahead
-
-
-@dataclass
-class _Seq:
-    spec: SeqSpec
-    state: SeqState
-    generated: int
-    kv_tokens: int = 0  # tokens whose KV is allocated
-    stage_after_prefill: bool = False  # a replay: hold after prefill until activated
-    ready_at_s: float = 0.0  # KV import completion; for waiting sequences, their admission
+_INF = float("inf")
 
 
 class SimEngine:
@@ -59,6 +72,7 @@ class SimEngine:
         *,
         max_batch: int | None = None,
         max_prefill_tokens: int = 8192,
+        observer: DecodeObserver | None = None,
     ) -> None:
         self.replica_id = timing.replica_id
         self.timing = timing
@@ -71,13 +85,27 @@ class SimEngine:
         self._comm_ready_at: float | None = None
         self._dead: EngineFault | None = None
         self._admitting = True
-        self._seqs: dict[str, _Seq] = {}
         self._clock_s: float | None = None
         self._kv_per_token = timing.kv_bytes_per_token_per_gpu
         self._kv_total_per_token = timing.model.kv_bytes_per_token
         self._split = timing.plan.is_disaggregated  # prefill and decode stages run concurrently
-        self._inflight: list[str] = []  # the split prefill stage's current batch
         self._inflight_done_s = 0.0
+        self.stats = EngineStats()
+        self._observer = observer
+        model = timing.model
+        self._flops_per_token = 2.0 * model.num_params
+        self._attention_flops = 2.0 * model.num_layers * model.attention_dim  # × n² or 2·ctx
+        self._records: dict[str, SeqRecord] = {}
+        self._waiting: dict[str, SeqRecord] = {}
+        self._batch = RunningBatch()
+        self._steps = StepTable(timing)
+        self._order = 0
+        self._last_now_s = 0.0
+        self._next_event_s = 0.0  # no observable output can happen before this
+        self._dirty = True
+        self._pending = StepAcc()  # output found while catching up outside ``step``
+        self._pool_version = -1  # pool fault state last checked
+        self._prefilling: list[SeqRecord] = []  # the split prefill stage's current batch
 
     # ---- weights and groups --------------------------------------------------------------------
 
@@ -138,20 +166,44 @@ class SimEngine:
 
     def _check_gpus(self) -> list[Failed]:
         """Die if a GPU was lost: every sequence fails and the engine's memory is freed."""
-        if self._dead is not None or not any(self._pool.is_lost(u) for u in self.timing.gpu_uuids):
+        if self._dead is not None:
             return []
+        # NOTE: engines ask on every call; the pool's fault counter spares scanning GPUs.
+        if self._pool.version == self._pool_version:
+            return []
+        self._pool_version = self._pool.version
+        is_lost = self._pool.is_lost
+        if not any(is_lost(u) for u in self.timing.gpu_uuids):
+            return []
+        self._sync()
         self._dead = EngineFault.GPU_LOST
-        failed = [Failed(s, EngineFault.GPU_LOST, q.generated) for s, q in self._seqs.items()]
-        self.drop(list(self._seqs))
+        generated = self._batch.generated
+        records = self._records
+        failed = [Failed(sid, EngineFault.GPU_LOST, generated(q)) for sid, q in records.items()]
+        self._drop(list(records))
         for index in list(self._shard_ready_at):
             self.unload_shard(index)
         return failed
+
+    # ---- sequence bookkeeping ------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        """Catch up to the last ``step`` before a read or a mutation.
+
+        By the laziness rule nothing observable is due; anything found anyway (float slack) is
+        kept for the next ``step`` rather than lost.
+        """
+        if not self._dirty and self._clock_s is not None and self._dead is None:
+            self._advance(self._last_now_s, self._pending, partial=True)
+
+    def _mutated(self) -> None:
+        self._dirty = True
 
     # ---- sequences -----------------------------------------------------------------------------
 
     def has_capacity(self) -> bool:
         """Room in the batch and admission open."""
-        return self._dead is None and self._admitting and len(self._seqs) < self._max_batch
+        return self._dead is None and self._admitting and len(self._records) < self._max_batch
 
     def admit(self, seq: SeqSpec, now_s: float, *, staged: bool = False) -> EngineFault | None:
         """Queue ``seq`` for prefill; ``staged`` replays wait for ``activate`` afterwards."""
@@ -159,22 +211,30 @@ class SimEngine:
             return self._dead
         if not self._admitting and not staged:
             return EngineFault.DRAINING
-        if len(self._seqs) >= self._max_batch:
+        if len(self._records) >= self._max_batch:
             return EngineFault.BATCH_FULL
-        self._seqs[seq.seq_id] = _Seq(seq, SeqState.WAITING, seq.generated_tokens, 0, staged, now_s)
+        self._sync()
+        self._order += 1
+        q = SeqRecord(seq, SeqState.WAITING, self._order, seq.generated_tokens, 0)
+        q.stage_after_prefill, q.ready_at_s = staged, now_s
+        self._records[seq.seq_id] = q
+        self._waiting[seq.seq_id] = q
+        self._mutated()
         return None
 
     def progress(self) -> tuple[SeqProgress, ...]:
         """Every held sequence."""
+        self._sync()
+        generated = self._batch.generated
         return tuple(
             SeqProgress(
                 sid,
                 q.state,
-                q.spec.prompt_tokens + q.generated,
-                q.generated,
+                q.spec.prompt_tokens + generated(q),
+                generated(q),
                 q.spec.max_output_tokens,
             )
-            for sid, q in self._seqs.items()
+            for sid, q in self._records.items()
         )
 
     def _alloc_kv(self, tokens: int) -> bool:
@@ -194,47 +254,61 @@ class SimEngine:
 
     def drop(self, seq_ids: Sequence[str]) -> None:
         """Forget sequences and free their KV; unknown ids are ignored."""
+        self._sync()
+        self._drop(seq_ids)
+
+    def _drop(self, seq_ids: Sequence[str]) -> None:
         for sid in seq_ids:
-            q = self._seqs.pop(sid, None)
-            if q is not None:
-                self._free_kv(q.kv_tokens)
-                if sid in self._inflight:
-                    self._inflight.remove(sid)
+            q = self._records.pop(sid, None)
+            if q is None:
+                continue
+            if q.state is SeqState.RUNNING:
+                self._batch.stop(q, SeqState.RUNNING)
+            self._waiting.pop(sid, None)
+            self._prefilling = [r for r in self._prefilling if r is not q]
+            self._free_kv(q.kv0)
+        self._mutated()
 
     def export_kv(self, seq_ids: Sequence[str], now_s: float) -> tuple[KvExport, ...]:
         """Pause running sequences and describe their KV; others are skipped."""
+        self._sync()
         out = []
         for sid in seq_ids:
-            q = self._seqs.get(sid)
+            q = self._records.get(sid)
             if q is None or q.state is not SeqState.RUNNING:
                 continue
-            q.state = SeqState.PAUSED
-            spec = SeqSpec(sid, q.spec.prompt_tokens, q.spec.max_output_tokens, q.generated)
-            out.append(KvExport(spec, q.kv_tokens * self._kv_total_per_token))
+            self._batch.stop(q, SeqState.PAUSED)
+            spec = SeqSpec(sid, q.spec.prompt_tokens, q.spec.max_output_tokens, q.gen0)
+            out.append(KvExport(spec, q.kv0 * self._kv_total_per_token))
+        self._mutated()
         return tuple(out)
 
     def import_kv(self, exports: Sequence[KvExport], now_s: float, transfer_s: float) -> OpResult:
         """Allocate the KV here and mark it complete ``transfer_s`` from now."""
-        if self._dead is not None or any(
-            self._pool.transfer_fails(u) for u in self.timing.gpu_uuids
-        ):
+        gpus = self.timing.gpu_uuids
+        if self._dead is not None or any(self._pool.transfer_fails(u) for u in gpus):
             return OpResult(False, fault=EngineFault.TRANSFER_FAILED, detail="destination down")
+        self._sync()
         taken: list[str] = []
         for export in exports:
             tokens = export.spec.context_tokens
             if not self._alloc_kv(tokens):
-                self.drop(taken)
+                self._drop(taken)
                 return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=export.spec.seq_id)
-            q = _Seq(export.spec, SeqState.IMPORTING, export.spec.generated_tokens, tokens)
+            self._order += 1
+            generated = export.spec.generated_tokens
+            q = SeqRecord(export.spec, SeqState.IMPORTING, self._order, generated, tokens)
             q.ready_at_s = now_s + transfer_s
-            self._seqs[export.spec.seq_id] = q
+            self._records[export.spec.seq_id] = q
             taken.append(export.spec.seq_id)
+        self.stats.kv_imported_bytes += sum(e.num_bytes for e in exports)
+        self._mutated()
         return OpResult(True, now_s + transfer_s)
 
     def staged_ready(self, seq_ids: Sequence[str], now_s: float) -> bool:
         """Every sequence staged, or imported with its transfer complete."""
         for sid in seq_ids:
-            q = self._seqs.get(sid)
+            q = self._records.get(sid)
             if q is None or not (
                 q.state is SeqState.STAGED
                 or (q.state is SeqState.IMPORTING and now_s >= q.ready_at_s)
@@ -244,17 +318,21 @@ class SimEngine:
 
     def activate(self, seq_ids: Sequence[str]) -> None:
         """Staged or imported sequences start decoding."""
+        self._sync()
         for sid in seq_ids:
-            q = self._seqs.get(sid)
+            q = self._records.get(sid)
             if q is not None and q.state in (SeqState.STAGED, SeqState.IMPORTING):
-                q.state = SeqState.RUNNING
+                self._batch.start(q)
+        self._mutated()
 
     def resume(self, seq_ids: Sequence[str]) -> None:
         """Exported (paused) sequences continue decoding here."""
+        self._sync()
         for sid in seq_ids:
-            q = self._seqs.get(sid)
+            q = self._records.get(sid)
             if q is not None and q.state is SeqState.PAUSED:
-                q.state = SeqState.RUNNING
+                self._batch.start(q)
+        self._mutated()
 
     def close_admission(self) -> None:
         """Stop admitting (drain)."""
@@ -262,11 +340,13 @@ class SimEngine:
 
     def is_drained(self) -> bool:
         """No sequence left."""
-        return not self._seqs
+        return not self._records
 
     def kv_bytes(self) -> int:
         """KV bytes held across the replica."""
-        return sum(q.kv_tokens for q in self._seqs.values()) * self._kv_total_per_token
+        self._sync()
+        tokens = sum(self._batch.kv_tokens(q) for q in self._records.values())
+        return tokens * self._kv_total_per_token
 
     # ---- iterations ----------------------------------------------------------------------------
 
@@ -274,149 +354,219 @@ class SimEngine:
         """Run every iteration that completes by ``now_s``."""
         failed = self._check_gpus()
         if self._dead is not None or self._comm_ready_at is None:
-            return StepOutput(failed=tuple(failed))
-        clock = max(self._clock_s or now_s, self._comm_ready_at)
-        acc = _Acc(failed=failed)
-        for _ in range(MAX_ITERATIONS_PER_STEP):
+            acc, self._pending = self._pending, StepAcc()
+            acc.failed.extend(failed)
+            return acc.output()
+        if not self._dirty and now_s < self._next_event_s and self._clock_s is not None:
+            self._last_now_s = now_s
+            return EMPTY_STEP
+        if self._clock_s is None:
+            self._clock_s = now_s
+        self._clock_s = max(self._clock_s, self._comm_ready_at)
+        acc, self._pending = self._pending, StepAcc()
+        self._advance(now_s, acc, partial=False)
+        self._last_now_s = now_s
+        self._dirty = False
+        self._next_event_s = self._earliest_event_s()
+        return acc.output()
+
+    def _advance(self, now_s: float, acc: StepAcc, *, partial: bool) -> None:
+        """Run iterations from the engine clock up to ``now_s`` (see the module docstring).
+
+        Without ``partial``, decode iterations after the last event due by ``now_s`` are left
+        for later (nothing observable happens in them); with it, the clock is brought as close
+        to ``now_s`` as whole iterations allow, as a token-by-token engine's would be.
+        """
+        assert self._clock_s is not None
+        clock = self._clock_s
+        while True:
             if self._split:
                 self._prefill_stage(clock, acc)
-                prefill = []
             else:
-                prefill = self._pick_prefill(clock)
-            decode = [sid for sid, q in self._seqs.items() if q.state is SeqState.RUNNING]
-            if not prefill and not decode:
-                arrival = self._wake_s(clock)
+                picked = self._due_prefills(clock)
+                if picked:
+                    end = self._mixed_iteration(picked, clock, now_s, acc)
+                    if end is None:
+                        break
+                    clock = end
+                    continue
+            if not self._batch:
+                arrival = self._wake(clock)
                 if arrival is not None and arrival <= now_s:
                     clock = arrival  # idle until this sequence was admitted
                     continue
                 clock = max(clock, now_s)  # idle: the engine waits at the present
                 break
-            duration = self._iteration_s(prefill, decode)
-            if clock + duration > now_s:
+            if not partial and self._finish_bound(clock) > now_s:
+                arrival = self._wake(clock)
+                if arrival is None or arrival > now_s:
+                    break  # nothing observable before now_s: leave these iterations for later
+            end = self._decode_run(clock, now_s, acc, partial)
+            if end is None:
                 break
-            clock += duration
-            self._run_iteration(prefill, decode, clock, duration, acc)
+            clock = end
         self._clock_s = clock
-        return acc.output()
 
-    def _prefill_stage(self, clock_s: float, acc: _Acc) -> None:
+    def _earliest_event_s(self) -> float:
+        """A lower bound on the time of the next first token, finish or prefill."""
+        assert self._clock_s is not None
+        if self._waiting:
+            return self._clock_s  # a prefill may start as soon as one is due: do not skip
+        if not self._batch:
+            return _INF
+        return self._finish_bound(self._clock_s)
+
+    def _finish_bound(self, clock_s: float) -> float:
+        """A lower bound on when the next running sequence finishes, decoding from ``clock_s``:
+        the step time at the current context bucket (it only grows with the context)."""
+        batch = self._batch
+        step_s = self._step_s(len(batch), batch.mean_context())
+        return clock_s + batch.steps_to_finish() * step_s - 1e-9
+
+    def _step_s(self, batch: int, context: float) -> float:
+        return self._steps.step_s(batch, context_bucket(context))
+
+    def _prefill_stage(self, clock_s: float, acc: StepAcc) -> None:
         """A split replica's prefill stage at a step boundary: finish its batch if done by
-        ``clock_s`` (first tokens at the batch's end), then start the next if prompts are due."""
-        if self._inflight and self._inflight_done_s <= clock_s:
-            batch, self._inflight = self._inflight, []
-            for sid in batch:
-                self._finish_prefill(sid, self._inflight_done_s, acc)
-        if not self._inflight:
-            picked = self._pick_prefill(clock_s)
+        ``clock_s``, then start the next."""
+        if self._prefilling and self._inflight_done_s <= clock_s:
+            batch, self._prefilling = self._prefilling, []
+            for q in batch:
+                self._complete_prefill(q, self._inflight_done_s, acc)
+        if not self._prefilling:
+            picked = self._due_prefills(clock_s)
             if picked:
                 t = self.timing
-                self._inflight = picked
+                self._prefilling = picked
                 self._inflight_done_s = clock_s + sum(
-                    t.prefill_s(self._seqs[s].spec.prompt_tokens + self._seqs[s].generated)
-                    for s in picked
+                    t.prefill_s(q.spec.prompt_tokens + q.gen0) for q in picked
                 )
 
-    def _wake_s(self, clock_s: float) -> float | None:
-        """When an idle engine has work next: an admission, or the prefill stage's batch."""
-        if self._inflight:
+    def _wake(self, clock_s: float) -> float | None:
+        """The next admission, or the split prefill stage's batch end: decode runs stop there."""
+        if self._prefilling:
             return self._inflight_done_s
         return self._next_arrival(clock_s)
 
     def _next_arrival(self, clock_s: float) -> float | None:
-        waiting = [
+        inflight = {id(r) for r in self._prefilling}
+        later = [
             q.ready_at_s
-            for sid, q in self._seqs.items()
-            if q.state is SeqState.WAITING and sid not in self._inflight
+            for q in self._waiting.values()
+            if q.ready_at_s > clock_s and id(q) not in inflight
         ]
-        later = [t for t in waiting if t > clock_s]
         return min(later) if later else None
 
-    def _pick_prefill(self, clock_s: float) -> list[str]:
-        picked: list[str] = []
+    def _due_prefills(self, clock_s: float) -> list[SeqRecord]:
+        picked: list[SeqRecord] = []
         budget = self._max_prefill_tokens
-        for sid, q in self._seqs.items():
+        inflight = {id(r) for r in self._prefilling}
+        for q in self._waiting.values():
             # NOTE: a sequence joins the first iteration that starts after its admission.
-            due = q.state is SeqState.WAITING and q.ready_at_s <= clock_s
-            if due and sid not in self._inflight:
-                tokens = q.spec.prompt_tokens + q.generated
+            if q.ready_at_s <= clock_s and id(q) not in inflight:
+                tokens = q.spec.prompt_tokens + q.gen0
                 if picked and tokens > budget:
                     break
-                picked.append(sid)
+                picked.append(q)
                 budget -= tokens
         return picked
 
-    def _iteration_s(self, prefill: list[str], decode: list[str]) -> float:
+    def _mixed_iteration(
+        self, picked: list[SeqRecord], clock: float, now_s: float, acc: StepAcc
+    ) -> float | None:
+        """One iteration with prefills (exact); None if it ends after ``now_s``."""
         t = self.timing
-        prefill_s = sum(
-            t.prefill_s(self._seqs[s].spec.prompt_tokens + self._seqs[s].generated) for s in prefill
-        )
-        if not decode:
-            return prefill_s
-        mean_context = sum(self._seqs[s].kv_tokens for s in decode) / len(decode)
-        return prefill_s + t.decode_cycle_s(len(decode), mean_context)
+        duration = sum(t.prefill_s(q.spec.prompt_tokens + q.gen0) for q in picked)
+        n = len(self._batch)
+        if n:
+            duration += self._step_s(n, self._batch.mean_context())
+        if clock + duration > now_s:
+            return None
+        end = clock + duration
+        if n:
+            self._commit_decode([Segment(1, duration, self._batch.mean_context())], clock, acc)
+        else:
+            self._count_busy(duration, 1, acc)
+        for q in picked:
+            self._complete_prefill(q, end, acc)
+        return end
 
-    def _run_iteration(
-        self, prefill: list[str], decode: list[str], end_s: float, duration_s: float, acc: _Acc
-    ) -> None:
-        for sid in decode:
-            q = self._seqs[sid]
-            if not self._alloc_kv(1):
-                acc.failed.append(Failed(sid, EngineFault.OUT_OF_MEMORY, q.generated))
-                self.drop([sid])
-                continue
-            q.kv_tokens += 1
-            q.generated += 1
-            acc.decode_tokens += 1
-            if q.generated >= q.spec.max_output_tokens:
-                acc.finished.append(Finished(sid, end_s, q.generated))
-                self.drop([sid])
-        if decode:
-            acc.decode_step_s.append(duration_s)
-        for sid in prefill:
-            self._finish_prefill(sid, end_s, acc)
-        acc.iterations += 1
+    def _decode_run(self, clock: float, now_s: float, acc: StepAcc, partial: bool) -> float | None:
+        """Advance decode-only iterations up to the next finish, admission or ``now_s``.
 
-    def _finish_prefill(self, sid: str, end_s: float, acc: _Acc) -> None:
-        q = self._seqs[sid]
-        tokens = q.spec.prompt_tokens + q.generated
+        Returns the clock after them, or None when nothing was run: not one iteration fits
+        before ``now_s``, or (without ``partial``) the run would end at ``now_s`` with no event.
+        """
+        arrival = self._wake(clock)
+        segments, end, timed_out = decode_segments(self._batch, self._steps, clock, now_s, arrival)
+        if not segments or (timed_out and not partial):
+            return None
+        self._commit_decode(segments, clock, acc)
+        return end
+
+    def _count_busy(self, duration_s: float, iterations: int, acc: StepAcc) -> None:
+        self.stats.busy_s += duration_s
+        self.stats.iterations += iterations
+        acc.iterations += iterations
+
+    def _commit_decode(self, segments: list[Segment], start_s: float, acc: StepAcc) -> None:
+        """Account the planned decode iterations: time, FLOPs, TBT, KV and finishes."""
+        n = len(self._batch)
+        clock, done = start_s, 0
+        for seg in segments:
+            clock += seg.runs * seg.step_s
+            done += seg.runs
+            per_token = self._flops_per_token + 2.0 * self._attention_flops * (
+                seg.context + (seg.runs - 1) / 2
+            )
+            self.stats.model_flops += seg.runs * n * per_token
+            acc.decode_step_s.append(seg.step_s)
+            if self._observer is not None:
+                self._observer.on_decode(clock, seg.step_s, seg.runs * n)
+        self._count_busy(clock - start_s, done, acc)
+        self._decode(done, clock, acc)
+
+    def _decode(self, runs: int, end_s: float, acc: StepAcc) -> None:
+        """KV for ``runs`` iterations of the whole batch, and the sequences that finish."""
+        batch = self._batch
+        tokens = runs * len(batch)
+        while not self._alloc_kv(tokens):  # NOTE: the VMM commit makes this rare
+            # The run's KV is allocated at once; when it does not fit, the largest sequence
+            # fails first until it does (a token-by-token engine fails whichever's next token
+            # does not fit).
+            victim = batch.largest()
+            generated = batch.generated(victim)
+            acc.failed.append(Failed(victim.spec.seq_id, EngineFault.OUT_OF_MEMORY, generated))
+            self._drop([victim.spec.seq_id])
+            tokens = runs * len(batch)
+            if not batch:
+                return
+        acc.decode_tokens += tokens
+        self.stats.decode_tokens += tokens
+        for q in batch.advance(runs):
+            acc.finished.append(Finished(q.spec.seq_id, end_s, batch.generated(q)))
+            self._drop([q.spec.seq_id])
+
+    def _complete_prefill(self, q: SeqRecord, end_s: float, acc: StepAcc) -> None:
+        sid = q.spec.seq_id
+        del self._waiting[sid]
+        tokens = q.spec.prompt_tokens + q.gen0
         if not self._alloc_kv(tokens):
-            acc.failed.append(Failed(sid, EngineFault.OUT_OF_MEMORY, q.generated))
-            del self._seqs[sid]
+            acc.failed.append(Failed(sid, EngineFault.OUT_OF_MEMORY, q.gen0))
+            del self._records[sid]
             return
-        q.kv_tokens = tokens
+        q.kv0 = tokens
         acc.prefill_tokens += tokens
+        self.stats.prefill_tokens += tokens
+        self.stats.model_flops += tokens * self._flops_per_token + self._attention_flops * tokens**2
         if q.stage_after_prefill:
             q.state = SeqState.STAGED
             return
-        q.state = SeqState.RUNNING
-        if q.generated == 0:  # the prefill's logits give the first output token
-            q.generated = 1
+        if q.gen0 == 0:  # the prefill's logits give the first output token
+            q.gen0 = 1
             acc.first_tokens.append(FirstToken(sid, end_s))
-            if q.generated >= q.spec.max_output_tokens:
-                acc.finished.append(Finished(sid, end_s, q.generated))
-                self.drop([sid])
-
-
-@dataclass
-class _Acc:
-    failed: list[Failed]
-    iterations: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        self.first_tokens: list[FirstToken] = []
-        self.finished: list[Finished] = []
-        self.decode_step_s: list[float] = []
-
-    def output(self) -> StepOutput:
-        """The accumulated step output."""
-        return StepOutput(
-            self.iterations,
-            self.prefill_tokens,
-            self.decode_tokens,
-            tuple(self.first_tokens),
-            tuple(self.finished),
-            tuple(self.failed),
-            tuple(self.decode_step_s),
-        )
+            if q.gen0 >= q.spec.max_output_tokens:
+                acc.finished.append(Finished(sid, end_s, q.gen0))
+                self._drop([sid])
+                return
+        self._batch.start(q)

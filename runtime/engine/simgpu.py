@@ -26,6 +26,7 @@ class SimGpuPool:
         self._failing_loads: set[str] = set()
         self._failing_transfers: set[str] = set()
         self.oom_events = 0  # allocations refused at the memory limit (the throttle prevents them)
+        self.version = 0  # bumped on every preemption or restore: engines re-check GPUs then
 
     def ensure(self, gpu_uuid: str, total_bytes: int) -> None:
         """Register a GPU with its memory size (first registration wins)."""
@@ -70,12 +71,14 @@ class SimGpuPool:
         for uuid in gpu_uuids:
             gpu = self._gpus.setdefault(uuid, _SimGpu(0))
             gpu.lost, gpu.used_bytes = True, 0
+        self.version += 1
 
     def restore(self, gpu_uuids: Iterable[str]) -> None:
         """The GPUs come back empty."""
         for uuid in gpu_uuids:
             if uuid in self._gpus:
                 self._gpus[uuid].lost = False
+        self.version += 1
 
     def fail_loads(self, gpu_uuids: Iterable[str], failing: bool = True) -> None:
         """Make weight loads onto these GPUs fail (or succeed again)."""

@@ -157,7 +157,7 @@ def test_runs_keep_the_ownership_invariant() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["sim.world", "bench.sim.des", "bench.sim.baselines", "bench.sim.engine", "streams.replay"],
+    ["sim.world", "bench.sim.des", "bench.sim.baselines", "streams.replay"],
 )
 def test_the_benchmark_loop_reads_no_clock(module: str) -> None:
     """Event time stays simulated: the loop's own modules import no clock and no randomness

@@ -1,8 +1,9 @@
-"""Unit: the benchmark's event-stepped engine reproduces the product's SimEngine.
+"""Unit: the event-stepped SimEngine reproduces a token-by-token oracle (one ledger, checked).
 
-Both engines get the same replica timing, the same admissions and the same ``step`` calls at
-irregular times; every first token and every finish must come out at the same simulated time
-with the same token count, including sequences paused for a hand-over and resumed, and dropped.
+The product's engine and :class:`tests.runtime.token_engine.TokenSimEngine` get the same replica
+timing, the same admissions and the same ``step`` calls at irregular times; every first token
+and every finish must come out at the same simulated time with the same token count, including
+sequences paused for a hand-over and resumed, and dropped.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from bench.sim.engine import EventSimEngine
 from gearbox import DEFAULT_CONFIG, ModelSpec
 from gearbox.plans import ExecutionPlan, StageRole
 from gearbox.presets import LINK_CLASSES, MODEL_7B_MHA, MODEL_70B_GQA
@@ -23,6 +23,7 @@ from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
 from tests.gearbox.builders import make_stage
 from tests.runtime.builders import make_replica
+from tests.runtime.token_engine import TokenSimEngine
 
 pytestmark = pytest.mark.unit
 
@@ -104,8 +105,8 @@ def test_event_engine_matches_sim_engine(
 ) -> None:
     timing = make_timing(model, gpus, gpu_class)
     requests = make_requests(seed=11, rps=rps, count=400)
-    reference = drive(SimEngine(timing, SimGpuPool()), requests, seed=5)
-    fast = drive(EventSimEngine(timing, SimGpuPool()), requests, seed=5)
+    reference = drive(TokenSimEngine(timing, SimGpuPool()), requests, seed=5)
+    fast = drive(SimEngine(timing, SimGpuPool()), requests, seed=5)
     assert reference.first.keys() == fast.first.keys()
     assert reference.finished.keys() == fast.finished.keys()
     assert len(reference.finished) > 300
@@ -120,8 +121,8 @@ def test_event_engine_matches_sim_engine(
 def test_event_engine_matches_sim_engine_on_a_split_replica() -> None:
     timing = make_split_timing(MODEL_70B_GQA)
     requests = make_requests(seed=13, rps=6.0, count=400)
-    reference = drive(SimEngine(timing, SimGpuPool()), requests, seed=7)
-    fast = drive(EventSimEngine(timing, SimGpuPool()), requests, seed=7)
+    reference = drive(TokenSimEngine(timing, SimGpuPool()), requests, seed=7)
+    fast = drive(SimEngine(timing, SimGpuPool()), requests, seed=7)
     assert reference.first.keys() == fast.first.keys()
     assert reference.finished.keys() == fast.finished.keys()
     assert len(reference.finished) > 300
@@ -133,8 +134,10 @@ def test_event_engine_matches_sim_engine_on_a_split_replica() -> None:
     assert fast.kv_bytes == reference.kv_bytes
 
 
-@pytest.mark.parametrize("engine_cls", [SimEngine, EventSimEngine])
-def test_split_replica_decodes_while_it_prefills(engine_cls: type[SimEngine]) -> None:
+@pytest.mark.parametrize("engine_cls", [TokenSimEngine, SimEngine])
+def test_split_replica_decodes_while_it_prefills(
+    engine_cls: type[SimEngine] | type[TokenSimEngine],
+) -> None:
     """Prefill and decode stages are different GPUs: decode steps never wait for prefills, and
     prefill batches run back to back on their own stage (finding 2 of the bench report)."""
     timing = make_split_timing(MODEL_70B_GQA)

@@ -1,4 +1,5 @@
-"""The decode batch of :class:`bench.sim.engine.EventSimEngine` under a virtual decode counter.
+"""The ledger of :class:`runtime.engine.sim.SimEngine`: its decode batch under a virtual decode
+counter, the runs of decode iterations it plans, and what a step accumulates.
 
 Every decode iteration advances every running sequence by one token, so the batch keeps one
 counter ``v`` (iterations run) instead of per-sequence counters: a sequence that started running
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from runtime.engine.base import SeqSpec, SeqState
+from runtime.engine.base import Failed, Finished, FirstToken, SeqSpec, SeqState, StepOutput
 from runtime.timing import TOKEN_BUCKET, ReplicaTiming
 
 EPS_S = 1e-12  # float slack when fitting whole iterations before ``now_s``
@@ -87,7 +89,8 @@ class RunningBatch:
         """``q`` joins the batch at the current counter."""
         q.state = SeqState.RUNNING
         q.v0 = self.v
-        # NOTE: as in SimEngine, a running sequence decodes at least once more before finishing.
+        # NOTE: as in a token-by-token engine, a running sequence decodes at least once more
+        # before it finishes.
         q.finish_v = self.v + max(1, q.spec.max_output_tokens - q.gen0)
         self.seqs[q.spec.seq_id] = q
         self._a_sum += q.kv0 - q.v0
@@ -182,3 +185,53 @@ def decode_segments(
         if cut or runs <= 0:
             break
     return segments, end, timed_out
+
+
+class DecodeObserver(Protocol):
+    """Receives every run of decode iterations (for token-weighted TBT histograms)."""
+
+    def on_decode(self, end_s: float, step_s: float, tokens: int) -> None:
+        """``tokens`` inter-token gaps of ``step_s`` each, in iterations ending by ``end_s``."""
+        ...
+
+
+@dataclass
+class EngineStats:
+    """What measurements read off an engine: busy time and work done (cumulative)."""
+
+    busy_s: float = 0.0  # time spent inside iterations
+    model_flops: float = 0.0  # forward-pass FLOPs done (gearbox's formulas: 2·N + attention)
+    iterations: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    kv_imported_bytes: int = 0  # migrated KV received
+
+
+EMPTY_STEP = StepOutput()
+
+
+@dataclass
+class StepAcc:
+    """One ``step``'s output, accumulated."""
+
+    iterations: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    first_tokens: list[FirstToken] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
+    failed: list[Failed] = field(default_factory=list)
+    decode_step_s: list[float] = field(default_factory=list)
+
+    def output(self) -> StepOutput:
+        """The accumulated output (the shared empty one when nothing happened)."""
+        if not (self.iterations or self.failed or self.prefill_tokens):
+            return EMPTY_STEP  # (a split replica's prefill stage completes outside iterations)
+        return StepOutput(
+            self.iterations,
+            self.prefill_tokens,
+            self.decode_tokens,
+            tuple(self.first_tokens),
+            tuple(self.finished),
+            tuple(self.failed),
+            tuple(self.decode_step_s),
+        )
