@@ -1,4 +1,4 @@
-"""Runtime worker: the thin Kafka/asyncio/HTTP shell around one DeploymentRuntime per deployment.
+"""Runtime worker: the thin Kafka/asyncio/HTTP shell around :class:`runtime.host.RuntimeHost`.
 
 On start it reads the cluster-event log (latest GPU state), the transitions log and the
 ownership journal, resumes or rolls back what was in flight and replays unfinished sequences; a
