@@ -44,6 +44,7 @@ from streams.step import (
     PlanState,
     StepOutput,
     TriggerInfo,
+    claimed_gpus,
     make_input,
     reconcile,
     step,
@@ -85,6 +86,7 @@ class Decider:
         self._debounce: asyncio.Task[None] | None = None
         self._topology: tuple[tuple[int, int], TopologySnapshot] | None = None
         self._by_name = {d.name: d for d in engine.deployments}
+        self._rank = {d.name: i for i, d in enumerate(engine.deployments)}
         self._gear_written: dict[str, tuple[int, object, float | None]] = {}
         self._gear_unwritten: set[str] = set()
         self._unacked: dict[str, asyncio.Future[None]] = {}  # sends past PUBLISH_WAIT_S
@@ -254,8 +256,11 @@ class Decider:
             e.sweep()
             e.flush()
             outs = []
-            for name, trigger in wanted.items():
-                out = self._decide(name, trigger, logged.get(name))
+            decided: dict[str, PlanState] = {}  # this batch's plans, claimed for the next ones
+            # NOTE: the configured order, as the replay decides: an earlier deployment's new plan
+            # is claimed before a later one plans.
+            for name, trigger in sorted(wanted.items(), key=lambda kv: self._rank[kv[0]]):
+                out = self._decide(name, trigger, logged.get(name), decided)
                 if out is None:
                     e.metrics.skipped.labels("already_decided").inc()
                 else:
@@ -338,7 +343,11 @@ class Decider:
         return self._topology[1]
 
     def _decide(
-        self, name: str, trigger: TriggerInfo, logged: tuple[int, LoggedDecision | None] | None
+        self,
+        name: str,
+        trigger: TriggerInfo,
+        logged: tuple[int, LoggedDecision | None] | None,
+        decided: dict[str, PlanState],
     ) -> StepOutput | None:
         e = self.engine
         cursor, plan, gear = self._state(name, logged)
@@ -366,8 +375,27 @@ class Decider:
             e.worker,
             topology=self._topology_at(now_ms),
             transition_timeout_s=e.cfg.streams.transition_timeout_s,
+            claims=self._claims(name, decided),
         )
-        return step(inp)
+        out = step(inp)
+        if out is not None:
+            decided[name] = out.plan
+        return out
+
+    def _claims(self, name: str, decided: dict[str, PlanState]) -> frozenset[str]:
+        """GPUs the other deployments this worker can read hold.
+
+        NOTE: tables are partitioned by deployment, so a worker sees the plans of the
+        deployments it owns; with several workers, another worker's deployments are known only
+        through telemetry (their GPUs' memory), as before.
+        """
+        e = self.engine
+        plans = {
+            d.name: p
+            for d in e.deployments
+            if d.name != name and (p := e.load(TableName.PLANS, d.name, PlanState)) is not None
+        }
+        return claimed_gpus(plans | decided, name)
 
     async def _send(self, name: str, out: StepOutput) -> None:
         e = self.engine

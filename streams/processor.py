@@ -167,6 +167,9 @@ class StreamProcessor:
             self.cfg.streams.max_future_skew_s,
             self.names,
         )
+        # NOTE: every consumed message advances the partition's position, a rejected one too:
+        # otherwise a partition ending in bad input would count as unread forever (not ready).
+        self._next_offset[(msg.topic, msg.partition)] = msg.offset + 1
         if isinstance(verdict, Rejected):
             await self.reject(verdict, msg, src.value)
             return
@@ -192,7 +195,6 @@ class StreamProcessor:
         self.clock = self.clock.observe(env.event_time_ms, wall_s)
         where = (msg.topic, msg.partition)
         self._newest_ms[where] = max(self._newest_ms.get(where, -1), env.event_time_ms)
-        self._next_offset[where] = msg.offset + 1
         if src is SourceTopic.GPU:
             self._fold_gpu(env)
         elif src is SourceTopic.LAUNCHES:

@@ -50,6 +50,7 @@ from streams.step import (
     PlanState,
     StepOutput,
     TriggerInfo,
+    claimed_gpus,
     fold_control,
     fold_rollback,
     fold_transition,
@@ -180,6 +181,7 @@ class Replayer:
             "replay",
             topology=topology,
             transition_timeout_s=self.cfg.streams.transition_timeout_s,
+            claims=claimed_gpus({n: tb.plan for n, tb in self.tables.items()}, name),
         )
         out = step(inp)
         if out is not None:

@@ -63,6 +63,7 @@ __all__ = [
     "StepInput",
     "StepOutput",
     "TriggerInfo",
+    "claimed_gpus",
     "decision_id",
     "fold_control",
     "fold_rollback",
@@ -162,6 +163,7 @@ class StepInput:
     config: GearboxConfig
     worker: str = ""
     transition_timeout_s: float = DEFAULT_TRANSITION_TIMEOUT_S  # streams.transition_timeout_s
+    claims: frozenset[str] = frozenset()  # GPUs other deployments' plans hold (see claimed_gpus)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,10 +204,12 @@ def make_input(
     worker: str = "",
     topology: TopologySnapshot | None = None,
     transition_timeout_s: float = DEFAULT_TRANSITION_TIMEOUT_S,
+    claims: frozenset[str] = frozenset(),
 ) -> StepInput:
     """Build snapshots at ``now_ms`` from the view and tables: the one place live and replay
     turn state into gearbox's inputs. ``topology``, when given, must be what
-    :func:`build_topology` returns for the same view and time (a cache)."""
+    :func:`build_topology` returns for the same view and time (a cache); ``claims`` are the GPUs
+    other deployments' plans hold (:func:`claimed_gpus`)."""
     now_s = now_ms / 1000.0
     if topology is None:
         topology = build_topology(view[0], view[1], catalog, now_s, heartbeat_timeout_s)
@@ -225,7 +229,33 @@ def make_input(
         config,
         worker,
         transition_timeout_s,
+        claims,
     )
+
+
+def claimed_gpus(plans: Mapping[str, PlanState], deployment: str) -> frozenset[str]:
+    """GPUs that deployments other than ``deployment`` hold or are moving to: their assumed
+    plan (a switch in flight included) and the plan the runtime last confirmed."""
+    held: set[str] = set()
+    for name, plan in plans.items():
+        if name != deployment:
+            for p in (plan.current, plan.confirmed):
+                if p is not None:
+                    held |= p.gpu_uuids
+    return frozenset(held)
+
+
+def _without_claims(topology: TopologySnapshot, claims: frozenset[str]) -> TopologySnapshot:
+    """The topology as one deployment may plan on it: another deployment's GPUs are full.
+
+    NOTE: telemetry shows a GPU's memory only once the runtime loaded onto it and a sample
+    went out; without this a forced decision taken in that gap (or while telemetry is behind,
+    e.g. after a broker outage) targets GPUs another plan holds, and the runtime rolls it back.
+    """
+    if not claims:
+        return topology
+    gpus = tuple(replace(g, free_memory_bytes=0) if g.uuid in claims else g for g in topology.gpus)
+    return replace(topology, gpus=gpus)
 
 
 def _with_hint(inp: StepInput, blocks: tuple[AtomicBlock, ...]) -> PlanState:
@@ -322,9 +352,10 @@ def step(inp: StepInput) -> StepOutput | None:
     blocks = build_blocks(inp.topology, inp.config, inp.gear.blocks)
     plan, notes = _expire(_with_hint(inp, blocks), inp)
     overrides, more = _overrides(inp.overrides, plan)
+    own = frozenset().union(*(p.gpu_uuids for p in (plan.current, plan.confirmed) if p))
     result = decide(
         plan.current,
-        inp.topology,
+        _without_claims(inp.topology, inp.claims - own),
         inp.load,
         inp.gear,
         inp.config,

@@ -30,6 +30,7 @@ from streams.step import (
     PlanState,
     StepOutput,
     TriggerInfo,
+    claimed_gpus,
     fold_control,
     fold_rollback,
     fold_transition,
@@ -54,7 +55,11 @@ View = tuple[dict[str, GpuState], dict[str, NodeState]]
 
 
 def decide(
-    tables: DeploymentTables, t_ms: int, kind: Trigger = Trigger.TIMER, view: View | None = None
+    tables: DeploymentTables,
+    t_ms: int,
+    kind: Trigger = Trigger.TIMER,
+    view: View | None = None,
+    claims: frozenset[str] = frozenset(),
 ) -> StepOutput | None:
     gpus, nodes = view if view is not None else folded()
     inp = make_input(
@@ -69,6 +74,7 @@ def decide(
         45.0,
         DEFAULT_CONFIG,
         "w",
+        claims=claims,
     )
     return step(inp)
 
@@ -119,6 +125,39 @@ def test_losing_the_plans_gpus_forces_a_switch_away_from_them() -> None:
     assert forced.plan.current is not None and forced.plan.current.gpu_uuids.isdisjoint(taken)
     assert forced.plan.source is PlanSource.DECISION and "not live" in forced.decision.explanation
     assert forced.decision.decision["to_plan_id"] == forced.decision.to_plan_id
+
+
+def test_a_forced_switch_never_targets_gpus_another_deployments_plan_holds() -> None:
+    out = decide(FRESH, T0_MS)
+    assert out is not None and out.plan.current is not None
+    tables = after(FRESH, out)
+    taken = tuple(sorted(out.plan.current.gpu_uuids))
+    gpus, nodes = folded()
+    nodes["node-a1"], _ = fold_cluster_event(
+        nodes["node-a1"], make_event(ClusterEventType.PREEMPT, "node-a1", taken), "s", 99, T0_MS
+    )
+    free = decide(tables, T0_MS + 1000, Trigger.TOPOLOGY_CHANGE, (gpus, nodes))
+    assert free is not None and free.plan.current is not None
+    # another deployment holds exactly the GPUs the unconstrained answer picked (its telemetry
+    # not caught up yet): the answer must go elsewhere, and still be forced
+    held = free.plan.current.gpu_uuids
+    other = DeploymentPlan("assist", free.plan.current.model_name, free.plan.current.replicas)
+    claims = claimed_gpus({"assist": PlanState(current=other)}, CHAT.name)
+    assert claims == held
+    boxed = decide(tables, T0_MS + 1000, Trigger.TOPOLOGY_CHANGE, (gpus, nodes), claims)
+    assert boxed is not None and boxed.decision.forced
+    assert boxed.plan.current is not None and boxed.plan.current.gpu_uuids.isdisjoint(held)
+    assert boxed.plan.current.gpu_uuids.isdisjoint(taken)
+
+
+def test_claims_are_other_deployments_assumed_and_confirmed_plans() -> None:
+    out = decide(FRESH, T0_MS)
+    assert out is not None and out.plan.current is not None
+    mine = out.plan.current
+    plans = {CHAT.name: out.plan, "assist": PlanState(confirmed=mine)}
+    assert claimed_gpus(plans, CHAT.name) == mine.gpu_uuids  # assist's confirmed plan
+    assert claimed_gpus(plans, "assist") == mine.gpu_uuids  # chat's assumed plan
+    assert claimed_gpus({CHAT.name: out.plan}, CHAT.name) == frozenset()
 
 
 def test_tick_boundaries_are_shared_by_every_worker() -> None:
