@@ -127,9 +127,11 @@ def _config(cfg: FlexPipeConfig, num_deployments: int) -> FlexPipeConfig:
         )
         for d in range(num_deployments)
     )
-    streams = cfg.streams.model_copy(update={"deployments": deployments, "loglevel": "warn"})
+    streams = cfg.streams.model_copy(update={"loglevel": "warn"})
     topics = cfg.topics.model_copy(update={"prefix": f"bench{os.getpid()}."})
-    return cfg.model_copy(update={"streams": streams, "topics": topics})
+    update = {"deployments": deployments, "streams": streams, "topics": topics}
+    # NOTE: model_copy does not validate; validating here names a bad key before a worker starts
+    return FlexPipeConfig.model_validate(cfg.model_copy(update=update).model_dump())
 
 
 def _now_ms() -> int:
