@@ -34,6 +34,7 @@ from gearbox.plans import DeploymentPlan
 from sim.fleet import SimFleet
 from sim.record import ClusterMark, RunRecord, SeenDecision, hms, is_change, ms, p95, plan_shape
 from sim.report import handover_text, short_explanation
+from sim.world import follow_placement
 
 SHOWN_EVENTS = frozenset({"preempt", "release", "xid", "node_down"})
 LATE_S = 5.0  # simulated seconds between a decision's trigger and its reading worth a mention
@@ -112,8 +113,8 @@ class Timeline:
 
     def _transition(self, t_s: float, rec: GearTransition) -> None:
         self.record.transitions.append((t_s, rec))
-        if rec.phase is TransitionPhase.DONE and rec.plan:
-            self._follow_placement(rec)
+        # The simulated agents must report the deployment where the runtime moved it.
+        follow_placement(self.fleet.cluster, rec)
         if rec.status is PhaseStatus.STARTED and rec.attempt == 1:
             if rec.phase is TransitionPhase.PREPARE:  # the shift begins
                 shape = plan_shape(rec.plan)
@@ -125,12 +126,6 @@ class Timeline:
         switched = rec.phase is TransitionPhase.SWITCH and rec.status is PhaseStatus.COMPLETED
         detail = handover_text(rec.detail) if switched else rec.detail
         print(f"{hms(t_s)}    ↳ {step} {detail}".rstrip(), flush=True)
-
-    def _follow_placement(self, rec: GearTransition) -> None:
-        # The simulated agents must report the deployment where the runtime moved it.
-        plan = DeploymentPlan.from_dict(rec.plan)
-        groups = [tuple(u for st in r.stages for u in st.gpu_uuids) for r in plan.replicas]
-        self.fleet.cluster.place(rec.deployment, groups)
 
 
 def serves(worker: Any, deployment: str) -> bool:
