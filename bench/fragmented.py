@@ -19,6 +19,7 @@ Run: ``python -m bench.fragmented [--scenario PATH] [--seed N] [--duration S] [-
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -31,6 +32,8 @@ from bench.common import print_result
 from bench.sim.report import (
     ARTICLE,
     SYSTEM_ORDER,
+    aggregate,
+    goodput_rows,
     headline,
     run_problems,
     table,
@@ -39,56 +42,96 @@ from bench.sim.report import (
 )
 from sim.scenario import SEED_FRAGMENTED, load_scenario
 from sim.spec import Scenario
+from sim.truth import DEFAULT_SPREAD
 
 RESULTS_DIR = Path(__file__).with_name("results")
 DEFAULT_SEED = 7
+DEFAULT_SEEDS = 5  # seeds DEFAULT_SEED, DEFAULT_SEED + 1, ...
+# The systems every seed runs (the targets read them); the ablations that no target reads run
+# on the first seed only unless --all-systems (their rows are in the results file for it).
+HEADLINE_SYSTEMS = ("flexpipe", "no_hysteresis", "fixed")
 # Most expensive first, so two workers finish together.
 RUN_ORDER = ("flexpipe", "no_hysteresis", "replay_only", "no_pd_split", "static_rr", "fixed")
 
+Job = tuple[str, str, int, float, float]
 
-def run_system(job: tuple[str, str, int, float]) -> tuple[str, dict[str, Any], float]:
-    """One system end to end (in a worker process): its summary and the CPU seconds it took."""
+
+@functools.lru_cache(maxsize=2)
+def _trace(scenario_path: str, seed: int, duration_s: float) -> dict[str, list[Any]]:
+    """The seed's arrival trace, generated once per worker process (jobs come seed by seed)."""
+    from sim.loadgen import scenario_trace
+
+    return scenario_trace(load_scenario(scenario_path), duration_s, seed)
+
+
+def run_system(job: Job) -> tuple[str, int, dict[str, Any], float]:
+    """One system and seed end to end (in a worker process): its summary and CPU seconds."""
     started = time.process_time()  # printed only, never part of the results
-    key, scenario_path, seed, duration_s = job
+    key, scenario_path, seed, duration_s, spread = job
     from bench.sim.des import Simulation
     from bench.sim.summary import system_summary
     from bench.sim.systems import SYSTEMS
-    from sim.loadgen import scenario_trace
+    from sim.truth import GroundTruth
 
     scenario = load_scenario(scenario_path)
     system = next(s for s in SYSTEMS if s.key == key)
-    trace = scenario_trace(scenario, duration_s, seed)
-    result = Simulation(system, scenario, trace, seed=seed, duration_s=duration_s).run()
+    trace = _trace(scenario_path, seed, duration_s)
+    truth = GroundTruth(seed, spread)
+    result = Simulation(
+        system, scenario, trace, seed=seed, duration_s=duration_s, truth=truth
+    ).run()
     summary = system_summary(result, scenario, duration_s)
-    return key, summary, time.process_time() - started
+    return key, seed, summary, time.process_time() - started
+
+
+def jobs_for(
+    scenario_path: Path, seeds: Sequence[int], duration_s: float, spread: float, all_systems: bool
+) -> list[Job]:
+    """Every (system, seed) to run, seed by seed, most expensive system first."""
+    return [
+        (key, str(scenario_path), seed, duration_s, spread)
+        for i, seed in enumerate(seeds)
+        for key in RUN_ORDER
+        if i == 0 or all_systems or key in HEADLINE_SYSTEMS
+    ]
 
 
 def run_all(
-    scenario_path: Path, seed: int, duration_s: float, workers: int
-) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
-    """Every system, in ``workers`` spawned processes with a fixed hash seed; also the CPU
-    seconds each took."""
-    jobs = [(key, str(scenario_path), seed, duration_s) for key in RUN_ORDER]
+    jobs: Sequence[Job], workers: int
+) -> tuple[dict[int, dict[str, dict[str, Any]]], dict[str, float]]:
+    """Every job, in ``workers`` spawned processes with a fixed hash seed: per seed, each
+    system's summary (in the report's order); and the CPU seconds per system over seeds."""
     # NOTE: children start fresh interpreters with PYTHONHASHSEED=0, so even set iteration in
     # any code they run is the same in every run: results depend on the seed alone.
     previous = os.environ.get("PYTHONHASHSEED")
     os.environ["PYTHONHASHSEED"] = "0"
     try:
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            done = {k: (v, cpu) for k, v, cpu in pool.imap_unordered(run_system, jobs, chunksize=1)}
+            done = list(pool.imap_unordered(run_system, jobs, chunksize=1))
     finally:
         if previous is None:
             os.environ.pop("PYTHONHASHSEED", None)
         else:
             os.environ["PYTHONHASHSEED"] = previous
-    return {key: done[key][0] for key in SYSTEM_ORDER}, {k: done[k][1] for k in SYSTEM_ORDER}
+    by_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    cpu: dict[str, float] = {}
+    for key, seed, summary, cpu_s in done:
+        by_seed.setdefault(seed, {})[key] = summary
+        cpu[key] = cpu.get(key, 0.0) + cpu_s
+    ordered = {
+        seed: {k: runs[k] for k in SYSTEM_ORDER if k in runs} for seed, runs in by_seed.items()
+    }
+    return dict(sorted(ordered.items())), cpu
 
 
-def results_name(scenario: Scenario, duration_s: float) -> str:
-    """``<scenario>``, or ``<scenario>-<duration>s`` for a shortened run."""
-    if duration_s >= scenario.duration_s:
-        return scenario.name
-    return f"{scenario.name}-{int(duration_s)}s"
+def results_name(scenario: Scenario, duration_s: float, spread: float = DEFAULT_SPREAD) -> str:
+    """``<scenario>``, ``-<duration>s`` for a shortened run, ``-spread<x>`` off the default."""
+    name = scenario.name
+    if duration_s < scenario.duration_s:
+        name += f"-{int(duration_s)}s"
+    if spread != DEFAULT_SPREAD:
+        name += f"-spread{spread:g}"
+    return name
 
 
 def model_deployments(scenario: Scenario) -> tuple[str, str | None]:
@@ -98,22 +141,35 @@ def model_deployments(scenario: Scenario) -> tuple[str, str | None]:
 
 
 def build_results(
-    scenario: Scenario, seed: int, duration_s: float, systems: dict[str, Any]
+    scenario: Scenario,
+    duration_s: float,
+    spread: float,
+    by_seed: dict[int, dict[str, dict[str, Any]]],
 ) -> dict[str, Any]:
-    """The results file's content (deterministic: no wall-clock figures)."""
+    """The results file's content (deterministic: no wall-clock figures). Every seed's headline
+    and compact per-system rows; the first seed's full system summaries."""
     big, small = model_deployments(scenario)
-    head = headline(systems, big, small)
-    preemptions = [e["t_s"] for e in systems["fixed"]["deployments"][big]["preemptions"]]
+    heads = {seed: headline(systems, big, small, spread) for seed, systems in by_seed.items()}
+    summary = aggregate([(heads[s], by_seed[s]) for s in by_seed], big, small, spread)
+    first = next(iter(by_seed))
+    fixed = by_seed[first]["fixed"]
+    preemptions = [e["t_s"] for e in fixed["deployments"][big]["preemptions"]]
     return {
         "scenario": scenario.name,
         "deployments": {"large_model": big, "small_model": small},
-        "seed": seed,
+        "seeds": list(by_seed),
         "duration_s": duration_s,
+        "perturbation_spread": spread,
         "article": ARTICLE,
-        "summary": head,
-        "targets": targets(head),
+        "summary": summary,
+        "targets": targets(summary),
+        "per_seed": {
+            str(seed): {"summary": heads[seed], "systems": goodput_rows(systems)}
+            for seed, systems in by_seed.items()
+        },
         "preemptions_s": preemptions,
-        "systems": systems,
+        "first_seed": first,
+        "systems": by_seed[first],
     }
 
 
@@ -134,7 +190,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(prog="python -m bench.fragmented", description=__doc__)
     parser.add_argument("--scenario", type=Path, default=SEED_FRAGMENTED)
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="first seed")
+    parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="seeds from --seed on")
+    parser.add_argument(
+        "--spread",
+        type=float,
+        default=DEFAULT_SPREAD,
+        help="ground truth's spread off gearbox's cost model (0 = the planner's own model)",
+    )
+    parser.add_argument(
+        "--all-systems", action="store_true", help="run the ablations on every seed too"
+    )
     parser.add_argument("--duration", type=float, default=None, help="simulated seconds")
     parser.add_argument("--workers", type=int, default=2, help="processes (results unchanged)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -146,20 +212,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     scenario = load_scenario(args.scenario)
     duration_s = min(args.duration or scenario.duration_s, scenario.duration_s)
+    seeds = [args.seed + i for i in range(max(1, args.seeds))]
+    jobs = jobs_for(args.scenario, seeds, duration_s, args.spread, args.all_systems)
     started = time.perf_counter()  # wall clock: printed only, never written to the results
-    systems, cpu_s = run_all(args.scenario, args.seed, duration_s, max(1, args.workers))
+    by_seed, cpu_s = run_all(jobs, max(1, args.workers))
     wall_s = time.perf_counter() - started
-    results = build_results(scenario, args.seed, duration_s, systems)
-    json_path, png_path = write_outputs(args.out, results_name(scenario, duration_s), results)
-    print(f"scenario {scenario.name}, seed {args.seed}, {duration_s / 3600:.2f} simulated h")
+    results = build_results(scenario, duration_s, args.spread, by_seed)
+    name = results_name(scenario, duration_s, args.spread)
+    json_path, png_path = write_outputs(args.out, name, results)
     big, small = model_deployments(scenario)
-    print(table(systems, big, small))
-    print("targets:")
+    print(
+        f"scenario {scenario.name}, seeds {seeds}, {duration_s / 3600:.2f} simulated h, "
+        f"simulated ground truth spread {args.spread}"
+    )
+    for seed, systems in by_seed.items():
+        print(f"seed {seed}:")
+        print(table(systems, big, small))
+    print("targets (median over seeds unless named _min):")
     print(targets_text(results["targets"]))
     print(f"wrote {json_path} and {png_path}")
-    print(f"wall: {wall_s:.1f} s for {len(systems)} systems on {args.workers} workers")
-    print("cpu s per system: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu_s.items()))
-    problems = run_problems(systems, results["preemptions_s"])
+    print(f"wall: {wall_s:.1f} s for {len(jobs)} runs on {args.workers} workers")
+    print("cpu s per system over seeds: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu_s.items()))
+    problems = [
+        f"seed {seed}: {p}"
+        for seed, systems in by_seed.items()
+        for p in run_problems(systems, results["preemptions_s"])
+    ]
     for problem in problems:
         print(f"FAILED: {problem}")
     print_result(results["summary"])

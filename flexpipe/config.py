@@ -111,6 +111,17 @@ class DeploymentConfig(_Section):
     arrival_rps: float = Field(1.0, ge=0, description="nominal load until serving telemetry")
     prompt_tokens: float = Field(512.0, ge=1)
     output_tokens: float = Field(256.0, ge=1)
+    # A request meets the deployment's SLO when its TTFT and its mean gap between output tokens
+    # are within these; None = gearbox's ttft_slo_ms / tbt_slo_ms.
+    ttft_slo_ms: float | None = Field(None, gt=0, description="TTFT SLO; None = gearbox's")
+    tbt_slo_ms: float | None = Field(None, gt=0, description="TBT SLO; None = gearbox's")
+
+    def slo_ms(self, gearbox: GearboxConfig) -> tuple[float, float]:
+        """(TTFT, TBT) SLOs in ms, gearbox's where this deployment sets none."""
+        return (
+            self.ttft_slo_ms if self.ttft_slo_ms is not None else gearbox.ttft_slo_ms,
+            self.tbt_slo_ms if self.tbt_slo_ms is not None else gearbox.tbt_slo_ms,
+        )
 
 
 class GpuClassConfig(_Section):

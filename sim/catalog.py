@@ -61,6 +61,9 @@ def _deployment(dep: DeploymentSpec) -> dict[str, Any]:
         "arrival_rps": chat.arrival_rps + summ.arrival_rps,
         "prompt_tokens": _mean(weights, (chat.prompt_tokens_mean, summ.prompt_tokens_mean), 512.0),
         "output_tokens": _mean(weights, (chat.output_tokens_mean, summ.output_tokens_mean), 256.0),
+        # SLOs only where the scenario sets them (else gearbox's apply)
+        **({"ttft_slo_ms": dep.ttft_slo_ms} if dep.ttft_slo_ms is not None else {}),
+        **({"tbt_slo_ms": dep.tbt_slo_ms} if dep.tbt_slo_ms is not None else {}),
     }
 
 

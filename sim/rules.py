@@ -241,6 +241,8 @@ def _deployments(raw: Any, sc: Scenario) -> tuple[DeploymentSpec, ...]:
             "plan": _raw,
             "workload": _raw,
             "memory_utilisation": _number(0.0, hi=1.0),
+            "ttft_slo_ms": POSITIVE,
+            "tbt_slo_ms": POSITIVE,
         }
         m = _record(spec, path, fields, ("model", "plan", "workload"))
         model = _model(m["model"], f"{path}.model")
@@ -254,7 +256,17 @@ def _deployments(raw: Any, sc: Scenario) -> tuple[DeploymentSpec, ...]:
         free[plan.block] -= plan.num_gpus
         workload = _workload(m["workload"], f"{path}.workload", sc.duration_s)
         share = m.get("memory_utilisation", 0.0)
-        out.append(DeploymentSpec(name, model, plan, workload, memory_utilisation=share))
+        out.append(
+            DeploymentSpec(
+                name,
+                model,
+                plan,
+                workload,
+                memory_utilisation=share,
+                ttft_slo_ms=m.get("ttft_slo_ms"),
+                tbt_slo_ms=m.get("tbt_slo_ms"),
+            )
+        )
     return tuple(out)
 
 

@@ -167,6 +167,9 @@ class DeploymentSpec:
     # the live KV only. NOTE: with it, the telemetry shows a served GPU as full, so the planner
     # never puts another deployment there — which the runtime, owning GPUs whole, would refuse.
     memory_utilisation: float = 0.0
+    # The deployment's SLOs (config's deployments[].ttft_slo_ms / tbt_slo_ms); None = gearbox's.
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,7 @@ from runtime.vmm.manager import ReservationManager, host_backend_factory
 from runtime.worker import runtime_settings
 from sim.catalog import with_scenario
 from sim.spec import Preempt, Scenario
+from sim.truth import GroundTruth
 from sim.world import World
 from streams.step import StepOutput
 
@@ -130,6 +131,7 @@ class RunResult:
     unfinished: dict[str, int]
     observed_s: list[tuple[float, float]]  # (event time, time the streams saw it)
     violations: list[str]  # broken runtime invariants at the end (ownership, simulated OOMs)
+    offered_tokens: dict[str, int]  # prompt + requested output tokens of every arrival
 
 
 class Simulation:
@@ -144,8 +146,10 @@ class Simulation:
         seed: int,
         duration_s: float,
         config: FlexPipeConfig | None = None,
+        truth: GroundTruth | None = None,
     ) -> None:
         self.system = system
+        self.truth = truth
         self.scenario = scenario
         self.duration_s = duration_s
         base = with_scenario(config or FlexPipeConfig(), scenario)
@@ -154,6 +158,10 @@ class Simulation:
         self.cfg = base.model_copy(update={"gearbox": system.config})
         names = sorted(d.name for d in scenario.deployments)
         self.metrics = {name: DeploymentMetrics() for name in names}
+        for dep in self.cfg.deployments:
+            ttft_ms, tbt_ms = dep.slo_ms(self.cfg.gearbox)
+            self.metrics[dep.name].ttft_slo_s = ttft_ms / 1000.0
+            self.metrics[dep.name].tbt_slo_s = tbt_ms / 1000.0
         self.engines: dict[str, list[SimEngine]] = {name: [] for name in names}
         routers: dict[str, Router] | None = None
         if system.variant.round_robin:
@@ -197,10 +205,15 @@ class Simulation:
         )
 
     def _engine_factory(self, name: str) -> EngineFactory:
-        made, observer = self.engines[name], self.metrics[name]
+        made, observer, truth = self.engines[name], self.metrics[name], self.truth
 
         def make(timing: ReplicaTiming, pool: SimGpuPool, max_batch: int | None) -> SimEngine:
-            engine = SimEngine(timing, pool, max_batch=max_batch, observer=observer)
+            # The world's true step times when a ground truth is given; the runtime's router
+            # and gearbox keep estimating with ``timing``.
+            step_timing = truth.replica(timing) if truth is not None else None
+            engine = SimEngine(
+                timing, pool, max_batch=max_batch, observer=observer, step_timing=step_timing
+            )
             made.append(engine)
             return engine
 
@@ -387,6 +400,10 @@ class Simulation:
             unfinished=unfinished,
             observed_s=self.observed,
             violations=violations,
+            offered_tokens={
+                name: sum(r.total_tokens for r in reqs if r.arrival_s < self.duration_s)
+                for name, reqs in self.trace.items()
+            },
         )
 
 

@@ -8,7 +8,9 @@ included. Utilisation is integrated over the run from samples of the GPUs a syst
 replica installed on them, serving, loading or draining): memory = bytes allocated in the
 simulated pool (weights, runtime overhead, KV) over their capacity; compute = model FLOPs done
 (2·params per token plus attention) over their peak bf16 FLOP/s — a model-FLOPs utilisation;
-``busy_fraction`` is the share of time their engines were inside an iteration.
+``busy_fraction`` is the share of time their engines were inside an iteration. SLO goodput
+counts the prompt + output tokens of completed requests whose TTFT and mean inter-token gap
+(first token to finish over output tokens − 1) are within the deployment's SLOs.
 """
 
 from __future__ import annotations
@@ -77,6 +79,14 @@ class DeploymentMetrics:
     chat_ttft: Histogram = field(default_factory=dict)
     summarisation_ttft: Histogram = field(default_factory=dict)
     replays: int = 0
+    # SLO goodput: a request counts when its TTFT and its mean gap between output tokens are
+    # within the deployment's SLOs; its prompt + output tokens are then goodput.
+    ttft_slo_s: float = float("inf")
+    tbt_slo_s: float = float("inf")
+    goodput_tokens: int = 0
+    good_requests: int = 0
+    missed_ttft: int = 0  # completed requests over the TTFT SLO
+    missed_tbt: int = 0  # completed requests over the TBT SLO (TTFT within)
     _step_buckets: dict[float, int] = field(default_factory=dict)
 
     def on_decode(self, end_s: float, step_s: float, tokens: int) -> None:
@@ -106,6 +116,15 @@ class DeploymentMetrics:
         self.completions[minute] += 1
         self.tokens[minute] += done.prompt_tokens + done.output_tokens
         self.replays += done.replays
+        gaps = done.output_tokens - 1
+        tbt_s = (done.finish_s - done.first_token_s) / gaps if gaps > 0 else 0.0
+        if done.ttft_s > self.ttft_slo_s:
+            self.missed_ttft += 1
+        elif tbt_s > self.tbt_slo_s:
+            self.missed_tbt += 1
+        else:
+            self.good_requests += 1
+            self.goodput_tokens += done.prompt_tokens + done.output_tokens
 
     def window(self, series: Mapping[int, Histogram], start_s: float, end_s: float) -> Histogram:
         """Histograms of the minutes starting in ``[start_s, end_s)``, merged."""

@@ -8,6 +8,7 @@ the same run (same trace, seeds and cost model).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -56,19 +57,86 @@ def _median_shift(
     return rnd(statistics.median(values), 2) if values else None
 
 
-def headline(systems: Mapping[str, Any], big: str, small: str | None) -> dict[str, Any]:
+def _shift_totals(system: Mapping[str, Any], deployment: str | None) -> list[float]:
+    """Whole-transition durations (decision to done) of a deployment's executed shifts."""
+    return [
+        s["total_s"]
+        for s in system["shifts"]
+        if s["total_s"] is not None and s["outcome"] == "done" and s["deployment"] == deployment
+    ]
+
+
+def p95_of(values: Sequence[float]) -> float | None:
+    """Nearest-rank p95 (``None`` when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def post_preemption_ratios(system: Mapping[str, Any], big: str) -> list[float]:
+    """Per preemption: the large model's TTFT p95 in the 10 min after over the hour before."""
+    out = []
+    for event in system["deployments"][big]["preemptions"]:
+        after, before = event.get("ttft_p95_after_ms"), event.get("ttft_p95_before_ms")
+        if after is not None and before:
+            out.append(after / before)
+    return out
+
+
+def goodput_rows(systems: Mapping[str, Any]) -> dict[str, Any]:
+    """Per system: SLO goodput, tokens, rejections by reason and TTFT/TBT quantiles per
+    deployment (the compact rows kept for every seed)."""
+    rows: dict[str, Any] = {}
+    for key, system in systems.items():
+        rows[key] = {
+            "goodput_of_offered": system["goodput_of_offered"],
+            "goodput_tokens": system["goodput_tokens"],
+            "offered_tokens": system["offered_tokens"],
+            "tokens": system["tokens"],
+            "deployments": {
+                name: {
+                    "goodput_of_offered": dep["goodput_of_offered"],
+                    "tokens": dep["tokens"],
+                    "rejections": dep["rejections"],
+                    "slo_missed": dep["slo_missed"],
+                    "ttft_ms": dep["ttft_ms"],
+                    "tbt_ms": dep["tbt_ms"],
+                }
+                for name, dep in system["deployments"].items()
+            },
+        }
+    return rows
+
+
+def headline(
+    systems: Mapping[str, Any], big: str, small: str | None, spread: float = 0.0
+) -> dict[str, Any]:
     """The figures the last JSON line carries (all from this run); ``big``/``small`` name the
-    deployments of the 70B- and 7B-class models."""
+    deployments of the 70B- and 7B-class models; ``spread`` is the ground truth's (a
+    configured constant, reported as the world's setting, not as a measurement)."""
     fixed, flex = systems["fixed"], systems["flexpipe"]
     name = big
     flex_event, fixed_event = _first_preemption(flex, name), _first_preemption(fixed, name)
     flex_peak, steady = flex_event.get("peak_p95_ms"), flex_event.get("steady_p95_ms")
     fixed_util, flex_util = fixed["utilisation"], flex["utilisation"]
+    by_dep = [d["goodput_of_offered"] for d in flex["deployments"].values()]
+    ratios = post_preemption_ratios(flex, big)
     return {
+        "perturbation_spread": spread,
+        "goodput_of_offered": flex["goodput_of_offered"],
+        "fixed_goodput_of_offered": fixed["goodput_of_offered"],
+        "goodput_ratio_vs_fixed": _ratio(flex["goodput_tokens"], fixed["goodput_tokens"]),
+        "goodput_of_offered_by_deployment_min": min(
+            (v for v in by_dep if v is not None), default=None
+        ),
+        "post_preemption_ttft_p95_ratio": rnd(statistics.median(ratios), 3) if ratios else None,
+        "shift_s_70b_p95": rnd(p95_of(_shift_totals(flex, big)), 2),
+        "shift_s_7b_p95": rnd(p95_of(_shift_totals(flex, small)), 2),
         "throughput_ratio": _ratio(flex["tokens"], fixed["tokens"]),
         "p95_peak_ratio": _ratio(flex_peak, steady),
         "p95_peak_vs_fixed": _ratio(flex_peak, fixed_event.get("peak_p95_ms")),
-        "decision_delay_s": flex["decision_delay_s"],
+        "decision_delay_s_modelled": flex["decision_delay_s"],
         "shift_s_7b": _median_shift(flex, small),
         "shift_s_70b": _median_shift(flex, big),
         "flaps_no_hysteresis": systems["no_hysteresis"]["flaps"]["flaps"],
@@ -88,30 +156,100 @@ def _gain(a: Mapping[str, Any], b: Mapping[str, Any], key: str) -> float | None:
     return None if ratio is None else round(ratio - 1.0, 4)
 
 
-def targets(head: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, each with its figure and whether it is met."""
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return rnd(statistics.median(present), 4) if present else None
 
-    def check(name: str, value: float | None, op: str, bound: float) -> dict[str, Any]:
+
+def _least(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+def aggregate(
+    runs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]],
+    big: str,
+    small: str | None,
+    spread: float,
+) -> dict[str, Any]:
+    """The headline over seeds from each seed's (headline, systems): medians, the worst seed,
+    and quantities pooled over seeds (post-preemption ratios, whole-transition p95s)."""
+    heads = [h for h, _ in runs]
+
+    def col(key: str) -> list[float | None]:
+        return [h.get(key) for h in heads]
+
+    ratios = [r for _, sy in runs for r in post_preemption_ratios(sy["flexpipe"], big)]
+    shifts_big = [v for _, sy in runs for v in _shift_totals(sy["flexpipe"], big)]
+    shifts_small = [v for _, sy in runs for v in _shift_totals(sy["flexpipe"], small)]
+    out: dict[str, Any] = {
+        "seeds": len(runs),
+        "perturbation_spread": spread,
+        "goodput_of_offered": _median(col("goodput_of_offered")),
+        "goodput_of_offered_min": _least(col("goodput_of_offered")),
+        "fixed_goodput_of_offered": _median(col("fixed_goodput_of_offered")),
+        "goodput_ratio_vs_fixed": _median(col("goodput_ratio_vs_fixed")),
+        "goodput_ratio_vs_fixed_min": _least(col("goodput_ratio_vs_fixed")),
+        "goodput_of_offered_by_deployment_min": _median(
+            col("goodput_of_offered_by_deployment_min")
+        ),
+        "post_preemption_ttft_p95_ratio": _median(ratios),
+        "shift_s_70b_p95": rnd(p95_of(shifts_big), 2),
+        "shift_s_7b_p95": rnd(p95_of(shifts_small), 2),
+        "flaps_flexpipe": _median(col("flaps_flexpipe")),
+        "flaps_no_hysteresis": _median(col("flaps_no_hysteresis")),
+        "throughput_ratio": _median(col("throughput_ratio")),
+        "decision_delay_s_modelled": _median(col("decision_delay_s_modelled")),
+        "rejections_flexpipe": _median(col("rejections_flexpipe")),
+        "rejections_fixed": _median(col("rejections_fixed")),
+        # Not built in this round (see the README): reported as absent, never as a figure.
+        "goodput_vs_oracle": None,
+        "goodput_vs_oracle_min": None,
+        "oracle_goodput_of_offered": None,
+        "estimator_error_p95": None,
+    }
+    return out
+
+
+def targets(head: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Issue 12's targets, each with its figure and whether it is met (``None``: not measured)."""
+
+    def check(name: str, op: str, bound: float) -> dict[str, Any]:
+        value = head.get(name)
         met = None
         if value is not None:
             met = value >= bound if op == ">=" else value <= bound
         return {"target": name, "value": value, "bound": f"{op} {bound}", "met": met}
 
-    flaps_ok = head["flaps_no_hysteresis"] > head["flaps_flexpipe"]
+    flex, no_h = head.get("flaps_flexpipe"), head.get("flaps_no_hysteresis")
+    flaps_ok = None
+    if flex is not None and no_h is not None:
+        # NOTE: 0 ≥ 2 × 0 would pass with no flaps anywhere, which shows nothing about
+        # hysteresis: the ablation must flap more than FlexPipe.
+        flaps_ok = no_h >= 3 or (no_h >= 2 * flex and no_h > flex)
     return [
-        check("throughput_ratio", head["throughput_ratio"], ">=", 1.6),
-        check("p95_peak_ratio", head["p95_peak_ratio"], "<=", 2.0),
-        check("p95_peak_vs_fixed", head["p95_peak_vs_fixed"], "<=", 0.4),
-        check("decision_delay_s", head["decision_delay_s"], "<=", 40.0),
-        check("shift_s_7b", head["shift_s_7b"], "<=", 5.0),
-        check("shift_s_70b", head["shift_s_70b"], "<=", 15.0),
-        check("memory_utilisation_gain", head["memory_utilisation_gain"], ">=", 0.22),
-        check("compute_utilisation_gain", head["compute_utilisation_gain"], ">=", 0.18),
+        check("goodput_vs_oracle", ">=", 0.90),
+        check("goodput_vs_oracle_min", ">=", 0.85),
+        check("goodput_of_offered", ">=", 0.93),
+        check("goodput_of_offered_by_deployment_min", ">=", 0.90),
+        check("goodput_ratio_vs_fixed", ">=", 1.0),
+        check("goodput_ratio_vs_fixed_min", ">=", 1.0),
+        check("post_preemption_ttft_p95_ratio", "<=", 2.0),
+        check("estimator_error_p95", "<=", 0.5),
+        check("flaps_flexpipe", "<=", 1),
         {
-            "target": "flaps_no_hysteresis > flaps_flexpipe",
-            "value": [head["flaps_no_hysteresis"], head["flaps_flexpipe"]],
-            "bound": ">",
+            "target": "flaps_no_hysteresis >= 3 or >= 2 x flaps_flexpipe",
+            "value": [no_h, flex],
+            "bound": ">=",
             "met": flaps_ok,
+        },
+        check("shift_s_70b_p95", "<=", 15.0),
+        check("shift_s_7b_p95", "<=", 5.0),
+        {
+            "target": "perturbation_spread = 0.3",
+            "value": head.get("perturbation_spread"),
+            "bound": "=",
+            "met": head.get("perturbation_spread") == 0.3,
         },
     ]
 
@@ -140,6 +278,7 @@ Row = tuple[str, str, Getter]
 
 def _run_rows(fixed_tokens: int) -> list[Row]:
     return [
+        ("SLO goodput / offered", "—", lambda s: s["goodput_of_offered"]),
         ("total tokens (M)", "—", lambda s: round(s["tokens"] / 1e6, 2)),
         ("tokens / fixed", "1.49×", lambda s: _ratio(s["tokens"], fixed_tokens)),
         ("rejected requests", "—", lambda s: s["rejections"]),
@@ -170,6 +309,12 @@ def _deployment_rows(label: str, name: str, article: bool) -> list[Row]:
          lambda s: _trio(s["deployments"][name]["ttft_ms"])),
         (f"{label} TBT p50/p95/p99 (ms)", "—",
          lambda s: _trio(s["deployments"][name]["tbt_ms"])),
+        (f"{label} SLO goodput / offered", "—",
+         lambda s: s["deployments"][name]["goodput_of_offered"]),
+        (f"{label} TTFT p95 10 min after / hour before preempts (ms)", "—",
+         lambda s: _around_text(s, name)),
+        (f"{label} rejected by reason", "—",
+         lambda s: _reasons(s["deployments"][name]["rejections"])),
     ]  # fmt: skip
 
 
@@ -178,7 +323,7 @@ def _shift_rows(big: str, small: str | None) -> list[Row]:
         return round(sum(x["kv_bytes_moved"] for x in s["shifts"]) / 1e9, 1)
 
     return [
-        ("decision delay (s)", "40", lambda s: s["decision_delay_s"]),
+        ("decision delay, modelled (s)", "40", lambda s: s["decision_delay_s"]),
         ("shifts done / rolled back", "—",
          lambda s: f"{s['flaps']['shifts']} / {s['flaps']['rolled_back']}"),
         ("switch phase 7B median (s)", "3–5", lambda s: _median_shift(s, small)),
@@ -206,6 +351,17 @@ def _rows(systems: Mapping[str, Any], big: str, small: str | None) -> list[Row]:
     if small is not None:
         rows += _deployment_rows("7B", small, False)
     return rows + _shift_rows(big, small) + _utilisation_rows()
+
+
+def _around_text(system: Mapping[str, Any], name: str) -> str:
+    events = system["deployments"][name]["preemptions"]
+    return " ".join(
+        f"{_fmt(e.get('ttft_p95_after_ms'))}/{_fmt(e.get('ttft_p95_before_ms'))}" for e in events
+    )
+
+
+def _reasons(counts: Mapping[str, int]) -> str:
+    return " ".join(f"{k} {v:,}" for k, v in counts.items()) or "0"
 
 
 def _trio(q: Mapping[str, Any]) -> str:

@@ -13,6 +13,10 @@ Definitions used in the report (stated once, here):
 * shift durations — from the runtime's persisted transition records: prepare (shadow load),
   switch (canary, KV hand-over, route-table swap) and cleanup (drain); "the shift" is the switch
   phase, during which both plans serve and KV moves (the article's 3–5 s / 8–15 s);
+* post-preemption TTFT p95 — over the requests whose first token came out in the
+  ``AFTER_S`` after the event, against the ``BEFORE_S`` before it;
+* SLO goodput — prompt + output tokens of requests within both SLOs (see
+  :mod:`bench.sim.metrics`) over the tokens offered (every arrival's prompt + requested output);
 * flaps — executed voluntary shifts (not forced by lost GPUs) that start less than
   ``FLAP_WINDOW_S`` after the same deployment's previous executed shift; reversals — executed
   shifts straight back to the plan the previous one left, within the window. Decisions whose
@@ -38,6 +42,8 @@ RECOVER_FACTOR = 1.2
 RECOVER_MINUTES = 3
 FLAP_WINDOW_S = 600.0
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
+AFTER_S = 600.0  # post-preemption window of the TTFT p95 ratio
+BEFORE_S = 3600.0  # and the window before it
 
 
 def rnd(value: float | None, digits: int = 1) -> float | None:
@@ -70,6 +76,16 @@ def _served_share(metrics: DeploymentMetrics, event_s: float, end_s: float) -> d
         "arrivals": arrivals,
         "rejected": rejected,
         "rejected_share": rnd(rejected / arrivals, 4) if arrivals else None,
+    }
+
+
+def _around(metrics: DeploymentMetrics, event_s: float) -> dict[str, float | None]:
+    """TTFT p95 over ``AFTER_S`` after an event and over ``BEFORE_S`` before it."""
+    after = metrics.window(metrics.ttft, event_s, event_s + AFTER_S)
+    before = metrics.window(metrics.ttft, event_s - BEFORE_S, event_s)
+    return {
+        "ttft_p95_after_ms": rnd(quantile_ms(after, 0.95)),
+        "ttft_p95_before_ms": rnd(quantile_ms(before, 0.95)),
     }
 
 
@@ -141,10 +157,16 @@ def deployment_summary(
     p95 = minute_p95(metrics.ttft)
     starts = result.preemptions
     ends = [*starts[1:], duration_s][: len(starts)]
+    offered = result.offered_tokens.get(name, 0)
     return {
         "arrivals": sum(metrics.arrivals.values()),
         "completions": sum(metrics.completions.values()),
         "tokens": sum(metrics.tokens.values()),
+        "offered_tokens": offered,
+        "goodput_tokens": metrics.goodput_tokens,
+        "goodput_of_offered": rnd(metrics.goodput_tokens / offered, 4) if offered else None,
+        "slo_ms": {"ttft": metrics.ttft_slo_s * 1000.0, "tbt": metrics.tbt_slo_s * 1000.0},
+        "slo_missed": {"ttft": metrics.missed_ttft, "tbt": metrics.missed_tbt},
         "rejections": dict(sorted(metrics.rejections.items())),
         "unfinished": result.unfinished.get(name, 0),
         "replays": metrics.replays,
@@ -154,7 +176,12 @@ def deployment_summary(
         "tbt_ms": quantiles(merge(metrics.tbt.values())),
         "phases": _phases(metrics, scenario, name, duration_s),
         "preemptions": [
-            {"t_s": t, **event_response(p95, t, end), **_served_share(metrics, t, end)}
+            {
+                "t_s": t,
+                **event_response(p95, t, end),
+                **_served_share(metrics, t, end),
+                **_around(metrics, t),
+            }
             for t, end in zip(starts, ends, strict=True)
         ],
         "per_minute": _series(metrics, duration_s),
@@ -289,9 +316,14 @@ def system_summary(result: RunResult, scenario: Scenario, duration_s: float) -> 
         reasons[d.reason] = reasons.get(d.reason, 0) + 1
     util = {k: rnd(v, 4) for k, v in result.utilisation.summary().items()}
     gpus = result.utilisation.gpus_by_minute
+    offered = sum(d["offered_tokens"] for d in deployments.values())
+    good = sum(d["goodput_tokens"] for d in deployments.values())
     return {
         "label": result.system.label,
         "tokens": sum(d["tokens"] for d in deployments.values()),
+        "offered_tokens": offered,
+        "goodput_tokens": good,
+        "goodput_of_offered": rnd(good / offered, 4) if offered else None,
         "rejections": sum(sum(d["rejections"].values()) for d in deployments.values()),
         "deployments": deployments,
         "utilisation": util,

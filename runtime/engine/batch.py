@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from runtime.engine.base import Failed, Finished, FirstToken, SeqSpec, SeqState, StepOutput
-from runtime.timing import TOKEN_BUCKET, ReplicaTiming
+from runtime.timing import TOKEN_BUCKET
 
 EPS_S = 1e-12  # float slack when fitting whole iterations before ``now_s``
 
@@ -47,10 +47,23 @@ def context_bucket(context: float) -> int:
     return max(TOKEN_BUCKET, math.ceil(context / TOKEN_BUCKET) * TOKEN_BUCKET)
 
 
+class StepTiming(Protocol):
+    """What times an engine's iterations: gearbox's estimate (:class:`ReplicaTiming`) by
+    default, or a simulated world's ground truth that the planner cannot see."""
+
+    def prefill_s(self, num_tokens: int) -> float:
+        """Latency of one prompt through the prefill pipeline."""
+        ...
+
+    def decode_cycle_s(self, batch: int, context_tokens: float) -> float:
+        """One decode step for ``batch`` sequences at a (bucketed) mean context."""
+        ...
+
+
 class StepTable:
     """Decode step times of one replica by (batch, context bucket), computed once each."""
 
-    def __init__(self, timing: ReplicaTiming) -> None:
+    def __init__(self, timing: StepTiming) -> None:
         self._timing = timing
         self._memo: dict[tuple[int, int], float] = {}
 

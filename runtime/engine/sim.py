@@ -1,4 +1,5 @@
-"""SimEngine: a SIMULATED inference engine for one replica, timed by gearbox's cost model.
+"""SimEngine: a SIMULATED inference engine for one replica, timed by gearbox's cost model or by
+a simulated world's ground truth (``step_timing``, e.g. :mod:`sim.truth`).
 
 It serves requests without a GPU. An iteration prefills the waiting prompts that fit a token
 budget and advances every running sequence by one token, taking the time
@@ -52,6 +53,7 @@ from runtime.engine.batch import (
     SeqRecord,
     StepAcc,
     StepTable,
+    StepTiming,
     context_bucket,
     decode_segments,
 )
@@ -73,6 +75,7 @@ class SimEngine:
         max_batch: int | None = None,
         max_prefill_tokens: int = 8192,
         observer: DecodeObserver | None = None,
+        step_timing: StepTiming | None = None,
     ) -> None:
         self.replica_id = timing.replica_id
         self.timing = timing
@@ -98,7 +101,10 @@ class SimEngine:
         self._records: dict[str, SeqRecord] = {}
         self._waiting: dict[str, SeqRecord] = {}
         self._batch = RunningBatch()
-        self._steps = StepTable(timing)
+        # NOTE: iterations are timed by ``step_timing`` when given (a simulated world's ground
+        # truth); ``timing`` still gives memory figures, and the router keeps estimating with it.
+        self._clock_timing: StepTiming = step_timing or timing
+        self._steps = StepTable(self._clock_timing)
         self._order = 0
         self._last_now_s = 0.0
         self._next_event_s = 0.0  # no observable output can happen before this
@@ -436,7 +442,7 @@ class SimEngine:
         if not self._prefilling:
             picked = self._due_prefills(clock_s)
             if picked:
-                t = self.timing
+                t = self._clock_timing
                 self._prefilling = picked
                 self._inflight_done_s = clock_s + sum(
                     t.prefill_s(q.spec.prompt_tokens + q.gen0) for q in picked
@@ -475,7 +481,7 @@ class SimEngine:
         self, picked: list[SeqRecord], clock: float, now_s: float, acc: StepAcc
     ) -> float | None:
         """One iteration with prefills (exact); None if it ends after ``now_s``."""
-        t = self.timing
+        t = self._clock_timing
         duration = sum(t.prefill_s(q.spec.prompt_tokens + q.gen0) for q in picked)
         n = len(self._batch)
         if n:

@@ -32,6 +32,8 @@ def run_bench(out: Path, workers: int, hash_seed: str) -> str:
             str(SCENARIO),
             "--seed",
             "3",
+            "--seeds",
+            "2",
             "--workers",
             str(workers),
             "--out",
