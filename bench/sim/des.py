@@ -85,6 +85,7 @@ class DecisionLog:
     est_shift_s: float  # gearbox's modelled shift duration
     est_kv_bytes: int  # gearbox's modelled KV migration
     explanation: str
+    est_ttft_p95_ms: float | None = None  # gearbox's estimate for the serving plan at this tick
 
 
 def decision_log(out: StepOutput, t_s: float) -> DecisionLog:
@@ -103,6 +104,9 @@ def decision_log(out: StepOutput, t_s: float) -> DecisionLog:
         est_shift_s=d.switch_cost.duration_s if d is not None else 0.0,
         est_kv_bytes=d.switch_cost.kv_migrate_bytes if d is not None else 0,
         explanation=out.result.explanation,
+        est_ttft_p95_ms=(
+            out.result.current.est_ttft_p95_ms if out.result.current is not None else None
+        ),
     )
 
 

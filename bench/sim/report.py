@@ -133,6 +133,8 @@ def headline(
         "post_preemption_ttft_p95_ratio": rnd(statistics.median(ratios), 3) if ratios else None,
         "shift_s_70b_p95": rnd(p95_of(_shift_totals(flex, big)), 2),
         "shift_s_7b_p95": rnd(p95_of(_shift_totals(flex, small)), 2),
+        "estimator_error_p95": flex["estimator_error"]["p95"],
+        "estimator_error_median": flex["estimator_error"]["median"],
         "throughput_ratio": _ratio(flex["tokens"], fixed["tokens"]),
         "p95_peak_ratio": _ratio(flex_peak, steady),
         "p95_peak_vs_fixed": _ratio(flex_peak, fixed_event.get("peak_p95_ms")),
@@ -206,7 +208,8 @@ def aggregate(
         "goodput_vs_oracle": None,
         "goodput_vs_oracle_min": None,
         "oracle_goodput_of_offered": None,
-        "estimator_error_p95": None,
+        "estimator_error_p95": _median(col("estimator_error_p95")),
+        "estimator_error_median": _median(col("estimator_error_median")),
     }
     return out
 
@@ -331,6 +334,10 @@ def _shift_rows(big: str, small: str | None) -> list[Row]:
         ("prepare+switch 70B median (s)", "—", lambda s: _median_shift(s, big, cutover=True)),
         ("KV moved (GB)", "—", kv_gb),
         ("flaps (<10 min)", "—", lambda s: s["flaps"]["flaps"]),
+        ("whole shift 70B median / p95 (s)", "—", lambda s: _totals_text(s, big)),
+        ("whole shift 7B median / p95 (s)", "—", lambda s: _totals_text(s, small)),
+        ("TTFT p95 estimate error median / p95", "—",
+         lambda s: f"{_fmt(s['estimator_error']['median'])} / {_fmt(s['estimator_error']['p95'])}"),
     ]  # fmt: skip
 
 
@@ -358,6 +365,13 @@ def _around_text(system: Mapping[str, Any], name: str) -> str:
     return " ".join(
         f"{_fmt(e.get('ttft_p95_after_ms'))}/{_fmt(e.get('ttft_p95_before_ms'))}" for e in events
     )
+
+
+def _totals_text(system: Mapping[str, Any], deployment: str | None) -> str | None:
+    totals = _shift_totals(system, deployment)
+    if not totals:
+        return None
+    return f"{_fmt(statistics.median(totals))} / {_fmt(p95_of(totals))}"
 
 
 def _reasons(counts: Mapping[str, int]) -> str:

@@ -17,6 +17,9 @@ Definitions used in the report (stated once, here):
   ``AFTER_S`` after the event, against the ``BEFORE_S`` before it;
 * SLO goodput — prompt + output tokens of requests within both SLOs (see
   :mod:`bench.sim.metrics`) over the tokens offered (every arrival's prompt + requested output);
+* estimator error — per decision tick, |gearbox's TTFT p95 estimate for the serving plan −
+  the TTFT p95 observed in the ``ESTIMATE_WINDOW_S`` after the tick| / observed (minute
+  granularity: the window starts at the tick's minute);
 * flaps — executed voluntary shifts (not forced by lost GPUs) that start less than
   ``FLAP_WINDOW_S`` after the same deployment's previous executed shift; reversals — executed
   shifts straight back to the plan the previous one left, within the window. Decisions whose
@@ -43,6 +46,7 @@ RECOVER_MINUTES = 3
 FLAP_WINDOW_S = 600.0
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
 AFTER_S = 600.0  # post-preemption window of the TTFT p95 ratio
+ESTIMATE_WINDOW_S = 300.0  # observed TTFT p95 an estimate at a decision tick is checked against
 BEFORE_S = 3600.0  # and the window before it
 
 
@@ -185,6 +189,35 @@ def deployment_summary(
             for t, end in zip(starts, ends, strict=True)
         ],
         "per_minute": _series(metrics, duration_s),
+    }
+
+
+def estimator_errors(result: RunResult) -> list[float]:
+    """Per decision tick and deployment: |estimated − observed| / observed TTFT p95, where the
+    estimate is gearbox's for the serving plan at the tick and the observation the p95 of the
+    requests whose first token came out in the ``ESTIMATE_WINDOW_S`` after it (ticks with fewer
+    than ``MIN_SAMPLES`` such requests are left out)."""
+    out = []
+    for d in result.decisions:
+        if d.est_ttft_p95_ms is None:
+            continue
+        metrics = result.metrics[d.deployment]
+        h = metrics.window(metrics.ttft, d.t_s, d.t_s + ESTIMATE_WINDOW_S)
+        observed = quantile_ms(h, 0.95)
+        if observed is None or weight(h) < MIN_SAMPLES:
+            continue
+        out.append(abs(d.est_ttft_p95_ms - observed) / observed)
+    return out
+
+
+def _error_summary(errors: Sequence[float]) -> dict[str, Any]:
+    if not errors:
+        return {"ticks": 0, "median": None, "p95": None}
+    ordered = sorted(errors)
+    return {
+        "ticks": len(ordered),
+        "median": rnd(statistics.median(ordered), 3),
+        "p95": rnd(ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)], 3),
     }
 
 
@@ -336,4 +369,5 @@ def system_summary(result: RunResult, scenario: Scenario, duration_s: float) -> 
         "first_response": _first_response(shifts, result.preemptions, duration_s),
         "observed_delays_s": [rnd(seen - t, 3) for t, seen in result.observed_s],
         "violations": result.violations,
+        "estimator_error": _error_summary(estimator_errors(result)),
     }
