@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gearbox import cache
 from gearbox.blocks import AtomicBlock
 from gearbox.config import GearboxConfig
 from gearbox.cost import (
@@ -371,7 +372,11 @@ def _pd_option(
 
 
 def _pd_options(
-    ctx: _Context, snapshot: TopologySnapshot, hosts: Sequence[Sequence[ReplicaOption]]
+    ctx: _Context,
+    snapshot: TopologySnapshot,
+    hosts: Sequence[Sequence[ReplicaOption]],
+    signatures: Mapping[str, cache.Key],
+    common: cache.Key,
 ) -> list[ReplicaOption]:
     def biggest(options: Sequence[ReplicaOption]) -> ReplicaOption:
         return max(options, key=lambda o: (o.gpus_per_copy, o.label))
@@ -390,7 +395,17 @@ def _pd_options(
             link = snapshot.link_between(prefill.stages[0].domain_id, decode.stages[0].domain_id)
             if link.bandwidth_gbps < ctx.config.min_pd_link_gbps:
                 continue
-            option = _pd_option(ctx, prefill, decode, link)
+            key = (
+                "pd",
+                common,
+                signatures[prefill.block_ids[0]],
+                signatures[decode.block_ids[0]],
+                link,
+            )
+            option = cache.OPTIONS.get_or(
+                key,
+                lambda p=prefill, d=decode, k=link: _pd_option(ctx, p, d, k),  # type: ignore[misc]
+            )
             if option is not None:
                 options.append(option)
     return options
@@ -413,8 +428,12 @@ def enumerate_options(
     """
     ctx = _Context(model, config, prompt_tokens, output_tokens, available)
     by_uuid = {g.uuid: g for g in snapshot.gpus}
-    hosts: list[list[ReplicaOption]] = []
+    hosts: list[tuple[ReplicaOption, ...]] = []
     small: list[tuple[AtomicBlock, Sequence[Gpu]]] = []
+    # NOTE: options are memoised per block signature (gearbox.cache): a trigger that touched one
+    # block enumerates that block again, not the cluster
+    common = cache.Key(model, config, prompt_tokens, output_tokens)
+    signatures: dict[str, cache.Key] = {}
     for block in sorted(blocks, key=lambda b: b.block_id):
         gpus = sorted(
             (by_uuid[u] for u in block.gpu_uuids if u in by_uuid and u in available),
@@ -422,13 +441,20 @@ def enumerate_options(
         )
         if not gpus:
             continue
-        tp_options = _block_tp_options(ctx, block, gpus)
+        signature = cache.block_signature(block, gpus, available)
+        signatures[block.block_id] = signature
+        tp_options = cache.OPTIONS.get_or(
+            ("tp", common, signature),
+            lambda b=block, g=gpus: tuple(_block_tp_options(ctx, b, g)),  # type: ignore[misc]
+        )
         if tp_options:
             hosts.append(tp_options)
         else:
             small.append((block, gpus))
     options = [o for opts in hosts for o in opts]
-    if config.max_pp_stages >= 2:
-        options += _pp_options(ctx, snapshot, small)
-    options += _pd_options(ctx, snapshot, hosts)
+    if config.max_pp_stages >= 2 and small:
+        links = (snapshot.inter_domain_link, snapshot.link_overrides)
+        key = ("pp", common, links, tuple(signatures[b.block_id] for b, _ in small))
+        options += cache.OPTIONS.get_or(key, lambda: tuple(_pp_options(ctx, snapshot, small)))
+    options += _pd_options(ctx, snapshot, hosts, signatures, common)
     return tuple(options)

@@ -1,0 +1,87 @@
+"""The candidate cache: a memo that returns what enumerating again would, and enumerates again
+only the blocks a trigger touched."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bench.planner import make_cluster, make_load
+from gearbox import (
+    MODEL_70B_GQA,
+    GearboxConfig,
+    available_memory,
+    build_blocks,
+    cache,
+    enumerate_options,
+)
+from gearbox.scoring import request_profile
+from gearbox.types import TopologySnapshot
+
+
+def _options(snapshot: TopologySnapshot) -> tuple[object, ...]:
+    config = GearboxConfig()
+    blocks = build_blocks(snapshot, config)
+    prompt, output = request_profile(make_load(16), config)
+    free = available_memory(snapshot, frozenset())
+    return enumerate_options(blocks, snapshot, MODEL_70B_GQA, prompt, output, free, config)
+
+
+def _with_free(snapshot: TopologySnapshot, uuid: str, free: int) -> TopologySnapshot:
+    gpus = tuple(
+        dataclasses.replace(g, free_memory_bytes=free) if g.uuid == uuid else g
+        for g in snapshot.gpus
+    )
+    return dataclasses.replace(snapshot, gpus=gpus)
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache() -> None:
+    cache.clear()
+
+
+def test_a_hit_returns_what_enumerating_again_returns() -> None:
+    snapshot = make_cluster(16)
+    first = _options(snapshot)
+    assert cache.OPTIONS.stats.hits == 0
+    second = _options(snapshot)
+    assert cache.OPTIONS.stats.hits > 0
+    cache.clear()
+    assert second == first == _options(snapshot)
+    kinds = {o.kind.value for o in first}  # type: ignore[attr-defined]
+    assert kinds == {"tp", "pp", "pd"}, "the hard case: every kind of option is enumerated"
+
+
+def test_only_the_touched_block_is_enumerated_again() -> None:
+    snapshot = make_cluster(16)
+    _options(snapshot)
+    before = cache.OPTIONS.stats
+    gpu = next(g for g in snapshot.gpus if g.domain == "d004")  # a big (TP-hosting) block
+    touched = _with_free(snapshot, gpu.uuid, gpu.free_memory_bytes // 2)
+    after_touch = _options(touched)
+    after = cache.OPTIONS.stats
+    blocks = len({g.domain for g in snapshot.gpus})
+    misses = after.misses - before.misses
+    assert 1 <= misses < blocks, "the touched block (and its PD pairings), not the cluster"
+    cache.clear()
+    assert after_touch == _options(touched), "the touched block's options are fresh"
+
+
+def test_the_cache_is_bounded_least_recently_used_first() -> None:
+    memo = cache.OptionCache(max_entries=2)
+    memo.get_or("a", lambda: 1)
+    memo.get_or("b", lambda: 2)
+    memo.get_or("a", lambda: 0)  # a hit: "a" is now the most recent
+    memo.get_or("c", lambda: 3)  # evicts "b"
+    assert memo.get_or("a", lambda: 0) == 1
+    assert memo.get_or("b", lambda: 9) == 9
+    assert memo.stats.entries == 2
+
+
+def test_keys_compare_by_their_parts() -> None:
+    assert cache.Key("x", (1, 2)) == cache.Key("x", (1, 2))
+    assert hash(cache.Key("x", (1, 2))) == hash(cache.Key("x", (1, 2)))
+    assert cache.Key("x", (1, 2)) != cache.Key("x", (1, 3))
+    with pytest.raises(ValueError, match="max_entries"):
+        cache.OptionCache(max_entries=0)
