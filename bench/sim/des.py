@@ -86,6 +86,7 @@ class DecisionLog:
     est_kv_bytes: int  # gearbox's modelled KV migration
     explanation: str
     est_ttft_p95_ms: float | None = None  # gearbox's estimate for the serving plan at this tick
+    gain_over_cost: bool = False  # some candidate's gain exceeds its switch cost
 
 
 def decision_log(out: StepOutput, t_s: float) -> DecisionLog:
@@ -107,6 +108,7 @@ def decision_log(out: StepOutput, t_s: float) -> DecisionLog:
         est_ttft_p95_ms=(
             out.result.current.est_ttft_p95_ms if out.result.current is not None else None
         ),
+        gain_over_cost=any(c.gain_tokens > c.cost_tokens for c in out.result.candidates),
     )
 
 

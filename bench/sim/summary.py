@@ -221,6 +221,19 @@ def _error_summary(errors: Sequence[float]) -> dict[str, Any]:
     }
 
 
+def tick_reason(d: DecisionLog) -> str:
+    """The tick's reason, with gearbox's ``held_by_hysteresis`` split: held only while some
+    candidate gains more than its switch cost (else ``gain_below_cost``, which hysteresis
+    did not decide).
+
+    NOTE: gearbox gives held_by_hysteresis for any positive gain; the split is made here until
+    the decision reason itself is split (its wire type is being changed elsewhere).
+    """
+    if d.reason == "held_by_hysteresis" and not d.gain_over_cost:
+        return "gain_below_cost"
+    return d.reason
+
+
 def flap_counts(shifts: Sequence[Mapping[str, Any]], window_s: float) -> dict[str, int]:
     """Churn among executed shifts (see the module docstring)."""
     last: dict[str, Mapping[str, Any]] = {}
@@ -346,7 +359,8 @@ def system_summary(result: RunResult, scenario: Scenario, duration_s: float) -> 
     shifts = shift_summary(result.transitions, result.decisions)
     reasons: dict[str, int] = {}
     for d in result.decisions:
-        reasons[d.reason] = reasons.get(d.reason, 0) + 1
+        reason = tick_reason(d)
+        reasons[reason] = reasons.get(reason, 0) + 1
     util = {k: rnd(v, 4) for k, v in result.utilisation.summary().items()}
     gpus = result.utilisation.gpus_by_minute
     offered = sum(d["offered_tokens"] for d in deployments.values())

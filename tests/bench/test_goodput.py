@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 
+from bench.sim.des import DecisionLog
 from bench.sim.metrics import DeploymentMetrics
 from bench.sim.report import aggregate, p95_of, targets
+from bench.sim.summary import tick_reason
 from flexpipe.config import FlexPipeConfig
 from runtime.types import Completion, RequestKind
 from sim.catalog import with_scenario
@@ -74,3 +76,14 @@ def test_no_flaps_anywhere_does_not_show_hysteresis_working() -> None:
     assert flap_row["met"] is False
     rows = targets({"flaps_flexpipe": 1, "flaps_no_hysteresis": 2})
     assert next(t for t in rows if t["target"].startswith("flaps_no_h"))["met"] is True
+
+
+def test_held_by_hysteresis_is_split_from_gain_below_cost() -> None:
+    def tick(reason: str, over: bool) -> DecisionLog:
+        return DecisionLog(
+            0.0, "d", "timer", reason, None, False, None, None, 0, 0.0, 0, "", gain_over_cost=over
+        )
+
+    assert tick_reason(tick("held_by_hysteresis", True)) == "held_by_hysteresis"
+    assert tick_reason(tick("held_by_hysteresis", False)) == "gain_below_cost"
+    assert tick_reason(tick("cooldown", False)) == "cooldown"
