@@ -23,6 +23,7 @@ class Machine:
 
     gflops: float  # float32 matmul, one thread
     memcpy_gbps: float  # large contiguous copy, GB/s (read + write counted once)
+    read_gbps: float  # large contiguous read (a sum), GB/s: what a decode step's weight read does
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,8 @@ class Sample:
     phase: str  # "prefill" or "decode"
     batch: int
     tokens: int  # prompt length (prefill) or context length (decode)
-    step_s: float
+    step_s: float  # device time: the ranks' busy (CPU) time, see TorchEngine.last_device_s
+    wall_s: float  # the driver's wall time for the same steps
 
 
 def _best(fn: object, repeats: int) -> float:
@@ -46,19 +48,27 @@ def _best(fn: object, repeats: int) -> float:
 
 
 def machine() -> Machine:
-    """Matmul throughput and memcpy bandwidth, one thread."""
+    """Matmul throughput, memcpy and read bandwidth, one thread (best of repeats)."""
     torch.set_num_threads(1)
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    mm_s = _best(lambda: a @ b, 20)
-    src, dst = torch.randn(64 * MB // 4), torch.empty(64 * MB // 4)
-    cp_s = _best(lambda: dst.copy_(src), 5)
-    return Machine(2 * 512**3 / mm_s / 1e9, 64 * MB / cp_s / 1e9)
+    # NOTE: the peak is the best of a few GEMM shapes (square and the bench model's MLP-down);
+    # one 512² shape alone read 60-95 GFLOP/s between runs and below what prefill achieved
+    rates = []
+    for m, k, n in ((512, 512, 512), (1024, 1024, 1024), (256, 1408, 512)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        rates.append(2 * m * k * n / _best(lambda a=a, b=b: a @ b, 20) / 1e9)
+    src, dst = torch.randn(64 * MB // 4), torch.zeros(64 * MB // 4)
+    # NOTE: 30 repeats of a few ms each: best-of-5 read 3.3-8.8 GB/s between runs beside a
+    # neighbour, and a low figure pins the fitted efficiencies at their bound of 1
+    cp_s = _best(lambda: dst.copy_(src), 30)
+    read_s = _best(lambda: src.sum(), 30)
+    return Machine(max(rates), 64 * MB / cp_s / 1e9, 64 * MB / read_s / 1e9)
 
 
 def memcpy_gbps(num_bytes: int) -> float:
     """Plain copy of ``num_bytes`` contiguous bytes, GB/s (the migration baseline)."""
-    src, dst = torch.randn(max(1, num_bytes // 4)), torch.empty(max(1, num_bytes // 4))
-    return num_bytes / _best(lambda: dst.copy_(src), 5) / 1e9
+    # NOTE: a zeroed (touched) destination, like the KV pools: an empty one page-faults
+    src, dst = torch.randn(max(1, num_bytes // 4)), torch.zeros(max(1, num_bytes // 4))
+    return num_bytes / _best(lambda: dst.copy_(src), 10) / 1e9
 
 
 def start(
@@ -87,36 +97,50 @@ def start(
 
 
 def step_times(
-    engine: TorchEngine,
-    kind: str,
+    engines: dict[str, TorchEngine],
     prompt_lens: list[int],
     batches: list[int],
     context: int,
-    repeats: int,
+    rounds: int,
 ) -> list[Sample]:
-    """Prefill of one prompt per length; decode steps at each batch size (fastest of repeats).
+    """Prefill of one prompt per length and one decode step per batch size, for every plan, in
+    ``rounds`` interleaved rounds (each visits every plan and point once, the plans in rotated
+    order); each point's time is the fastest of the rounds.
 
-    NOTE: the fastest, not the median: on a shared host other processes only ever add time, so
-    the minimum is the least-disturbed estimate of the step (timeit's advice); medians of three
-    swung a decode step 50 % between runs while a neighbour was busy."""
-    out: list[Sample] = []
+    NOTE: interleaved so that a neighbour's load on this shared host falls on every plan alike
+    instead of on whichever plan was being measured then. The step time is device time (the
+    ranks' CPU time, as a CUDA event times a kernel on a GPU), not the driver's wall time: a
+    neighbour's busy loop takes the core from a rank mid-step and doubled the wall time of a
+    TP2 step, which no cost model of the device can predict. Even CPU time swings (a decode
+    step 7.5-23 ms over seven rounds beside two busy loops: steal and cache misses count as the
+    rank's time), but only upwards, so the fastest round is the least-disturbed estimate
+    (timeit's advice); medians kept half the swing. Wall time is kept beside it (``wall_s``)."""
+    kinds = list(engines)
+    times: dict[tuple[str, str, int, int], list[tuple[float, float]]] = {}
     n = 0
-    for length in prompt_lens:
-        times = []
-        for _ in range(repeats):
-            n += 1
-            admit_all(engine, [SeqSpec(f"{kind}-p{n}", length, 1)])
-            engine.step(0.0)
-            times.append(engine.last_iteration_s)
-        out.append(Sample(kind, "prefill", 1, length, min(times)))
-    for batch in batches:
-        n += 1
-        admit_all(engine, [SeqSpec(f"{kind}-d{n}-{i}", context, repeats + 2) for i in range(batch)])
-        engine.step(0.0)  # prefill them all
-        times = []
-        for _ in range(repeats):
-            engine.step(0.0)
-            times.append(engine.last_iteration_s)
-        run_to_completion([engine])
-        out.append(Sample(kind, "decode", batch, context + 1, min(times)))
-    return out
+    for r in range(rounds + 1):  # round 0 warms every shape up and is not kept
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+            engine = engines[kind]
+            for length in prompt_lens:
+                n += 1
+                admit_all(engine, [SeqSpec(f"{kind}-p{n}", length, 1)])
+                engine.step(0.0)
+                if r:
+                    times.setdefault((kind, "prefill", 1, length), []).append(
+                        (engine.last_device_s, engine.last_iteration_s)
+                    )
+            for batch in batches:
+                n += 1
+                admit_all(engine, [SeqSpec(f"{kind}-d{n}-{i}", context, 3) for i in range(batch)])
+                engine.step(0.0)  # prefill them all
+                engine.step(0.0)  # a first decode step, unmeasured (attends over context + 1)
+                engine.step(0.0)  # the measured one (context + 2)
+                if r:
+                    times.setdefault((kind, "decode", batch, context + 2), []).append(
+                        (engine.last_device_s, engine.last_iteration_s)
+                    )
+                run_to_completion([engine])
+    return [
+        Sample(kind, phase, batch, tokens, min(d for d, _ in ts), min(w for _, w in ts))
+        for (kind, phase, batch, tokens), ts in times.items()
+    ]

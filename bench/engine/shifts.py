@@ -32,7 +32,8 @@ class Migration:
     migrate_s: float
     bw_gbps: float
     memcpy_gbps: float
-    shift_s: float
+    shift_s: float  # wall time
+    shift_cpu_s: float  # the driver's CPU time for it (every sequence migrates: all its work)
     predicted_s: float
 
 
@@ -79,6 +80,7 @@ def migration_run(
         bw,
         memcpy_gbps(report.migrate_bytes),
         report.shift_s,
+        report.shift_cpu_s,
         cost.duration_s,
     )
 

@@ -128,6 +128,9 @@ class TorchEngine:
         self._alloc = self._allocator(self._kv_pipe)
         self._prefill_alloc = self._allocator(Pipeline.PREFILL) if plan.is_disaggregated else None
         self.last_iteration_s = 0.0  # wall time of the last step's forward(s)
+        # the same step's device time: per pipeline, the stages' busiest rank's CPU time summed
+        # (one packed batch passes the stages in turn); concurrent pipelines, the longest
+        self.last_device_s = 0.0
         self.last_handoff_bytes = 0
         self.replay_mismatches = 0  # replays whose re-prefill predicted another last token
 
@@ -440,11 +443,13 @@ class TorchEngine:
                 ]
             else:
                 launched = [self._launch(self._kv_pipe, prefill + decode)]
-            sampled = [tok for batch in launched for tok in self._collect(batch)]
+            collected = [self._collect(batch) for batch in launched]
         except procs.RankFailure:
             self._dead = EngineFault.GPU_LOST
             return StepOutput(failed=tuple(acc.failed) + self._fail_all())
         self.last_iteration_s = time.perf_counter() - t0
+        self.last_device_s = max(device_s for _, device_s in collected)
+        sampled = [tok for tokens, _ in collected for tok in tokens]
         order = prefill + decode  # replies come back pipeline by pipeline, in this order
         for sid, token in zip(order, sampled, strict=True):
             if sid in prefill:
@@ -529,14 +534,18 @@ class TorchEngine:
             )
         return targets, len(sids)
 
-    def _collect(self, launched: tuple[list[procs.RankProc], int]) -> list[int]:
+    def _collect(self, launched: tuple[list[procs.RankProc], int]) -> tuple[list[int], float]:
+        """The sampled tokens and the pipeline's device time (see ``last_device_s``)."""
         targets, _ = launched
         sampled: list[int] = []
+        stage_busy: dict[int, float] = {}
         for rp in targets:
             msg = procs.receive(rp, procs.STEP_TIMEOUT_S)
             if msg[1] is not None:
                 sampled = list(msg[1])
-        return sampled
+            pos = rp.boot.spec.stage_pos
+            stage_busy[pos] = max(stage_busy.get(pos, 0.0), msg[3])
+        return sampled, sum(stage_busy.values())
 
     def _after_prefill(self, sid: str, token: int, now_s: float, acc: _Acc) -> None:
         q = self._seqs[sid]

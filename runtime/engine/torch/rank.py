@@ -130,11 +130,14 @@ def rank_main(conn: Connection, boot: RankBoot) -> None:
                 rank.connect()
                 conn.send(("connected",))
             elif msg[0] == "forward":
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = rank.forward(msg[1], msg[2], msg[3])
                 if boot.device != "cpu":
                     torch.cuda.synchronize()
-                conn.send(("done", out, time.perf_counter() - t0))
+                # NOTE: CPU time of every thread (gloo's included); a blocked wait on a peer
+                # or on a neighbour holding the core costs none — the rank's busy time
+                busy = time.process_time() - c0
+                conn.send(("done", out, time.perf_counter() - t0, busy))
             elif msg[0] == "shutdown":
                 break
     except (EOFError, BrokenPipeError, ConnectionResetError):

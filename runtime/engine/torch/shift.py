@@ -41,6 +41,9 @@ class ShiftReport:
     migrate_bytes: int
     migrate_s: float  # wall time of the KV copies
     shift_s: float  # wall time from freezing the first sequence to the route flip
+    # the same span's CPU time in this (driver) thread: the copies' work without a neighbour's
+    # share of the core (replays' prefills run in the rank processes and are not in it)
+    shift_cpu_s: float
     replay_mismatches: int  # replays whose re-prefill disagreed with the emitted token
 
 
@@ -65,7 +68,7 @@ def shift(
 ) -> tuple[ShiftReport, list[StepOutput]]:
     """Run the switch and commit (or, with ``abort``, roll back). Returns the report and the
     old engine's step outputs produced while replays were prefilling (tokens it served)."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     migrate = [h.seq_id for h in handover if h.action is KvAction.MIGRATE]
     replay = [h.seq_id for h in handover if h.action is KvAction.REPLAY]
     copy_t0 = time.perf_counter()
@@ -97,6 +100,7 @@ def shift(
         migrate_bytes=moved_bytes,
         migrate_s=migrate_s,
         shift_s=time.perf_counter() - t0,
+        shift_cpu_s=time.thread_time() - cpu0,
         replay_mismatches=new.replay_mismatches,
     )
     return report, served
