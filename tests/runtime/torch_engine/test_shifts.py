@@ -114,7 +114,7 @@ def test_plans_without_shift_match_the_single_process_reference(engines: Engines
             assert engines.ledger.outputs(f"{sid}-{kind}") == reference[sid], kind
         # the last step's device time: the ranks' CPU time, which a rank can only spend while
         # the step runs (each rank at most the step's wall time, plus the pipe's scheduling)
-        assert 0.0 < engine.last_device_s
+        assert engine.last_device_s > 0.0
         assert engine.last_device_s <= len(engine.ranks) * engine.last_iteration_s + 0.05, kind
 
 
