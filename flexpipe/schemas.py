@@ -2,19 +2,25 @@
 
 Payloads are plain frozen dataclasses; pydantic's ``TypeAdapter`` validates them on decode so a bad
 message is rejected with the field's path and the reason, in microseconds, without hand-written
-checks. Encoding is ``dataclasses.asdict`` plus orjson in :mod:`flexpipe.envelope`.
+checks. Encoding is orjson's native dataclass form in :mod:`flexpipe.envelope`, which for
+gearbox's values is exactly ``gearbox.serde.to_plain``; decoding gearbox's values goes through
+``gearbox.serde`` too (:func:`_gearbox`), so the audit topic carries gearbox's own types.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Protocol, Self, TypeVar
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, PlainValidator
+
+from gearbox.decisions import CandidateSummary, Decision, DecisionReason, Trigger
+from gearbox.plans import DeploymentPlan
+from gearbox.types import LoadSnapshot
 
 # Strict: no silent coercion of "5" into 5; unknown fields are an error, not ignored.
-from gearbox.decisions import DecisionReason, Trigger
 
 STRICT = ConfigDict(strict=True, extra="forbid")
 
@@ -192,12 +198,117 @@ class ClusterEvent:
     detail: str = ""
 
 
+class _FromDict(Protocol):
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> Self: ...
+
+
+T = TypeVar("T", bound=_FromDict)
+
+
+def _gearbox(cls: type[T], *, optional: bool = False) -> PlainValidator:
+    """Validate a gearbox value with ``gearbox.serde`` (its own rules, e.g. a claimed plan id
+    must match the content); errors name the field inside the value."""
+
+    def check(value: object) -> T | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"expected a {cls.__name__} object, got {type(value).__name__}")
+        try:
+            return cls.from_dict(value)
+        except (TypeError, LookupError, ArithmeticError, AttributeError) as exc:
+            # NOTE: a value's own checks (__post_init__) may trip over malformed parts before
+            # naming them; to the sender it is all one thing: this field is invalid.
+            raise ValueError(f"{cls.__name__}: {type(exc).__name__}: {exc}") from None
+
+    validate: Callable[[object], T | None] = check
+    return PlainValidator(validate)
+
+
+MaybePlan = Annotated[DeploymentPlan | None, _gearbox(DeploymentPlan, optional=True)]
+MaybeDecision = Annotated[Decision | None, _gearbox(Decision, optional=True)]
+Load = Annotated[LoadSnapshot, _gearbox(LoadSnapshot)]
+Candidate = Annotated[CandidateSummary, _gearbox(CandidateSummary)]
+MaybeCandidate = Annotated[CandidateSummary | None, _gearbox(CandidateSummary, optional=True)]
+
+
+class PlanSource(enum.StrEnum):
+    """Where a deployment's current plan came from, as the stream saw it when deciding."""
+
+    NONE = "none"  # nothing yet: gearbox makes a first placement
+    HINT = "hint"  # the configured starting plan
+    DECISION = "decision"  # our own switch decision, not yet confirmed by the runtime
+    TRANSITION = "transition"  # a runtime worker finished the transition (phase DONE)
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A switch decision whose transition the runtime has not reported finished."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    decision_id: str  # the decision's id (``deployment:seq``)
+    seq: int  # the decision's sequence number, which is the runtime's transition_seq for it
+    to_plan_id: str  # the decision's target plan
+    since_ms: int  # event time of the trigger that emitted it
+
+    def deadline_ms(self, timeout_s: float) -> int:
+        """Event time from which the step decides again without waiting for the runtime."""
+        return self.since_ms + round(timeout_s * 1000)
+
+    def describe(self) -> str:
+        """``chat:3 → dp-…``, for explanations."""
+        return f"{self.decision_id} → {self.to_plan_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSummary:
+    """One atomic block as the decision saw it."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    block_id: str
+    domain_id: str
+    num_gpus: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionContext:
+    """What the stream saw when it decided: enough for an auditor to check the decision, and
+    for the stream itself to pick up after a crash (``now_s``, ``in_flight``)."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    trigger_time_ms: int
+    trigger_description: str
+    now_s: float  # event time of the snapshot decided on
+    worker: str
+    plan_source: PlanSource
+    load_source: str  # which telemetry the load came from (e.g. "serving", "launches")
+    load: Load
+    digest: str  # of the snapshot: a replay that differs on the same digest differs in policy
+    num_gpus: int
+    num_live_gpus: int
+    blocks: tuple[BlockSummary, ...]
+    notes: tuple[str, ...]
+    serving_plan_id: str | None  # what the runtime serves, as far as the stream knows
+    in_flight: InFlight | None  # the switch in flight after this decision
+    # Held decisions only: the candidates gearbox weighed and why nothing switched.
+    current: MaybeCandidate = None
+    candidates: tuple[Candidate, ...] = ()
+    problems: tuple[str, ...] = ()
+    retry_after_s: float | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class GearDecision:
     """A gear decision as published on the audit topic.
 
-    ``decision`` holds gearbox's full decision (``Decision.to_dict()``); the flat fields repeat what
-    subscribers filter on.
+    ``decision`` is gearbox's decision (None when the tick held); the flat fields repeat what
+    subscribers filter on; ``context`` is what the stream saw.
     """
 
     __pydantic_config__: ClassVar[ConfigDict] = STRICT
@@ -211,7 +322,8 @@ class GearDecision:
     from_plan_id: str | None
     to_plan_id: str | None
     explanation: str
-    decision: dict[str, Any] = field(default_factory=dict)
+    context: DecisionContext
+    decision: MaybeDecision = None
 
 
 class TransitionPhase(enum.StrEnum):
@@ -248,7 +360,7 @@ class GearTransition:
     attempt: int = 1
     duration_ms: float | None = None
     detail: str = ""
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: MaybePlan = None  # the plan that serves, on DONE
 
 
 class ControlAction(enum.StrEnum):

@@ -17,7 +17,6 @@ from typing import Any
 
 from flexpipe.schemas import GearDecision, GearTransition, TransitionPhase
 from gearbox.config import DEFAULT_CONFIG, GearboxConfig
-from gearbox.decisions import Decision
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan, ExecutionPlan
 from gearbox.presets import MODELS
@@ -157,10 +156,9 @@ class DeploymentRuntime:
     def _target_plan(self, decision: GearDecision) -> DeploymentPlan | None:
         if decision.deployment != self.deployment:
             return None
-        try:
-            plan = Decision.from_dict(decision.decision).to_plan
-        except (ValueError, TypeError, KeyError):
+        if decision.decision is None:
             return None
+        plan = decision.decision.to_plan
         if any(self.timing_for(r) is None for r in plan.replicas):
             return None
         return plan

@@ -233,7 +233,7 @@ def _record(
         attempt=a.attempt,
         duration_ms=None if since_s is None else round((now_s - since_s) * 1000.0, 3),
         detail=detail,
-        plan=a.to_plan.to_dict(),
+        plan=a.to_plan,
     )
 
 
@@ -440,7 +440,9 @@ def recover(deployment: str, records: Iterable[GearTransition], now_s: float) ->
     serving: DeploymentPlan | None = None
     state = MachineState(deployment)
     for seq, rec in last.items():
-        plan = DeploymentPlan.from_dict(rec.plan)
+        plan = rec.plan
+        if plan is None:
+            raise ValueError(f"{deployment} #{seq}: a transition record without its plan")
         state = replace(state, last_seq=seq)
         if rec.phase is DONE:
             serving = plan

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from flexpipe.schemas import FATAL_XIDS, GearTransition, TransitionPhase
-from gearbox.plans import DeploymentPlan
 from sim.summary import (
     Check,
     DecisionFact,
@@ -99,8 +98,8 @@ def _done_plans(transitions: Iterable[tuple[float, GearTransition]]) -> dict[str
     """Per deployment, every finished transition's plan, in time order."""
     out: dict[str, list[_Done]] = defaultdict(list)
     for t_s, rec in transitions:
-        if rec.phase is TransitionPhase.DONE and rec.plan and rec.to_plan_id:
-            gpus = DeploymentPlan.from_dict(rec.plan).gpu_uuids
+        if rec.phase is TransitionPhase.DONE and rec.plan is not None and rec.to_plan_id:
+            gpus = rec.plan.gpu_uuids
             out[rec.deployment].append(_Done(t_s, rec.to_plan_id, gpus, rec.decision_id))
     for items in out.values():
         items.sort(key=lambda d: d.t_s)

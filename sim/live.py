@@ -102,7 +102,7 @@ class Timeline:
             self.record.holds[(d.deployment, d.reason)] += 1
             self.window_holds[d.reason] += 1
             return
-        target = plan_shape(d.decision.get("to_plan")) if d.to_plan_id else "hold"
+        target = plan_shape(d.decision.to_plan) if d.decision is not None else "hold"
         # NOTE: stamped with its trigger's event time; when it took a while to arrive, say so.
         late = f" (seen {hms(seen_s)})" if seen_s - t_s > LATE_S else ""
         print(

@@ -142,14 +142,10 @@ def is_change(d: GearDecision) -> bool:
     return d.to_plan_id is not None or d.forced or d.trigger == "operator"
 
 
-def plan_shape(plan: DeploymentPlan | dict[str, object] | None) -> str:
+def plan_shape(plan: DeploymentPlan | None) -> str:
     """A plan in a few characters: ``TP8@A (8 GPUs)``, ``2×TP1@A (2 GPUs)``, ``TP4@A+TP4@B``."""
     if plan is None:
         return "no plan"
-    if isinstance(plan, dict):
-        if not plan:
-            return "no plan"
-        plan = DeploymentPlan.from_dict(plan)
     shapes = Counter(
         "+".join(f"TP{len(st.gpu_uuids)}@{st.domain_id}" for st in r.stages) for r in plan.replicas
     )

@@ -56,9 +56,9 @@ RUNTIME_SOURCE = "sim-world/runtime"
 def follow_placement(cluster: SimCluster, record: GearTransition) -> None:
     """A finished transition moves the deployment's processes in the simulated cluster, so the
     agents report the GPUs' memory where the runtime put it."""
-    if record.phase is not TransitionPhase.DONE or not record.plan:
+    plan = record.plan
+    if record.phase is not TransitionPhase.DONE or plan is None:
         return
-    plan = DeploymentPlan.from_dict(record.plan)
     groups = [tuple(u for st in r.stages for u in st.gpu_uuids) for r in plan.replicas]
     cluster.place(record.deployment, groups)
 

@@ -17,7 +17,6 @@ __all__ = [
     "LoggedDecision",
     "TriggerInfo",
     "decision_id",
-    "parse_trigger",
     "tick_due_ms",
 ]
 
@@ -73,11 +72,3 @@ def tick_due_ms(clock_ms: int, interval_s: float) -> int:
     in event time, so every worker (and a replay) agrees on them."""
     interval_ms = max(1, round(interval_s * 1000))
     return clock_ms // interval_ms * interval_ms
-
-
-def parse_trigger(value: str) -> Trigger:
-    """A logged trigger kind; TIMER for one this version does not know."""
-    try:
-        return Trigger(value)
-    except ValueError:
-        return Trigger.TIMER

@@ -13,38 +13,13 @@ Pure: no I/O; times are event-time inputs.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
-from flexpipe.schemas import GearDecision
+from flexpipe.schemas import GearDecision, InFlight
 from gearbox.decisions import DecideResult, DecisionReason
 from gearbox.history import GearState
-from streams.codec import from_plain
 
 __all__ = ["InFlight", "guard", "logged_marker", "unsettled"]
-
-
-@dataclass(frozen=True, slots=True)
-class InFlight:
-    """A switch decision whose transition the runtime has not reported finished."""
-
-    decision_id: str  # the decision's id (``deployment:seq``)
-    seq: int  # the decision's sequence number, which is the runtime's transition_seq for it
-    to_plan_id: str  # the decision's target plan
-    since_ms: int  # event time of the trigger that emitted it
-
-    def deadline_ms(self, timeout_s: float) -> int:
-        """Event time from which the step decides again without waiting for the runtime."""
-        return self.since_ms + round(timeout_s * 1000)
-
-    def describe(self) -> str:
-        """``chat:3 → dp-…``, for explanations."""
-        return f"{self.decision_id} → {self.to_plan_id}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain form, as the decision's context carries it."""
-        return dataclasses.asdict(self)
 
 
 def unsettled(
@@ -133,15 +108,7 @@ def _hold(
 
 def logged_marker(payload: GearDecision, trigger_time_ms: int) -> InFlight | None:
     """The decision in flight a logged decision left: itself when it is a switch, else the
-    marker its context recorded (None when absent or unreadable)."""
+    marker its context recorded."""
     if payload.to_plan_id is not None:
         return InFlight(payload.decision_id, payload.seq, payload.to_plan_id, trigger_time_ms)
-    context = payload.decision.get("context")
-    raw = context.get("in_flight") if isinstance(context, dict) else None
-    if raw is None:
-        return None
-    try:
-        marker: InFlight = from_plain(InFlight, raw)
-    except (TypeError, ValueError):
-        return None
-    return marker
+    return payload.context.in_flight

@@ -45,7 +45,6 @@ class DeadLetterReason(StrEnum):
     KEY_MISMATCH = "key_mismatch"  # the message key is not the payload's entity
     FUTURE_EVENT_TIME = "future_event_time"  # would drag the stream clock into the future
     UNKNOWN_DEPLOYMENT = "unknown_deployment"  # names a deployment this stream does not run
-    BAD_PLAN = "bad_plan"  # a transition's plan does not parse
     INTERNAL_ERROR = "internal_error"  # folding it raised: a bug, but the stream goes on
 
 

@@ -25,7 +25,7 @@ from streams import codec
 from streams.catalog import Catalog
 from streams.clock import EventClock
 from streams.deployments import Deployment
-from streams.intake import Accepted, DeadLetterReason, Rejected, SourceTopic, admit, dead_letter
+from streams.intake import Accepted, Rejected, SourceTopic, admit, dead_letter
 from streams.load import LaunchWindow, ServingWindows, fold_launches, fold_serving
 from streams.metrics import StreamsMetrics
 from streams.ports import Decisions, Message, Sender, TableName, Tables, TriggerMessage
@@ -204,7 +204,7 @@ class StreamProcessor:
         elif src is SourceTopic.SERVING:
             self._fold_serving(env)
         elif src is SourceTopic.TRANSITIONS:
-            await self._fold_transition(env, msg)
+            await self._fold_transition(env)
         else:
             await self._fold_control(env, wall_s)
 
@@ -278,33 +278,23 @@ class StreamProcessor:
         if new != state:
             self.store(TableName.SERVING, name, new)
 
-    async def _fold_transition(self, env: Envelope[Any], msg: Message) -> None:
+    async def _fold_transition(self, env: Envelope[Any]) -> None:
         tr: GearTransition = env.payload
         # NOTE: under the decider's lock: a decision being published writes the tables it read
         # before, which would drop this record's effect (a DONE settling the decision in flight,
         # a rollback's quarantine).
-        bad: Rejected | None = None
         async with self.decider.lock:
             plan = self.load(TableName.PLANS, tr.deployment, PlanState) or PlanState()
-            try:
-                new = fold_transition(plan, tr)
-            except (TypeError, ValueError) as exc:
-                bad = Rejected(
-                    DeadLetterReason.BAD_PLAN, "payload.plan", f"plan does not parse: {exc}"[:500]
-                )
-            else:
-                if new != plan:
-                    self.store(TableName.PLANS, tr.deployment, new)
-                    self.decider.show_plan(tr.deployment, new)
-                if tr.phase is TransitionPhase.ROLLED_BACK:
-                    # gearbox quarantines the failed target: the next ticks do not re-propose it
-                    gear = self.load(TableName.GEAR_STATE, tr.deployment, GearState) or GearState()
-                    config = self.decider.gearbox_config
-                    rolled = fold_rollback(gear, tr, env.event_time_ms, config)
-                    self.store(TableName.GEAR_STATE, tr.deployment, rolled)
-        if bad is not None:
-            await self.reject(bad, msg, "transitions")
-            return
+            new = fold_transition(plan, tr)
+            if new != plan:
+                self.store(TableName.PLANS, tr.deployment, new)
+                self.decider.show_plan(tr.deployment, new)
+            if tr.phase is TransitionPhase.ROLLED_BACK:
+                # gearbox quarantines the failed target: the next ticks do not re-propose it
+                gear = self.load(TableName.GEAR_STATE, tr.deployment, GearState) or GearState()
+                config = self.decider.gearbox_config
+                rolled = fold_rollback(gear, tr, env.event_time_ms, config)
+                self.store(TableName.GEAR_STATE, tr.deployment, rolled)
         self._count(env, True)
 
     async def _fold_control(self, env: Envelope[Any], wall_s: float) -> None:

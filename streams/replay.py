@@ -254,11 +254,7 @@ class ReplayReport:
 
 
 def _now_ms(rec: LoggedDecision) -> int:
-    ctx = rec.payload.decision.get("context", {})
-    now_s = ctx.get("now_s") if isinstance(ctx, dict) else None
-    if isinstance(now_s, int | float):
-        return round(float(now_s) * 1000)
-    return rec.trigger_time_ms
+    return round(rec.payload.context.now_s * 1000)
 
 
 def _outcome(reason: str, to_plan_id: str | None) -> str:
@@ -278,15 +274,12 @@ def compare(
         if p.deployment not in names:
             skipped += 1
             continue
-        ctx = p.decision.get("context", {})
+        ctx = p.context
         now_ms = _now_ms(rec)
         while i < len(envs) and envs[i].event_time_ms <= now_ms:
             replayer.fold(envs[i])
             i += 1
-        trig = ctx.get("trigger", {})
-        info = TriggerInfo(
-            Trigger(p.trigger), rec.trigger_time_ms, str(trig.get("description", ""))
-        )
+        info = TriggerInfo(p.trigger, rec.trigger_time_ms, ctx.trigger_description)
         before = replayer.tables[p.deployment]
         out = replayer.decide(p.deployment, info, now_ms)
         want = _outcome(p.reason, p.to_plan_id)
@@ -294,7 +287,7 @@ def compare(
         if got == want:
             matched += 1
             continue
-        same = out is not None and out.digest == ctx.get("digest")
+        same = out is not None and out.digest == ctx.digest
         mismatches.append(Mismatch(p.decision_id, want, got, same))
         # NOTE: follow the recorded decision from here on, so one difference is reported once
         # instead of cascading through every later decision of the deployment.

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from enum import StrEnum
-from typing import Any
 
 from flexpipe.config import FlexPipeConfig, StreamsConfig
 from flexpipe.schemas import (
+    BlockSummary,
     ControlAction,
     ControlCommand,
+    DecisionContext,
     GearDecision,
     GearTransition,
+    PlanSource,
     TransitionPhase,
 )
 from gearbox.blocks import AtomicBlock, build_blocks
@@ -42,7 +43,6 @@ from streams.cursor import (
     LoggedDecision,
     TriggerInfo,
     decision_id,
-    parse_trigger,
     tick_due_ms,
 )
 from streams.deployments import Deployment
@@ -79,15 +79,6 @@ __all__ = [
 MAX_KNOWN_PLANS = 8  # recent plans kept per deployment, so an operator can pin one by id
 DEFAULT_TRANSITION_TIMEOUT_S = float(StreamsConfig.model_fields["transition_timeout_s"].default)
 _TERMINAL = (TransitionPhase.DONE, TransitionPhase.ROLLED_BACK)
-
-
-class PlanSource(StrEnum):
-    """Where a deployment's current plan came from."""
-
-    NONE = "none"  # nothing yet: gearbox makes a first placement
-    HINT = "hint"  # the configured starting plan
-    DECISION = "decision"  # our own switch decision, not yet confirmed by the runtime
-    TRANSITION = "transition"  # a runtime worker finished the transition (phase DONE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,34 +272,38 @@ def _overrides(ov: OverrideState, plan: PlanState) -> tuple[Overrides, list[str]
     return Overrides(pinned, emergency, plan.baseline if emergency else None), notes
 
 
-def _context(inp: StepInput, result: DecideResult, digest: str, notes: list[str]) -> dict[str, Any]:
+def _context(
+    inp: StepInput,
+    plan: PlanState,
+    after: PlanState,
+    result: DecideResult,
+    digest: str,
+    notes: list[str],
+) -> DecisionContext:
     live = sum(1 for g in inp.topology.gpus if inp.topology.gpu_is_live(g))
-    ctx: dict[str, Any] = {
-        "trigger": {
-            "kind": inp.trigger.kind.value,
-            "time_ms": inp.trigger.time_ms,
-            "description": inp.trigger.description,
-        },
-        "now_s": inp.topology.now_s,
-        "worker": inp.worker,
-        "plan_source": inp.plan.source.value,
-        "load_source": inp.load_source,
-        "load": inp.load.to_dict(),
-        "digest": digest,
-        "num_gpus": len(inp.topology.gpus),
-        "num_live_gpus": live,
-        "blocks": [
-            {"block_id": b.block_id, "domain_id": b.domain_id, "num_gpus": b.num_gpus}
-            for b in result.state.blocks
-        ],
-        "notes": notes,
-    }
-    if result.decision is None:
-        ctx["current"] = result.current.to_dict() if result.current else None
-        ctx["candidates"] = [c.to_dict() for c in result.candidates]
-        ctx["problems"] = list(result.problems)
-        ctx["retry_after_s"] = result.retry_after_s
-    return ctx
+    held = result.decision is None
+    return DecisionContext(
+        trigger_time_ms=inp.trigger.time_ms,
+        trigger_description=inp.trigger.description,
+        now_s=inp.topology.now_s,
+        worker=inp.worker,
+        plan_source=inp.plan.source,
+        load_source=inp.load_source,
+        load=inp.load,
+        digest=digest,
+        num_gpus=len(inp.topology.gpus),
+        num_live_gpus=live,
+        blocks=tuple(
+            BlockSummary(b.block_id, b.domain_id, b.num_gpus) for b in result.state.blocks
+        ),
+        notes=tuple(notes),
+        serving_plan_id=serving_plan_id(plan),
+        in_flight=after.in_flight,
+        current=result.current if held else None,
+        candidates=result.candidates if held else (),
+        problems=result.problems if held else (),
+        retry_after_s=result.retry_after_s if held else None,
+    )
 
 
 def _expire(plan: PlanState, inp: StepInput) -> tuple[PlanState, list[str]]:
@@ -391,11 +386,6 @@ def _publish(
             known=_remember(plan.known, decided.to_plan),
             in_flight=InFlight(did, seq, decided.to_plan_id, inp.trigger.time_ms),
         )
-    body: dict[str, Any] = decided.to_dict() if decided is not None else {}
-    context = _context(inp, result, digest, notes)
-    context["serving_plan_id"] = serving_plan_id(plan)
-    context["in_flight"] = after.in_flight.to_dict() if after.in_flight is not None else None
-    body["context"] = context
     extra = (
         f" Trigger: {inp.trigger.description or inp.trigger.kind.value}; load: {inp.load_source}."
     )
@@ -409,19 +399,10 @@ def _publish(
         from_plan_id=plan.current.plan_id if plan.current is not None else None,
         to_plan_id=decided.to_plan_id if decided is not None else None,
         explanation=result.explanation + extra + "".join(f" Note: {n}." for n in notes),
-        decision=body,
+        context=_context(inp, plan, after, result, digest, notes),
+        decision=decided,
     )
     return payload, after
-
-
-def _logged_plan(payload: GearDecision) -> DeploymentPlan | None:
-    raw = payload.decision.get("to_plan")
-    if payload.to_plan_id is None or not isinstance(raw, dict):
-        return None
-    try:
-        return DeploymentPlan.from_dict(raw)
-    except (TypeError, ValueError):
-        return None
 
 
 def _runtime_past(plan: PlanState, seq: int) -> bool:
@@ -438,9 +419,9 @@ def reconcile(
     if last is None:
         return Cursor(), replace(plan, in_flight=None), gear
     p = last.payload
-    rank = TRIGGER_RANK.get(parse_trigger(p.trigger), 0)
+    rank = TRIGGER_RANK[p.trigger]
     logged = Cursor(p.seq, last.trigger_time_ms, rank)
-    target = _logged_plan(p)
+    target = p.decision.to_plan if p.decision is not None else None
     # NOTE: the worker died after the broker acknowledged this decision and before its tables
     # were written (or the plan table came back without it): take the decision's effects from
     # the topic, unless the runtime already reported on it (its folds then set the plan).
@@ -453,10 +434,9 @@ def reconcile(
             known=_remember(plan.known, target),
         )
     if target is not None and p.seq > cursor.seq:
-        now_s = float(p.decision.get("now_s", last.trigger_time_ms / 1000.0))
         gear = replace(
             gear,
-            last_switch_s=now_s,
+            last_switch_s=p.context.now_s,
             last_from_plan_id=p.from_plan_id,
             last_to_plan_id=target.plan_id,
         )
@@ -468,8 +448,6 @@ def fold_transition(plan: PlanState, tr: GearTransition) -> PlanState:
     """Follow the runtime: a finished transition confirms its plan, a rollback undoes our switch,
     and either settles our decision in flight (:func:`streams.inflight.unsettled`). While a newer
     decision of ours is still in flight, ``current`` stays its target.
-
-    Raises ``ValueError`` when a DONE transition carries a plan that does not parse.
     """
     if tr.transition_seq < plan.transition_seq:
         return plan
@@ -477,14 +455,13 @@ def fold_transition(plan: PlanState, tr: GearTransition) -> PlanState:
         max(plan.settled_seq, tr.transition_seq) if tr.phase in _TERMINAL else plan.settled_seq
     )
     plan = replace(plan, transition_seq=tr.transition_seq, settled_seq=settled)
-    done = tr.phase is TransitionPhase.DONE and bool(tr.plan)
-    if done:
-        confirmed = DeploymentPlan.from_dict(tr.plan)
-        plan = replace(plan, confirmed=confirmed, known=_remember(plan.known, confirmed))
+    done = tr.plan if tr.phase is TransitionPhase.DONE else None
+    if done is not None:
+        plan = replace(plan, confirmed=done, known=_remember(plan.known, done))
     plan = replace(plan, in_flight=_unsettled(plan, plan.in_flight))
     if plan.in_flight is not None:
         return plan
-    if done:
+    if done is not None:
         return replace(
             plan, current=plan.confirmed, source=PlanSource.TRANSITION, decision_id=tr.decision_id
         )

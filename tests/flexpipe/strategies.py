@@ -12,6 +12,10 @@ from hypothesis import strategies as st
 
 from flexpipe import envelope
 from flexpipe.schemas import PAYLOAD_TYPES
+from gearbox.decisions import Decision, DecisionReason, Trigger
+from gearbox.plans import DeploymentPlan
+from gearbox.types import LoadSnapshot
+from tests.runtime.builders import gearbox_decision, make_plan, make_replica
 
 _JSON_SCALAR = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20)
 _JSON = st.recursive(
@@ -21,6 +25,36 @@ _JSON = st.recursive(
     ),
     max_leaves=12,
 )
+
+
+_PLANS = st.sampled_from(
+    [
+        make_plan(make_replica(["A0"])),
+        make_plan(make_replica(["A0", "A1"]), make_replica(["B0", "B1"], domain="B")),
+        make_plan(make_replica(["A0", "A1", "A2", "A3"], gpu_class="a100-80g"), deployment="chat"),
+    ]
+)
+# NOTE: gearbox's values check their own invariants (a plan's replicas are disjoint, a load's
+# means are >= 1); field-by-field random values would mostly be invalid, so draw valid ones.
+_GEARBOX: dict[Any, st.SearchStrategy[Any]] = {
+    DeploymentPlan: _PLANS,
+    Decision: st.builds(
+        gearbox_decision,
+        _PLANS,
+        now_s=st.floats(0, 1e9),
+        from_plan_id=st.none() | st.text(max_size=20),
+        reason=st.sampled_from(list(DecisionReason)),
+        trigger=st.sampled_from(list(Trigger)),
+    ),
+    LoadSnapshot: st.builds(
+        LoadSnapshot,
+        now_s=st.floats(0, 1e9),
+        arrival_rate_rps=st.floats(0, 1e6),
+        mean_prompt_tokens=st.floats(1, 1e6),
+        mean_output_tokens=st.floats(1, 1e6),
+        queue_len=st.integers(0, 2**31),
+    ),
+}
 
 
 def for_type(hint: Any) -> st.SearchStrategy[Any]:
@@ -37,6 +71,8 @@ def for_type(hint: Any) -> st.SearchStrategy[Any]:
         return st.none()
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return st.sampled_from(list(hint))
+    if hint in _GEARBOX:
+        return _GEARBOX[hint]
     if dataclasses.is_dataclass(hint):
         return for_dataclass(hint)  # type: ignore[arg-type]
     simple: dict[Any, st.SearchStrategy[Any]] = {

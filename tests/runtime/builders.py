@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from flexpipe.schemas import GearDecision, TransitionPhase
+from flexpipe.schemas import DecisionContext, GearDecision, PlanSource, TransitionPhase
 from gearbox.decisions import Decision, DecisionReason, Trigger
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan, ExecutionPlan, Stage, StageRole
 from gearbox.presets import GPU_CLASSES, LINK_CLASSES, MODEL_7B_MHA
 from gearbox.switch import SwitchCost
+from gearbox.types import LoadSnapshot
 from runtime.deployment import DeploymentRuntime, RuntimeSettings
 from runtime.executor import ExecutorSettings
 from runtime.transition import TransitionPolicy
@@ -46,22 +47,59 @@ def make_plan(*replicas: ExecutionPlan, deployment: str = DEPLOYMENT) -> Deploym
     return DeploymentPlan(deployment, replicas[0].model_name, tuple(replicas))
 
 
-def make_decision(
-    seq: int, plan: DeploymentPlan, *, from_plan_id: str | None = None, deployment: str = DEPLOYMENT
-) -> GearDecision:
-    """A decision message as the streams publish it, carrying gearbox's Decision.to_dict()."""
-    decision = Decision(
-        deployment=deployment,
-        now_s=float(seq),
-        trigger=Trigger.TIMER,
-        reason=DecisionReason.SWITCH_GAIN if from_plan_id else DecisionReason.INITIAL_PLACEMENT,
-        forced=False,
+def make_context(now_s: float = 0.0, *, digest: str = "d") -> DecisionContext:
+    """What the stream saw, for a decision a test builds by hand (an idle load, no blocks)."""
+    return DecisionContext(
+        trigger_time_ms=round(now_s * 1000),
+        trigger_description="",
+        now_s=now_s,
+        worker="test",
+        plan_source=PlanSource.NONE,
+        load_source="test",
+        load=LoadSnapshot(now_s, 0.0, 1.0, 1.0),
+        digest=digest,
+        num_gpus=0,
+        num_live_gpus=0,
+        blocks=(),
+        notes=(),
+        serving_plan_id=None,
+        in_flight=None,
+    )
+
+
+def gearbox_decision(
+    plan: DeploymentPlan,
+    *,
+    now_s: float = 0.0,
+    from_plan_id: str | None = None,
+    reason: DecisionReason | None = None,
+    trigger: Trigger = Trigger.TIMER,
+) -> Decision:
+    """Gearbox's decision to switch to ``plan``."""
+    return Decision(
+        deployment=plan.deployment,
+        now_s=now_s,
+        trigger=trigger,
+        reason=reason
+        or (DecisionReason.SWITCH_GAIN if from_plan_id else DecisionReason.INITIAL_PLACEMENT),
+        forced=reason is DecisionReason.FORCED_INFEASIBLE,
         from_plan_id=from_plan_id,
         to_plan_id=plan.plan_id,
         to_plan=plan,
         candidates=(),
         switch_cost=SwitchCost.zero(),
         explanation="test decision",
+    )
+
+
+def make_decision(
+    seq: int, plan: DeploymentPlan, *, from_plan_id: str | None = None, deployment: str = DEPLOYMENT
+) -> GearDecision:
+    """A decision message as the streams publish it, carrying gearbox's Decision."""
+    decision = gearbox_decision(
+        DeploymentPlan(deployment, plan.model_name, plan.replicas),
+        now_s=float(seq),
+        from_plan_id=from_plan_id,
     )
     return GearDecision(
         deployment=deployment,
@@ -71,9 +109,10 @@ def make_decision(
         reason=decision.reason,
         forced=False,
         from_plan_id=from_plan_id,
-        to_plan_id=plan.plan_id,
+        to_plan_id=decision.to_plan_id,
         explanation=decision.explanation,
-        decision=decision.to_dict(),
+        context=make_context(float(seq)),
+        decision=decision,
     )
 
 

@@ -96,7 +96,7 @@ async def test_decisions_become_persisted_transitions(worker: RuntimeWorker) -> 
     log = await transitions(cfg, DEPLOYMENT)
     assert validate_log(log) == []
     assert [r.transition_seq for r in log if r.phase is TransitionPhase.DONE] == [1, 2]
-    assert all(r.plan["plan_id"] == r.to_plan_id for r in log)
+    assert all(r.plan is not None and r.plan.plan_id == r.to_plan_id for r in log)
     metrics = await _metrics(worker)
     assert 'outcome="ignored_stale"' in metrics
     loads = [

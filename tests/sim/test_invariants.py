@@ -55,7 +55,7 @@ def shift(
             status=status,
             from_plan_id=from_plan.plan_id if from_plan else None,
             to_plan_id=plan.plan_id,
-            plan=plan.to_dict(),
+            plan=plan,
         )
 
     return [

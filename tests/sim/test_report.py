@@ -16,7 +16,7 @@ from sim.live import Timeline
 from sim.record import ClusterMark, Served, plan_shape
 from sim.report import handover_text, short_explanation, summary_lines, write_report
 from sim.scenario import SEED_FRAGMENTED, load_scenario
-from tests.runtime.builders import make_plan, make_replica
+from tests.runtime.builders import gearbox_decision, make_context, make_plan, make_replica
 
 pytestmark = pytest.mark.unit
 
@@ -40,7 +40,8 @@ def decision(seq: int, reason: str, to_plan: Any = None, trigger: str = "timer")
         from_plan_id="dp-1",
         to_plan_id=to_plan.plan_id if to_plan is not None else None,
         explanation=EXPLANATION,
-        decision={"to_plan": to_plan.to_dict()} if to_plan is not None else {},
+        context=make_context(float(seq)),
+        decision=gearbox_decision(to_plan, now_s=float(seq)) if to_plan is not None else None,
     )
 
 
@@ -56,7 +57,7 @@ def record(seq: int, phase: TransitionPhase, status: PhaseStatus, took_ms: float
         to_plan_id=PLAN.plan_id,
         duration_ms=took_ms,
         detail=detail,
-        plan=PLAN.to_dict(),
+        plan=PLAN,
     )
 
 
@@ -73,7 +74,7 @@ def timeline(now_s: float) -> Timeline:
 
 def test_plan_shape_and_short_lines() -> None:
     assert plan_shape(PLAN) == "2×TP2@A (4 GPUs)"
-    assert plan_shape(PLAN.to_dict()) == plan_shape(PLAN) and plan_shape(None) == "no plan"
+    assert plan_shape(None) == "no plan"
     short = short_explanation(EXPLANATION)
     assert short.startswith("gpu A4 is not live (+1 more); gain 1,000 tok vs cost 10 tok")
     assert handover_text("migrated 3 (2000000000 B), replayed 1, left to finish on old 0") == (

@@ -28,6 +28,7 @@ from sim.record import RunRecord, SeenDecision
 from sim.scenario import load_scenario, scenario_path
 from sim.streamproc import TICK_FAILURES, metric_total, tick_failures_in_log
 from sim.summary import SequenceFacts
+from tests.runtime.builders import make_context
 
 PREEMPT = "00:08:00"
 
@@ -138,6 +139,7 @@ def _decision(seq: int) -> GearDecision:
         from_plan_id="dp-1",
         to_plan_id=None,
         explanation="chat-70b: no_better_candidate (trigger timer).",
+        context=make_context(float(seq)),
     )
 
 

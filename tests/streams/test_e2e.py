@@ -84,12 +84,13 @@ async def test_seed_cluster_preemption_is_answered_within_40_simulated_seconds(
     answer, record = next((e, r) for e, r in decided if _answer(e, preempt.event_time_ms))
     d = answer.payload
     taken = set(preempt.payload.gpu_uuids)
-    target = set(d.decision["to_plan"]["replicas"][0]["stages"][0]["gpu_uuids"])
+    assert d.decision is not None
+    target = set(d.decision.to_plan.gpu_uuids)
     assert d.deployment == "chat-70b" and d.forced and d.reason == "forced_infeasible"
     assert not taken & target, "the new plan still uses preempted GPUs"
     assert "not live" in d.explanation and "preempt on node-a1" in d.explanation
     # Within 40 simulated seconds, by the decision's own clock and by the wall clock × speed.
-    decided_at_s = d.decision["context"]["now_s"] - epoch_ms / 1000
+    decided_at_s = d.context.now_s - epoch_ms / 1000
     assert decided_at_s - PREEMPT_S <= 40.0
     wall_s = record.timestamp / 1000 - published[preempt.event_time_ms]
     assert wall_s * SPEED <= 40.0, f"{wall_s:.2f} wall s × {SPEED} > 40 simulated s"

@@ -82,7 +82,7 @@ def record(
         status,
         None,
         plan.plan_id,
-        plan=plan.to_dict(),
+        plan=plan,
     )
 
 
@@ -161,7 +161,8 @@ def first_switch(loop: Loop) -> tuple[DeploymentPlan, DeploymentPlan]:
     assert hint is not None and target is not None
     assert out.decision.reason == DecisionReason.SWITCH_GAIN.value
     assert out.plan.in_flight == InFlight("chat:1", 1, target.to_plan_id, T0_MS)
-    assert out.decision.decision["context"]["in_flight"]["decision_id"] == "chat:1"
+    in_flight = out.decision.context.in_flight
+    assert in_flight is not None and in_flight.decision_id == "chat:1"
     return hint, target.to_plan
 
 
@@ -373,7 +374,7 @@ async def test_a_transition_folded_while_a_decision_is_published_is_kept() -> No
         COMPLETED,
         None,
         plan.baseline.plan_id,
-        plan=plan.baseline.to_dict(),
+        plan=plan.baseline,
     )
     folding = asyncio.create_task(feed(engine, [env(done, T0_MS + 15_000, "runtime", 1)], wall))
     await asyncio.sleep(0)  # one turn of the loop: the fold completes or waits for the lock
