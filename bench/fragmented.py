@@ -1,19 +1,30 @@
-"""Fragmented-cluster benchmark: the article's evaluation, simulated, against its figures.
+"""Fragmented-cluster benchmark: SLO goodput against a fixed plan, over several seeds.
 
 Runs the seed scenario (blocks A 12 / B 9 / C 6 GPUs, a 7B and a 70B deployment, chat plus
-long-input summarisation with a daily swing, 8 simulated hours, three preemptions on block A)
-through the product's own loop on simulated time (:mod:`bench.sim.des`, :mod:`sim.world`),
-for six systems in the same run: the fixed TP8@A baseline, static replicas with round-robin
-routing, FlexPipe, and three FlexPipe ablations (no hysteresis/cooldown, replay-only hand-over,
-no prefill/decode split). Same trace, seeds and cost model for all.
+long-input summarisation with a daily swing, 8 simulated hours, three preemptions on block A) —
+or any scenario file — through the product's own loop on simulated time (:mod:`bench.sim.des`,
+:mod:`sim.world`), for six systems on the same traces: the fixed TP8@A baseline, static replicas
+with round-robin routing, FlexPipe, and three FlexPipe ablations (no hysteresis/cooldown,
+replay-only hand-over, no prefill/decode split).
 
-Writes ``bench/results/<scenario>.json`` (sorted keys, rounded floats, no wall-clock figures:
-the same seed gives the same bytes) and ``<scenario>.png``; prints the side-by-side table with
-the article's figures, the targets met or missed, the wall time, what broke (then it exits 1:
-a runtime invariant, a deployment that completed nothing, no decision after a preemption), and
-LAST one JSON line — the results file's ``summary``.
+The simulated engines are timed by a ground truth the planner cannot see (:mod:`sim.truth`:
+per GPU class and plan shape efficiency factors and per-step jitter drawn from the seed,
+``--spread`` 0.3 by default; 0 = gearbox's own cost model). A request counts toward SLO goodput
+when its TTFT and mean inter-token gap are within its deployment's SLOs (config
+``deployments[].ttft_slo_ms`` / ``tbt_slo_ms``, gearbox's by default); ``goodput_of_offered`` is
+goodput tokens over all tokens offered. ``--seeds N`` runs seeds ``--seed`` … ``--seed + N − 1``
+and reports the median and the worst seed; FlexPipe, its no-hysteresis ablation and the fixed
+plan run on every seed (the targets read them), the other systems on the first seed only unless
+``--all-systems``.
 
-Run: ``python -m bench.fragmented [--scenario PATH] [--seed N] [--duration S] [--workers N]``.
+Writes ``bench/results/<scenario>[-<duration>s][-spread<x>].json`` (sorted keys, rounded floats,
+no wall-clock figures: the same seeds give the same bytes) and ``.png`` (the first seed); prints
+each seed's side-by-side table, the issue's targets met or missed, the wall time, what broke
+(then it exits 1: a runtime invariant, a deployment that completed nothing, no decision after a
+preemption), and LAST one JSON line — the results file's ``summary``.
+
+Run: ``python -m bench.fragmented [--scenario PATH] [--seed N] [--seeds N] [--spread X]
+[--all-systems] [--duration S] [--workers N]``.
 """
 
 from __future__ import annotations
