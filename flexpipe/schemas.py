@@ -36,6 +36,7 @@ class Kind(enum.StrEnum):
     GEAR_TRANSITION = "gear.transition"
     CONTROL_COMMAND = "control.command"
     RUNTIME_OWNERSHIP = "runtime.ownership"
+    NODE_SAMPLES = "node.samples"
 
 
 class SampleReason(enum.StrEnum):
@@ -126,6 +127,25 @@ class KernelLaunches:
     launches: int
     launches_per_s: float
     processes: tuple[ProcessLaunches, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSamples:
+    """One node's telemetry for one interval, in one message: fewer, fatter messages.
+
+    ``samples`` are the GPU samples the agent would have sent one by one (the same delta and
+    heartbeat rules pick them; a GPU with nothing to say is left out), ``launches`` the GPUs'
+    kernel-launch counts. Every item names this node. The envelope's source and sequence number
+    are each item's, so per-GPU duplicate detection works as for the per-GPU kinds. Published
+    on the node topic keyed by node; the per-GPU topics stay for agents that publish per GPU,
+    and the stream's ``gpus`` table changelog carries each GPU's state keyed by GPU uuid.
+    """
+
+    __pydantic_config__: ClassVar[ConfigDict] = STRICT
+
+    node: str
+    samples: tuple[GpuSample, ...] = ()
+    launches: tuple[KernelLaunches, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,5 +437,6 @@ PAYLOAD_TYPES: dict[Kind, type] = {
     Kind.GEAR_TRANSITION: GearTransition,
     Kind.CONTROL_COMMAND: ControlCommand,
     Kind.RUNTIME_OWNERSHIP: OwnershipRecord,
+    Kind.NODE_SAMPLES: NodeSamples,
 }
 KIND_OF: dict[type, Kind] = {cls: kind for kind, cls in PAYLOAD_TYPES.items()}

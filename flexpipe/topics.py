@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from flexpipe.config import FlexPipeConfig
-from flexpipe.schemas import ClusterEvent, GpuSample, KernelLaunches
+from flexpipe.schemas import ClusterEvent, GpuSample, KernelLaunches, NodeSamples
 
 
 class Topic(enum.StrEnum):
@@ -14,6 +14,7 @@ class Topic(enum.StrEnum):
 
     GPU = "flexpipe.telemetry.gpu"
     LAUNCHES = "flexpipe.telemetry.launches"
+    NODE = "flexpipe.telemetry.node"  # NodeSamples: one node's GPU samples and launch counts
     SERVING = "flexpipe.telemetry.serving"
     CLUSTER = "flexpipe.cluster.events"
     DECISIONS = "flexpipe.gear.decisions"
@@ -45,6 +46,7 @@ _DAY_MS = 24 * 3600 * 1000
 CATALOG: tuple[TopicSpec, ...] = (
     TopicSpec(Topic.GPU, "gpu uuid", compacted=False, retention_ms=2 * _DAY_MS),
     TopicSpec(Topic.LAUNCHES, "gpu uuid", compacted=False, retention_ms=2 * _DAY_MS),
+    TopicSpec(Topic.NODE, "node", compacted=False, retention_ms=2 * _DAY_MS),
     TopicSpec(Topic.SERVING, "deployment", compacted=False, retention_ms=2 * _DAY_MS),
     TopicSpec(Topic.CLUSTER, "node", compacted=False, retention_ms=30 * _DAY_MS),
     TopicSpec(Topic.DECISIONS, "deployment", compacted=False, retention_ms=-1),
@@ -65,12 +67,15 @@ _TELEMETRY_TOPIC: dict[type, Topic] = {
     GpuSample: Topic.GPU,
     KernelLaunches: Topic.LAUNCHES,
     ClusterEvent: Topic.CLUSTER,
+    NodeSamples: Topic.NODE,
 }
 
 
 def telemetry_route(
-    cfg: FlexPipeConfig, payload: GpuSample | KernelLaunches | ClusterEvent
+    cfg: FlexPipeConfig, payload: GpuSample | KernelLaunches | ClusterEvent | NodeSamples
 ) -> tuple[str, bytes]:
-    """Topic and key an agent publishes a payload under (GPU uuid, or node for cluster events)."""
-    key = payload.node if isinstance(payload, ClusterEvent) else payload.gpu_uuid
+    """Topic and key an agent publishes a payload under (GPU uuid; node for cluster events and
+    node batches)."""
+    per_node = isinstance(payload, ClusterEvent | NodeSamples)
+    key = payload.node if per_node else payload.gpu_uuid  # type: ignore[union-attr]
     return topic_name(cfg, _TELEMETRY_TOPIC[type(payload)]), key.encode()

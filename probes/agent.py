@@ -3,6 +3,12 @@
 One asyncio task per source (GPU sampler, launch counter) plus the publisher's sender. A backend
 that fails is reported (``backend_up{backend}`` 0, one log line) and the others keep running;
 nothing a GPU or the broker does ends the agent.
+
+With ``batch_per_node`` a round's GPU samples (and a drain's launch counts) go out as one
+:class:`~flexpipe.schemas.NodeSamples` message on the node topic instead of one message per GPU:
+the same delta and heartbeat rules pick what goes in, and each message costs the stream one
+intake instead of eight. Off by default: the offline replay and the simulated fleet read the
+per-GPU topics.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
-from flexpipe.schemas import ClusterEvent, GpuSample, KernelLaunches
+from flexpipe.schemas import ClusterEvent, GpuSample, KernelLaunches, NodeSamples
 from flexpipe.topics import telemetry_route
 from probes.base import GpuSampler, LaunchCounter
 from probes.delta import DeltaFilter
@@ -75,6 +81,7 @@ class Agent:
         metrics: AgentMetrics,
         clock: AgentClock,
         delta: DeltaFilter | None = None,
+        batch_per_node: bool = False,
     ) -> None:
         self._cfg = cfg
         self._node = node
@@ -85,13 +92,17 @@ class Agent:
         self._clock = clock
         self._delta = delta or DeltaFilter(heartbeat_s=cfg.intervals.heartbeat_s)
         self._seq: dict[str, int] = {}
+        self._batch = batch_per_node
 
     def emitted(self) -> dict[str, int]:
         """Events emitted so far per source: the last sequence number handed out."""
         return dict(self._seq)
 
     def emit(
-        self, payload: GpuSample | KernelLaunches | ClusterEvent, now_s: float, backend: str
+        self,
+        payload: GpuSample | KernelLaunches | ClusterEvent | NodeSamples,
+        now_s: float,
+        backend: str,
     ) -> None:
         """Wrap one payload in an envelope with the next per-source sequence number and queue it."""
         source = f"{self._node}/{backend}"
@@ -116,8 +127,12 @@ class Agent:
             return
         self._metrics.backend_up.labels(backend).set(1)
         self._metrics.samples.labels(backend).inc(len(samples))
-        for sample in self._delta.filter(samples, now_s):
-            self.emit(sample, now_s, backend)
+        changed = self._delta.filter(samples, now_s)
+        if self._batch and changed:
+            self.emit(NodeSamples(self._node, samples=tuple(changed)), now_s, backend)
+        else:
+            for sample in changed:
+                self.emit(sample, now_s, backend)
         for event in events:
             self.emit(event, now_s, backend)
 
@@ -132,6 +147,9 @@ class Agent:
             self._backend_failed(self._launches.name, exc)
             return
         self._metrics.backend_up.labels(self._launches.name).set(1)
+        if self._batch and counts:
+            self.emit(NodeSamples(self._node, launches=tuple(counts)), now_s, self._launches.name)
+            return
         for item in counts:
             self.emit(item, now_s, self._launches.name)
 

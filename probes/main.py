@@ -94,8 +94,9 @@ async def run_agent(
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_addr, registry=registry)
     agent = Agent(
-        cfg, args.node, backends.sampler, backends.launches, publisher, metrics, backends.clock
-    )
+        cfg, args.node, backends.sampler, backends.launches, publisher, metrics, backends.clock,
+        batch_per_node=args.batch_per_node,
+    )  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -125,3 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-buffer", type=int, default=100_000, help="events kept in outages")
     parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port; 0 = off")
     parser.add_argument("--metrics-addr", default="0.0.0.0", help="Prometheus listen address")
+    parser.add_argument(
+        "--batch-per-node",
+        action="store_true",
+        help="one message per node per round on the node topic (NodeSamples), not one per GPU",
+    )

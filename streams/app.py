@@ -61,6 +61,7 @@ TRIGGER_BATCH = 512
 _SOURCES: dict[SourceTopic, Topic] = {
     SourceTopic.GPU: Topic.GPU,
     SourceTopic.LAUNCHES: Topic.LAUNCHES,
+    SourceTopic.NODE: Topic.NODE,
     SourceTopic.SERVING: Topic.SERVING,
     SourceTopic.CLUSTER: Topic.CLUSTER,
     SourceTopic.TRANSITIONS: Topic.TRANSITIONS,
@@ -321,7 +322,7 @@ def _agents(app: StreamsApp, cfg: FlexPipeConfig, engine: StreamProcessor) -> No
     # NOTE: one agent over the high-volume telemetry topics and one over the rest: fewer
     # agents means less per-event scheduling in Faust, and control events never queue behind
     # a telemetry backlog inside one agent's buffer.
-    hot = (SourceTopic.GPU, SourceTopic.LAUNCHES)
+    hot = (SourceTopic.GPU, SourceTopic.LAUNCHES, SourceTopic.NODE)
     for name, sources in (
         ("telemetry", hot),
         ("control", tuple(s for s in _SOURCES if s not in hot)),
@@ -441,7 +442,7 @@ def _housekeeping(
     async def _gauges() -> None:
         engine.export_gauges()
 
-    view_inputs = frozenset(topic_name(cfg, t) for t in (Topic.GPU, Topic.CLUSTER))
+    view_inputs = frozenset(topic_name(cfg, t) for t in (Topic.GPU, Topic.NODE, Topic.CLUSTER))
 
     @app.timer(interval=CLOCK_POLL_S, name="streams.tick")
     async def _tick() -> None:

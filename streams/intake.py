@@ -19,7 +19,7 @@ import orjson
 from flexpipe import envelope
 from flexpipe.envelope import Envelope
 from flexpipe.errors import ValidationError
-from flexpipe.schemas import Kind
+from flexpipe.schemas import Kind, NodeSamples
 
 __all__ = [
     "Accepted",
@@ -53,6 +53,7 @@ class SourceTopic(StrEnum):
 
     GPU = "gpu"
     LAUNCHES = "launches"
+    NODE = "node"  # NodeSamples: one node's GPU samples and launch counts per message
     SERVING = "serving"
     CLUSTER = "cluster"
     TRANSITIONS = "transitions"
@@ -62,6 +63,7 @@ class SourceTopic(StrEnum):
 _KIND: dict[SourceTopic, Kind] = {
     SourceTopic.GPU: Kind.GPU_SAMPLE,
     SourceTopic.LAUNCHES: Kind.KERNEL_LAUNCHES,
+    SourceTopic.NODE: Kind.NODE_SAMPLES,
     SourceTopic.SERVING: Kind.SERVING_LOAD,
     SourceTopic.CLUSTER: Kind.CLUSTER_EVENT,
     SourceTopic.TRANSITIONS: Kind.GEAR_TRANSITION,
@@ -73,6 +75,7 @@ _KIND: dict[SourceTopic, Kind] = {
 _KEY_OF: dict[SourceTopic, Callable[[Any], str]] = {
     SourceTopic.GPU: lambda p: p.gpu_uuid,
     SourceTopic.LAUNCHES: lambda p: p.gpu_uuid,
+    SourceTopic.NODE: lambda p: p.node,
     SourceTopic.SERVING: lambda p: p.deployment,
     SourceTopic.CLUSTER: lambda p: p.node,
     SourceTopic.TRANSITIONS: lambda p: p.deployment,
@@ -138,6 +141,11 @@ def admit(
     if key is None or key != entity.encode():
         shown = "none" if key is None else repr(key[:80])
         return Rejected(DeadLetterReason.KEY_MISMATCH, "key", f"key {shown} != {entity[:80]!r}")
+    if topic is SourceTopic.NODE:
+        stray = _stray_item(env.payload)
+        if stray is not None:
+            detail = f"names a node other than {entity[:80]!r}"
+            return Rejected(DeadLetterReason.INVALID_FIELD, stray, detail)
     horizon_s = max(wall_now_s, clock_s) + max_future_skew_s
     if env.event_time_s > horizon_s:
         return Rejected(
@@ -150,6 +158,18 @@ def admit(
             DeadLetterReason.UNKNOWN_DEPLOYMENT, "payload.deployment", f"{entity[:80]!r}"
         )
     return Accepted(env)
+
+
+def _stray_item(batch: NodeSamples) -> str | None:
+    """The path of the first item of a node batch that names another node (it would fold into
+    state keyed to another node's partition), or None."""
+    for i, sample in enumerate(batch.samples):
+        if sample.node != batch.node:
+            return f"payload.samples.{i}.node"
+    for i, launches in enumerate(batch.launches):
+        if launches.node != batch.node:
+            return f"payload.launches.{i}.node"
+    return None
 
 
 _DEPLOYMENT_TOPICS = frozenset({SourceTopic.SERVING, SourceTopic.TRANSITIONS, SourceTopic.CONTROL})

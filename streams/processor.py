@@ -18,7 +18,16 @@ from typing import Any, TypeVar
 
 from flexpipe.config import FlexPipeConfig
 from flexpipe.envelope import Envelope
-from flexpipe.schemas import ClusterEvent, ControlCommand, GearTransition, Kind, TransitionPhase
+from flexpipe.schemas import (
+    ClusterEvent,
+    ControlCommand,
+    GearTransition,
+    GpuSample,
+    KernelLaunches,
+    Kind,
+    NodeSamples,
+    TransitionPhase,
+)
 from gearbox.decisions import Trigger
 from gearbox.history import GearState
 from streams import codec
@@ -195,7 +204,9 @@ class StreamProcessor:
         self.clock = self.clock.observe(env.event_time_ms, wall_s)
         where = (msg.topic, msg.partition)
         self._newest_ms[where] = max(self._newest_ms.get(where, -1), env.event_time_ms)
-        if src is SourceTopic.GPU:
+        if src is SourceTopic.NODE:
+            self._fold_node(env)
+        elif src is SourceTopic.GPU:
             self._fold_gpu(env)
         elif src is SourceTopic.LAUNCHES:
             self._fold_launches(env)
@@ -214,32 +225,62 @@ class StreamProcessor:
         else:
             self._kinds[env.kind].inc()
 
+    def _fold_node(self, env: Envelope[Any]) -> None:
+        """One node's batch: each item folds as its per-GPU kind would, in one pass; events and
+        duplicates are counted per item under the per-GPU kinds (one counter update each)."""
+        batch: NodeSamples = env.payload
+        source, seq, t_ms = env.source, env.seq, env.event_time_ms
+        samples = launches = duplicates = 0
+        for sample in batch.samples:
+            if self._fold_sample(sample, source, seq, t_ms) is FoldOutcome.DUPLICATE:
+                duplicates += 1
+            else:
+                samples += 1
+        if duplicates:
+            self.metrics.duplicates.labels(Kind.GPU_SAMPLE.value).inc(duplicates)
+        duplicates = 0
+        for report in batch.launches:
+            if self._fold_launch(report, source, seq, t_ms):
+                launches += 1
+            else:
+                duplicates += 1
+        if duplicates:
+            self.metrics.duplicates.labels(Kind.KERNEL_LAUNCHES.value).inc(duplicates)
+        if samples:
+            self._kinds[Kind.GPU_SAMPLE].inc(samples)
+        if launches:
+            self._kinds[Kind.KERNEL_LAUNCHES].inc(launches)
+
     def _fold_gpu(self, env: Envelope[Any]) -> None:
-        uuid = env.payload.gpu_uuid
-        new, outcome = fold_gpu_sample(
-            self._gpu(uuid), env.payload, env.source, env.seq, env.event_time_ms
-        )
+        outcome = self._fold_sample(env.payload, env.source, env.seq, env.event_time_ms)
         self._count(env, outcome)
+
+    def _fold_sample(self, sample: GpuSample, source: str, seq: int, t_ms: int) -> FoldOutcome:
+        uuid = sample.gpu_uuid
+        new, outcome = fold_gpu_sample(self._gpu(uuid), sample, source, seq, t_ms)
         if outcome is FoldOutcome.APPLIED and new is not None:
             self._gpus[uuid] = new
             self._dirty_gpus.add(uuid)
+        return outcome
 
     def _fold_launches(self, env: Envelope[Any]) -> None:
-        uuid = env.payload.gpu_uuid
+        applied = self._fold_launch(env.payload, env.source, env.seq, env.event_time_ms)
+        self._count(env, applied)
+
+    def _fold_launch(self, report: KernelLaunches, source: str, seq: int, t_ms: int) -> bool:
+        """Fold one launch report; False for a duplicate (a late report counts as folded)."""
+        uuid = report.gpu_uuid
         state = (
             self._loads.get(uuid)
             or self.load(TableName.GPU_LOAD, uuid, LaunchWindow)
             or LaunchWindow()
         )
-        new, applied = fold_launches(
-            state, self.gpu_window, env.payload, env.source, env.seq, env.event_time_ms
-        )
+        new, applied = fold_launches(state, self.gpu_window, report, source, seq, t_ms)
         if new.late > state.late:
             self.metrics.late.labels("gpu_launches").inc()
-        duplicate = not applied and new.late == state.late
-        self._count(env, not duplicate)
         self._loads[uuid] = new
         self._dirty_loads.add(uuid)
+        return applied or new.late > state.late
 
     async def _fold_cluster(self, env: Envelope[Any]) -> None:
         ev: ClusterEvent = env.payload
