@@ -34,7 +34,7 @@ from flexpipe.kafka import bootstrap_servers, catalog_topics, client_kwargs, cre
 from flexpipe.topics import Topic, topic_name
 from streams.decider import Decider
 from streams.deployments import resolve_deployments
-from streams.health import FailureLog, FailureVerdict, wait_writable
+from streams.health import FailureLog, FailureVerdict, InputWatch, wait_writable
 from streams.intake import DeadLetterReason, Rejected, SourceTopic
 from streams.metrics import StreamsMetrics
 from streams.ports import Message, TableName
@@ -52,6 +52,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 CLOCK_POLL_S = 0.1  # how often the periodic-tick check runs (wall seconds)
 GAUGES_S = 2.0  # how often view/table/clock gauges are refreshed
+PAUSED_GRACE_S = 10.0  # an input partition paused this long after recovery is resumed
+BEHIND_WARN_S = 30.0  # input trailing the clock this long is logged with each partition's state
 # NOTE: small per-agent buffers and fetches: a message for the control agent (or the triggers
 # agent) waits behind at most this much queued telemetry in Faust's single fetch loop.
 STREAM_BUFFER = 512
@@ -386,9 +388,12 @@ async def _decision_failed(
         await app.crash(FatalDecisionPath(f"{verdict.consecutive} decision runs failed in a row"))
 
 
-def _check_inputs(app: StreamsApp, engine: StreamProcessor, topics: frozenset[str]) -> None:
+def _check_inputs(
+    app: StreamsApp, engine: StreamProcessor, topics: frozenset[str], paused: InputWatch
+) -> None:
     """Set ``engine.input_current``: no partition of ``topics`` this worker reads has records
-    left whose event time trails the clock (:meth:`StreamProcessor.trailing`).
+    left whose event time trails the clock (:meth:`StreamProcessor.trailing`); and resume input
+    partitions faust left paused after its recovery (:class:`streams.health.InputWatch`).
 
     NOTE: a partition counts as read to its end when the next offset to process reaches the
     high watermark of the last fetch; before it processed anything, the next offset is the
@@ -396,6 +401,7 @@ def _check_inputs(app: StreamsApp, engine: StreamProcessor, topics: frozenset[st
     records).
     """
     consumer = app.consumer
+    _resume_paused(app, engine, topics, paused)
     committed: Mapping[Any, int | None] = getattr(consumer, "_committed_offset", {})
     behind = []
     for tp in consumer.assignment():
@@ -415,7 +421,49 @@ def _check_inputs(app: StreamsApp, engine: StreamProcessor, topics: frozenset[st
         else:
             shown = ", ".join(f"{t}[{p}]" for t, p in sorted(trailing)[:4])
             log.info("input behind the clock (%s …): not deciding until caught up", shown)
+            paused.behind_since = engine.wall()
+    elif not current and engine.wall() - paused.behind_since >= BEHIND_WARN_S:
+        # NOTE: once per stretch: what each trailing partition shows, for whoever reads the log
+        paused.behind_since = float("inf")
+        by_tp = {(tp.topic, tp.partition): tp for tp in consumer.assignment()}
+        held = set(getattr(consumer, "_paused_partitions", ()))
+        now_ms = engine.now_ms()
+        log.warning(
+            "input behind the clock for %.0f s, not deciding: %s",
+            BEHIND_WARN_S,
+            "; ".join(
+                f"{t}[{p}] next offset {engine.next_offset(t, p)}, highwater "
+                f"{consumer.highwater(by_tp[(t, p)])}, newest event "
+                f"{(now_ms - engine.newest_ms(t, p)) / 1000:.0f} s old"
+                f"{', paused' if by_tp[(t, p)] in held else ''}"
+                for t, p in sorted(trailing)
+            ),
+        )
     engine.input_current = current
+
+
+def _resume_paused(
+    app: StreamsApp, engine: StreamProcessor, topics: frozenset[str], watch: InputWatch
+) -> None:
+    consumer = app.consumer
+    recovery: Any = getattr(app.tables, "recovery", None)  # faust's TableManager, not its ABC
+    done = recovery is not None and recovery.completed.is_set()
+    recovered = done and not getattr(app, "rebalancing", True)
+    # NOTE: faust's own record of the partitions it paused; nothing else here pauses any.
+    held: set[Any] = set(getattr(consumer, "_paused_partitions", ())) if recovered else set()
+    held = {tp for tp in held if tp.topic in topics}
+    due = set(watch.overdue({(tp.topic, tp.partition) for tp in held}, engine.wall()))
+    if not due:
+        return
+    resume = {tp for tp in held if (tp.topic, tp.partition) in due}
+    log.warning(
+        "input partitions %s stayed paused %.0f s after recovery completed: resuming them",
+        ", ".join(f"{t}[{p}]" for t, p in sorted(due)),
+        watch.grace_s,
+    )
+    consumer.resume_partitions(resume)
+    engine.metrics.resumed_partitions.inc(len(resume))
+    watch.since.clear()
 
 
 def _milestone(verdict: FailureVerdict) -> bool:
@@ -443,12 +491,13 @@ def _housekeeping(
         engine.export_gauges()
 
     view_inputs = frozenset(topic_name(cfg, t) for t in (Topic.GPU, Topic.NODE, Topic.CLUSTER))
+    paused = InputWatch(grace_s=PAUSED_GRACE_S)
 
     @app.timer(interval=CLOCK_POLL_S, name="streams.tick")
     async def _tick() -> None:
         if not app.writable.is_set():
             return
-        _check_inputs(app, engine, view_inputs)
+        _check_inputs(app, engine, view_inputs, paused)
         try:
             await engine.decider.tick()
         except Exception as exc:  # NOTE: a failed tick must not stop the next one

@@ -19,7 +19,7 @@ from aiokafka import AIOKafkaProducer
 
 from flexpipe.errors import FlexPipeError
 
-__all__ = ["FailureLog", "FailureVerdict", "NotReadyError", "wait_writable"]
+__all__ = ["FailureLog", "FailureVerdict", "InputWatch", "NotReadyError", "wait_writable"]
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 5.0
@@ -116,3 +116,25 @@ class FailureLog:
     def total(self) -> int:
         """Failures seen in all."""
         return sum(self.counts.values())
+
+
+@dataclass(slots=True)
+class InputWatch:
+    """How long the worker's input has trailed the clock, and which input partitions stay
+    paused after the consumer's recovery finished.
+
+    NOTE: faust pauses a worker's input partitions while its tables recover and resumes them
+    when recovery completes. A rebalance that lands during recovery can leave some paused
+    (a stale recovery pass pausing after the new one resumed); they are then never fetched, the
+    worker's input trails the clock for good and it never decides. A partition paused for
+    ``grace_s`` with recovery complete is due to be resumed.
+    """
+
+    grace_s: float
+    since: dict[tuple[str, int], float] = field(default_factory=dict)
+    behind_since: float = float("inf")  # wall time the input last fell behind the clock
+
+    def overdue(self, paused: set[tuple[str, int]], now_s: float) -> list[tuple[str, int]]:
+        """Of ``paused`` (seen now, recovery complete), those paused for ``grace_s`` or more."""
+        self.since = {tp: self.since.get(tp, now_s) for tp in paused}
+        return sorted(tp for tp, t in self.since.items() if now_s - t >= self.grace_s)

@@ -65,6 +65,11 @@ class StreamsMetrics:
             ["path"],
             registry=registry,
         )
+        self.resumed_partitions = Counter(
+            "flexpipe_streams_resumed_partitions",
+            "Input partitions the worker resumed because faust left them paused after recovery",
+            registry=registry,
+        )
         self.skipped = Counter(
             "flexpipe_streams_triggers_skipped",
             "Triggers not decided: already decided (replay), or worker not ready",

@@ -432,6 +432,10 @@ class StreamProcessor:
         limit_ms = round(self.cfg.intervals.heartbeat_s * 1000)
         return [tp for tp in behind if now_ms - self._newest_ms.get(tp, -1) > limit_ms]
 
+    def newest_ms(self, topic: str, partition: int) -> int:
+        """Event time of the newest message processed from an input partition (-1: none)."""
+        return self._newest_ms.get((topic, partition), -1)
+
     def ready(self) -> bool:
         """Whether decisions may be made: the shared view caught up and holds GPUs, this
         worker's inputs are current (:meth:`trailing`), and it saw ``warmup_s`` of event time

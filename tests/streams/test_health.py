@@ -11,7 +11,7 @@ from flexpipe.config import FlexPipeConfig
 from flexpipe.kafka import create_topics, make_producer, running
 from flexpipe.topics import CATALOG, topic_name
 from streams.app import FatalDecisionPath, _decision_failed, internal_topics, worker_topics
-from streams.health import FailureLog, NotReadyError, wait_writable
+from streams.health import FailureLog, InputWatch, NotReadyError, wait_writable
 from streams.metrics import StreamsMetrics
 
 
@@ -36,6 +36,19 @@ def test_failure_log_counts_distinct_errors_and_runs() -> None:
     assert failures.failed(a).fatal  # three in a row, whatever the errors
     assert failures.total == 5
     assert sorted(failures.counts.values()) == [1, 4]
+
+
+@pytest.mark.unit
+def test_input_watch_resumes_only_partitions_paused_past_the_grace() -> None:
+    watch = InputWatch(grace_s=10.0)
+    a, b = ("gpu", 1), ("gpu", 2)
+    assert watch.overdue({a}, 100.0) == []
+    assert watch.overdue({a, b}, 105.0) == []
+    assert watch.overdue({a, b}, 110.0) == [a]  # b was paused later
+    # A partition faust resumed by itself starts over when it is paused again.
+    assert watch.overdue({b}, 112.0) == []
+    assert watch.overdue({a, b}, 114.0) == []
+    assert watch.overdue({a, b}, 124.0) == [a, b]
 
 
 @pytest.mark.unit
