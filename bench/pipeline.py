@@ -3,15 +3,18 @@
 ``python -m bench.pipeline`` starts the local broker unless one is configured, starts one
 stream worker (``python -m streams.worker``) and drives it with a synthetic 1,000-GPU cluster
 (125 nodes of 8): NVML-style samples and kernel-launch counts (1 sample per 5 launch reports, as
-1 Hz NVML + 5 Hz launch counts), event time = now. The benchmark also stands in for the runtime:
+1 Hz NVML + 5 Hz launch counts), event time = now, sent as agents with ``--batch-per-node`` send
+them: one :class:`~flexpipe.schemas.NodeSamples` message per node carrying its 8 GPUs' samples
+(or launch counts); ``--per-gpu`` sends one message per GPU sample or report instead. Events are
+counted per GPU sample or report either way. The benchmark also stands in for the runtime:
 every decision it reads back is answered with a transition DONE carrying the decision's plan, so
 each deployment serves a plan the stream knows.
 
 Phases, each with the load it applies printed in the result:
 
 1. **capacity** — offers ``--offered`` telemetry events/s for ``--duration-s`` but never lets more
-   than ``--max-backlog-s`` seconds of offered load wait unfolded (the driver pauses while the
-   worker's own ``flexpipe_streams_events_total`` trails what was sent by that much), so an
+   than ``--max-backlog`` events (one second of the nominal load) wait unfolded (the driver pauses
+   while the worker's own ``flexpipe_streams_events_total`` trails what was sent by that), so an
    overloaded worker is measured at saturation with a bounded backlog instead of hanging the run.
    ``events_per_s`` is what the worker folded per second.
 2. **latency** — offers ``min(0.7 × capacity, goal)`` events/s (the p99 is measured while the
@@ -62,6 +65,7 @@ from flexpipe.schemas import (
     DomainInfo,
     GpuSample,
     KernelLaunches,
+    NodeSamples,
     SampleReason,
 )
 from flexpipe.topics import Topic, topic_name
@@ -119,6 +123,20 @@ class Cluster:
         env = envelope.make(k, event_time_ms=t_ms, source=source, seq=self.next_seq(source))
         return "launches", uuid.encode(), envelope.encode(env)
 
+    def node_batch(self, first: int, launches: bool, t_ms: int) -> tuple[str, bytes, bytes]:
+        """One node's samples (or launch counts) for GPUs ``first`` .. ``first + 7`` as one
+        NodeSamples message on the node topic."""
+        node = f"node-{first // GPUS_PER_NODE}"
+        gpus = range(first, first + GPUS_PER_NODE)
+        if launches:
+            items = [envelope.decode(self.launches(i, t_ms)[2]).payload for i in gpus]
+            batch, source = NodeSamples(node, launches=tuple(items)), f"{node}/bench-ebpf"
+        else:
+            items = [envelope.decode(self.sample(i, t_ms)[2]).payload for i in gpus]
+            batch, source = NodeSamples(node, samples=tuple(items)), f"{node}/bench"
+        env = envelope.make(batch, event_time_ms=t_ms, source=source, seq=self.next_seq(source))
+        return "node", node.encode(), envelope.encode(env)
+
     def cluster_event(self, ev: ClusterEvent, t_ms: int) -> tuple[str, bytes, bytes]:
         """A cluster event from the scheduler."""
         env = envelope.make(
@@ -171,7 +189,12 @@ def _now_ms() -> int:
     return round(time.time() * 1000)
 
 
-_TOPICS = {"gpu": Topic.GPU, "launches": Topic.LAUNCHES, "cluster": Topic.CLUSTER}
+_TOPICS = {
+    "gpu": Topic.GPU,
+    "launches": Topic.LAUNCHES,
+    "node": Topic.NODE,
+    "cluster": Topic.CLUSTER,
+}
 
 
 async def _send_all(
@@ -388,7 +411,7 @@ async def drive(
     await producer.start()
     folded0, cpu0 = backlog.folded, _cpu_s(backlog.worker)
     sent, cursor, paused = 0, 0, 0.0
-    max_backlog = args.max_backlog_s * offered
+    max_backlog = args.max_backlog
     start = time.monotonic()
     next_trigger = start
     try:
@@ -406,13 +429,18 @@ async def drive(
             if sent - (backlog.folded - folded0) > max_backlog:
                 paused += 0.005  # the worker trails by the bound: hold the offer back
                 due = 0
-            for _ in range(max(0, due)):
+            step = GPUS_PER_NODE if args.batched else 1
+            for _ in range(max(0, due) // step):
                 gpu = cursor % cluster.num_gpus
                 # five launch reports for every sample, as 1 Hz NVML + 5 Hz launch counts
-                make = cluster.sample if (cursor // cluster.num_gpus) % 6 == 0 else cluster.launches
-                batch.append(make(gpu, t_ms))
-                cursor += 1
-            sent += len(batch)
+                launches = (cursor // cluster.num_gpus) % 6 != 0
+                if args.batched:
+                    batch.append(cluster.node_batch(gpu, launches, t_ms))
+                else:
+                    make = cluster.launches if launches else cluster.sample
+                    batch.append(make(gpu, t_ms))
+                cursor += step
+            sent += len(batch) * step
             if triggers is not None and time.monotonic() >= next_trigger:
                 batch += triggers.due(cluster, t_ms)
                 next_trigger += 1.0 / args.triggers_per_s
@@ -443,8 +471,9 @@ async def drained(backlog: Backlog, target: float, timeout_s: float) -> int:
 
 
 async def raw_consumer_rate(cfg: FlexPipeConfig, limit: int) -> float:
-    """Baseline: a bare aiokafka consumer that decodes the telemetry topics, events/s."""
-    topics = [topic_name(cfg, Topic.GPU), topic_name(cfg, Topic.LAUNCHES)]
+    """Baseline: a bare aiokafka consumer that decodes the telemetry topics, events/s (a node
+    batch counts its items)."""
+    topics = [topic_name(cfg, t) for t in (Topic.GPU, Topic.LAUNCHES, Topic.NODE)]
     consumer = make_consumer(cfg, *topics, group_id=f"bench-raw-{os.getpid()}")
     await consumer.start()
     count = 0
@@ -457,8 +486,11 @@ async def raw_consumer_rate(cfg: FlexPipeConfig, limit: int) -> float:
                 break
             for records in batch.values():
                 for rec in records:
-                    envelope.decode(rec.value)
-                    count += 1
+                    payload = envelope.decode(rec.value).payload
+                    if isinstance(payload, NodeSamples):
+                        count += len(payload.samples) + len(payload.launches)
+                    else:
+                        count += 1
         return count / max(1e-9, time.monotonic() - start)
     finally:
         await consumer.stop()
@@ -586,6 +618,7 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
         "polling_baseline_p50_ms": _ms(_percentile(poll_latencies, 0.50)),
         "polling_baseline_preemptions": len(poll_latencies),
         "baseline_raw_consumer_events_per_s": round(raw_rate),
+        "telemetry_messages": "per GPU" if not args.batched else "per node (NodeSamples, 8 GPUs)",
         "gpus": args.gpus,
         "deployments": args.deployments,
         "cpus": os.cpu_count(),
@@ -638,7 +671,9 @@ def main() -> int:
     parser.add_argument("--deployments", type=int, default=4)
     parser.add_argument("--offered", type=float, default=12_000.0, help="telemetry events/s")
     parser.add_argument("--duration-s", type=float, default=20.0, help="capacity phase")
-    parser.add_argument("--max-backlog-s", type=float, default=2.0)
+    parser.add_argument(
+        "--max-backlog", type=int, default=6000, help="events sent but not folded, at most"
+    )
     parser.add_argument("--triggers-per-s", type=float, default=8.0)
     parser.add_argument("--min-triggers", type=int, default=1000)
     parser.add_argument("--max-duration-s", type=float, default=300.0, help="latency phase cap")
@@ -646,6 +681,12 @@ def main() -> int:
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
     parser.add_argument("--drain-timeout-s", type=float, default=60.0)
     parser.add_argument("--answer-timeout-s", type=float, default=10.0)
+    parser.add_argument(
+        "--per-gpu",
+        dest="batched",
+        action="store_false",
+        help="one message per GPU sample or launch report (default: one per node, NodeSamples)",
+    )
     args = parser.parse_args()
     with bench_broker("pipeline") as cfg:
         result = asyncio.run(run(args, cfg))
