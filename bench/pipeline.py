@@ -412,11 +412,12 @@ async def drive(
     folded0, cpu0 = backlog.folded, _cpu_s(backlog.worker)
     sent, cursor, paused = 0, 0, 0.0
     max_backlog = args.max_backlog
-    start = time.monotonic()
+    start = last = time.monotonic()
     next_trigger = start
     try:
         while True:
-            elapsed = time.monotonic() - start
+            now = time.monotonic()
+            elapsed, step_s, last = now - start, now - last, now
             if triggers is None and elapsed >= args.duration_s:
                 break
             if triggers is not None and (
@@ -427,7 +428,7 @@ async def drive(
             t_ms = _now_ms()
             due = int((elapsed - paused) * offered) - sent
             if sent - (backlog.folded - folded0) > max_backlog:
-                paused += 0.005  # the worker trails by the bound: hold the offer back
+                paused += step_s  # the worker trails by the bound: hold the offer back
                 due = 0
             step = GPUS_PER_NODE if args.batched else 1
             for _ in range(max(0, due) // step):
@@ -504,7 +505,12 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def warm_up(
-    cfg: FlexPipeConfig, cluster: Cluster, backlog: Backlog, runtime: Runtime, timeout_s: float
+    cfg: FlexPipeConfig,
+    cluster: Cluster,
+    backlog: Backlog,
+    runtime: Runtime,
+    timeout_s: float,
+    batched: bool,
 ) -> None:
     """Topology plus rounds of samples until the worker is ready and decided once."""
     producer = make_producer(cfg)
@@ -515,9 +521,14 @@ async def warm_up(
         next_note = time.monotonic() + 15.0
         while time.monotonic() < deadline:
             t_ms = _now_ms()
-            await _send_all(
-                producer, cfg, [cluster.sample(i, t_ms) for i in range(cluster.num_gpus)]
-            )
+            if batched:
+                round_ = [
+                    cluster.node_batch(i, False, t_ms)
+                    for i in range(0, cluster.num_gpus, GPUS_PER_NODE)
+                ]
+            else:
+                round_ = [cluster.sample(i, t_ms) for i in range(cluster.num_gpus)]
+            await _send_all(producer, cfg, round_)
             if backlog.ready == 1.0 and runtime.decisions > 0:
                 return
             if time.monotonic() >= next_note:
@@ -564,7 +575,7 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
             asyncio.create_task(follow_decisions(cfg, runtime, stop)),
         ]
         try:
-            await warm_up(cfg, cluster, backlog, runtime, args.ready_timeout_s)
+            await warm_up(cfg, cluster, backlog, runtime, args.ready_timeout_s, args.batched)
             capacity = await drive(cfg, cluster, backlog, args.offered, args)
             target = backlog.folded + capacity.backlog_end
             capacity_left = await drained(backlog, target, args.drain_timeout_s)
