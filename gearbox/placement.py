@@ -9,8 +9,9 @@
 * Anti-affinity: replicas go to distinct GPUs, and to nodes not yet used while any feasible GPU
   remains on one — fault tolerance outranks score.
 * Nothing fits: queue, naming the rule that rejected most GPUs, and propose evictions — least
-  recently used first, only models with zero active requests, idle past ``cold_after_s``, and only
-  when the expected time to their next request exceeds the reload cost × ``eviction_reload_factor``.
+  recently used first, only models with no active and no queued requests, idle past
+  ``cold_after_s``, and only when the expected time to their next request exceeds the reload
+  cost × ``eviction_reload_factor``.
   The next request is expected one mean gap after the last while the model is on schedule, and
   one mean gap from now once it is overdue.
 * Fragmentation: "dead memory" is free memory on GPUs whose free space is below every model's
@@ -104,6 +105,7 @@ class ResidentModel(Serialisable):
     last_request_s: float
     mean_interarrival_s: float  # mean gap between its requests
     reload_s: float  # time to load it again after an eviction
+    queued_requests: int = 0  # requests waiting for it (its queue, or a front end holding them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +208,10 @@ def _evictable(
 ) -> EvictionProposal | None:
     idle = now_s - resident.last_request_s
     gap = _expected_gap_s(resident, now_s)
-    if resident.active_requests != 0 or idle < config.cold_after_s:
+    # NOTE: a queued request counts like a running one: evicting its model would fail it.
+    if resident.active_requests != 0 or resident.queued_requests != 0:
+        return None
+    if idle < config.cold_after_s:
         return None
     if gap <= resident.reload_s * config.eviction_reload_factor:
         return None

@@ -160,3 +160,37 @@ def test_dead_memory_is_free_memory_no_model_can_use() -> None:
     assert report.dead_share == pytest.approx(0.25)
     with_small = dead_memory(snapshot, [seven_b, SMALL], DEFAULT_PLACEMENT_CONFIG)
     assert with_small.dead_bytes == 0
+
+
+@pytest.mark.unit
+def test_models_with_queued_requests_are_never_evicted() -> None:
+    # Cold by every other rule (idle 5 h, requested every 10 h, nothing running), but 3 requests
+    # wait for it: evicting it would fail them.
+    big = ModelFootprint("llm", 40 * GIB, 512 * 1024, batch_size=4, seq_len_tokens=2048)
+    snapshot = _cluster(("g0", "n0", 10.0))
+    cold = _resident("waited-for", "g0", idle_min=300, gap_min=600, gib=60)
+    assert place_model(big, snapshot, (cold,), DEFAULT_PLACEMENT_CONFIG).evictions
+    queued = replace(cold, queued_requests=3)
+    decision = place_model(big, snapshot, (queued,), DEFAULT_PLACEMENT_CONFIG)
+    assert decision.status is PlacementStatus.QUEUED and decision.evictions == ()
+    running = replace(cold, active_requests=1)
+    assert place_model(big, snapshot, (running,), DEFAULT_PLACEMENT_CONFIG).evictions == ()
+
+
+@pytest.mark.unit
+def test_no_proposal_ever_names_a_busy_model() -> None:
+    # Every mix of running/queued counts over several GPUs: proposals name idle models only.
+    big = ModelFootprint("llm", 40 * GIB, 512 * 1024, batch_size=4, seq_len_tokens=2048)
+    snapshot = _cluster(("g0", "n0", 5.0), ("g1", "n1", 5.0))
+    for mask in range(64):
+        residents = tuple(
+            replace(
+                _resident(f"m{n}", f"g{n % 2}", idle_min=300 + n, gap_min=600, gib=25),
+                active_requests=(mask >> n) & 1,
+                queued_requests=(mask >> (n + 3)) & 1 if n < 3 else 0,
+            )
+            for n in range(6)
+        )
+        busy = {r.model_name for r in residents if r.active_requests or r.queued_requests}
+        decision = place_model(big, snapshot, residents, DEFAULT_PLACEMENT_CONFIG)
+        assert not busy & {e.model_name for e in decision.evictions}
