@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on a broker of its own: SIGKILL the stream worker once (and restart it), stop the"
         " broker for 10 s during a shift; the invariants must still hold",
     )
+    p.add_argument(
+        "--engine",
+        choices=["sim", "torch"],
+        default="sim",
+        help="sim: SimEngine (default); torch: the torch reference engine on CPU, a small model,"
+        " requests cut to a few dozen tokens (see sim/torchup.py)",
+    )
     p.set_defaults(handler=_up)
 
     p = sub.add_parser("runtime", help="a runtime worker: transitions, routing, HTTP API")

@@ -42,7 +42,7 @@ from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.presets import LINK_CLASSES
 from runtime.clock import SimClock
-from runtime.deployment import DeploymentRuntime, Outbox, RuntimeSettings
+from runtime.deployment import DeploymentRuntime, EngineFactory, Outbox, RuntimeSettings
 from runtime.executor import ExecutorSettings
 from runtime.host import DecisionOutcome, RuntimeHost
 from runtime.http import build_app
@@ -105,6 +105,7 @@ class RuntimeWorker:
         clock: SimClock | None = None,
         event_epoch_ms: int | None = None,
         start_plans: Mapping[str, DeploymentPlan] | None = None,
+        engine_factories: Mapping[str, EngineFactory] | None = None,
     ) -> None:
         self.cfg = cfg
         self.rc = cfg.runtime
@@ -131,6 +132,7 @@ class RuntimeWorker:
             models=models,
             pause_in=pause_in,
             pause_from_seq=pause_from_seq,
+            engine_factories=engine_factories,  # by deployment; default SimEngine
         )
         self.pool = self.host.pool
         self.inventory = self.host.inventory

@@ -2,11 +2,12 @@
 
 A local Kafka (unless one is configured), the simulated node agents of a scenario, a faust stream
 worker (its own process, as in production: :mod:`sim.streamproc`), a runtime worker with
-SimEngine (in this process), and a load generator (short chat plus long-prompt summarisation) all
-run on one simulated clock. The job prints a live gear timeline (:mod:`sim.live`), then a
-summary, checks its own outcome (:mod:`sim.outcome`, :mod:`sim.invariants`) and writes
-``out/summary.json``, ``out/report.md`` and ``out/timeline.png``; it exits 1 naming the invariant
-that broke. Topics get a per-run prefix so a run never reads another run's data.
+SimEngine (in this process; ``--engine torch``: the torch reference engine, :mod:`sim.torchup`),
+and a load generator (short chat plus long-prompt summarisation) all run on one simulated clock.
+The job prints a live gear timeline (:mod:`sim.live`), then a summary, checks its own outcome
+(:mod:`sim.outcome`, :mod:`sim.invariants`) and writes ``out/summary.json``, ``out/report.md``
+and ``out/timeline.png``; it exits 1 naming the invariant that broke. Topics get a per-run
+prefix so a run never reads another run's data.
 
 The run's config — the scenario's deployments and catalog (:mod:`sim.catalog`) over the given
 config — is written to ``out/flexpipe.yaml``; the stream worker reads it, as a deployed worker
@@ -36,7 +37,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
@@ -57,6 +58,9 @@ from sim.scenario import load_scenario, scenario_path
 from sim.spec import Scenario
 from sim.streamproc import StreamWorker, cancel_quietly, free_port
 from streams.app import app_id
+
+if TYPE_CHECKING:  # NOTE: sim.torchup imports torch (seconds); only --engine torch loads it
+    from sim.torchup import TorchServing
 
 DEFAULT_SCENARIO = "demo-shift"
 RUN_CONFIG = "flexpipe.yaml"  # the run's config file in the out directory, read by the workers
@@ -192,6 +196,7 @@ async def drive_load(
     record: RunRecord,
     stop: asyncio.Event,
     ledger: SequenceLedger,
+    torch: TorchServing | None = None,
 ) -> None:
     """Submit the scenario's requests at their simulated arrival times; record completions.
 
@@ -214,6 +219,8 @@ async def drive_load(
         key=lambda x: (x[0].arrival_s, x[1]),
     )
     for request, dep in arrivals:
+        if torch is not None:
+            request = torch.shape(request)
         delay = (request.arrival_s - worker.now_s()) / worker.clock.speed
         if delay > 0:
             try:
@@ -227,15 +234,23 @@ async def drive_load(
             record.rejections.append((worker.now_s(), dep, str(admission.reason)))
             continue
         ledger.admit(dep, request.request_id, fut)
-        task = asyncio.create_task(_complete(dep, request.request_id, fut, record))
+        task = asyncio.create_task(_complete(dep, request.request_id, fut, record, torch))
         ledger.waiters.add(task)
         task.add_done_callback(ledger.waiters.discard)
     record.load_end_s = worker.now_s()
     ledger.load_ended(worker)
 
 
-async def _complete(dep: str, request_id: str, fut: asyncio.Future[Any], record: RunRecord) -> None:
+async def _complete(
+    dep: str,
+    request_id: str,
+    fut: asyncio.Future[Any],
+    record: RunRecord,
+    torch: TorchServing | None = None,
+) -> None:
     done = await fut
+    if torch is not None:
+        torch.completed(dep, done)
     tbt_s = (done.finish_s - done.first_token_s) / max(1, done.output_tokens - 1)
     record.served.append(
         Served(dep, done.finish_s, done.ttft_s, tbt_s, done.output_tokens, request_id)
@@ -272,6 +287,11 @@ async def run_up(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
     scenario = load_scenario(path)
     duration_s = args.duration or scenario.duration_s
     chaos = bool(getattr(args, "chaos", False))
+    torch: TorchServing | None = None
+    if getattr(args, "engine", "sim") == "torch":
+        from sim.torchup import TorchServing
+
+        torch = TorchServing()
     speed = args.speed or (CHAOS_SPEED if chaos else duration_s / DEFAULT_WALL_S)
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -290,7 +310,7 @@ async def run_up(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
     try:
         outcome = await _run_with_broker(
-            cfg, scenario, args.seed, duration_s, speed, out_dir, chaos
+            cfg, scenario, args.seed, duration_s, speed, out_dir, chaos, torch
         )
     except KafkaError as exc:
         raise FlexPipeError(f"Kafka: {exc}") from exc
@@ -308,6 +328,8 @@ async def run_up(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
     }
     title = f"{scenario.name}, seed {args.seed}" + (", chaos" if chaos else "")
     code = conclude(outcome, scenario, duration_s, out_dir, title)
+    if torch is not None:
+        code = max(code, torch.report())
     print(f"({time.monotonic() - wall0:.0f} s wall)")
     return code
 
@@ -331,6 +353,7 @@ async def _run_with_broker(
     speed: float,
     out_dir: Path,
     chaos: bool,
+    torch: TorchServing | None = None,
 ) -> RunOutcome:
     """Broker, topics and stream worker around :func:`run_loop`; all stopped afterwards."""
     async with _kafka(cfg, chaos) as (address, local):
@@ -341,12 +364,13 @@ async def _run_with_broker(
         await streams.launch()
         try:
             print(
-                f"up: {scenario.name} (simulated cluster, SimEngine), {duration_s / 60:.0f}"
+                f"up: {scenario.name} (simulated cluster, "
+                f"{'torch engine on CPU' if torch else 'SimEngine'}), {duration_s / 60:.0f}"
                 f" simulated min at {speed:.0f}× (seed {seed}); stream worker pid"
                 f" {streams.pid}, log {streams.log_path}" + ("; chaos" if chaos else ""),
                 flush=True,
             )
-            return await run_loop(cfg, scenario, seed, duration_s, speed, streams, local)
+            return await run_loop(cfg, scenario, seed, duration_s, speed, streams, local, torch)
         finally:
             streams.stop()
             # NOTE: the worker's tables live in memory; faust leaves an empty data dir behind.
@@ -361,6 +385,7 @@ async def run_loop(
     speed: float,
     streams: StreamWorker,
     local: LocalKafka | None,
+    torch: TorchServing | None = None,
 ) -> RunOutcome:
     """Agents, runtime worker and load on one simulated clock, for ``duration_s``; then the
     drain and the read-back (with chaos when ``local`` is the run's own broker)."""
@@ -378,6 +403,7 @@ async def run_loop(
         clock=clock,
         event_epoch_ms=scenario.epoch_ms,
         start_plans=plans,
+        engine_factories=torch.factories([d.name for d in scenario.deployments]) if torch else None,
     )
     wall0 = time.time() - (time.monotonic() - t0)  # the wall clock at simulated time 0
     timeline = Timeline(
@@ -392,7 +418,7 @@ async def run_loop(
         helpers = [
             asyncio.create_task(timeline.follow(stop)),
             asyncio.create_task(
-                drive_load(worker, scenario, seed, duration_s, timeline.record, stop, ledger)
+                drive_load(worker, scenario, seed, duration_s, timeline.record, stop, ledger, torch)
             ),
             asyncio.create_task(status_loop(timeline, worker, STATUS_EVERY_S, stop)),
         ]

@@ -39,7 +39,7 @@ class RankProc:
     pool: torch.Tensor | None = None
 
 
-def _context() -> Any:
+def context() -> Any:
     """A fork server that has imported torch and the rank code once: ranks fork from it in
     milliseconds instead of importing torch each (seconds); it never runs torch ops itself."""
     ctx = mp.get_context("forkserver")
@@ -49,7 +49,7 @@ def _context() -> Any:
 
 def spawn(boots: Iterable[RankBoot]) -> list[RankProc]:
     """Start one process per boot record (forked from the preloaded fork server)."""
-    ctx = _context()
+    ctx = context()
     out = []
     for boot in boots:
         parent, child = ctx.Pipe()
