@@ -1,26 +1,34 @@
-"""The discrete-event simulator both systems run in (simulated clock, no wall-clock reads).
+"""The discrete-event simulator every system runs in (simulated clock, no wall-clock reads).
 
-Shared mechanics — identical for round-robin and ours, so only placement, routing/admission and
-eviction differ:
+Shared mechanics — identical for every system, so only placement, routing/admission, eviction
+and the KV pool layout differ:
 
 * **Physical memory** is the runtime's :class:`runtime.engine.simgpu.SimGpuPool` (the ledger the
-  SimEngine allocates against): an allocation past a GPU's memory is refused and counted as an
-  OOM event. An OOM crashes that GPU's serving process: the victim and every request holding KV
-  on the GPU fail, and all its models reload (weight bytes / ``weight_load_gbps``) before they
-  serve again. Queued requests without KV wait in the front-end and survive.
+  SimEngine allocates against). The engine below checks free memory before it takes any, so a
+  refused allocation (an OOM event, counted by the pool) can only come from a model load that
+  does not fit; such a load fails.
 * **Instances**: one model loaded on one GPU, holding weights + the runtime's per-process
   overhead (``GearboxConfig.runtime_overhead_bytes``, as :class:`runtime.serving.ServingCore`
-  commits it). Loading takes :meth:`ReplicaTiming.weight_load_s`.
-* **Service time** comes from the runtime's :class:`runtime.timing.ReplicaTiming` (gearbox's cost
-  model) for the model on that GPU class: ``prefill_s(prompt) + output × decode_cycle_s(batch,
-  mean context)``, the batch taken when the request starts, times the number of instances on the
-  GPU that are computing then (processes sharing a GPU time-slice it). At most ``MAX_BATCH``
-  requests run per instance; the rest queue FIFO.
-* **KV** of a request is ``(prompt + output) × kv_bytes_per_token`` for its whole life, allocated
-  when it starts (round-robin) or when admitted (ours: the VMM commit is the allocation).
-* **Timeouts**: a request not started ``QUEUE_TIMEOUT_S`` after arrival gives up.
-* **Replicas**: while a model has demand it wants ``ModelProfile.replicas`` instances; placement
-  is retried on arrivals and ticks, at most every ``PLACE_RETRY_S`` per model.
+  commits it) and, for a system that preallocates one (vLLM-like), a private KV pool. Loading
+  takes :meth:`ReplicaTiming.weight_load_s`.
+* **The engine** (one per instance) is continuous batching with paged KV, as vLLM runs it:
+  sequences wait FIFO; one is admitted (at most ``MAX_BATCH`` running) when its first KV blocks
+  can be allocated; each engine step decodes up to ``CHUNK_TOKENS`` tokens for every running
+  sequence (fewer when one finishes sooner, so finishes are exact). **Admission knows nothing of
+  the future**: with ``Admission.INCREMENTAL`` a sequence holds KV blocks (``BLOCK_TOKENS``
+  each) for the tokens it has so far and grows them before each step; with
+  ``Admission.MAX_TOKENS`` it reserves prompt + the client's stated ``max_tokens`` when admitted.
+  When a block cannot be had, the engine **preempts the youngest running sequence** (latest
+  arrival; recompute: its KV is freed and it goes back to the head of the queue, keeping its
+  generated tokens, and is prefilled again when resumed) until the block fits — never an OOM.
+* **Step time** comes from the runtime's :class:`runtime.timing.ReplicaTiming` (gearbox's cost
+  model) for the model on that GPU class: the prefill of newly admitted or resumed sequences
+  (prompt + generated so far) plus ``tokens × decode_cycle_s(batch, mean context)``, times the
+  number of instances on the GPU computing then (processes sharing a GPU time-slice it).
+* **Timeouts**: a sequence waiting (never admitted, or preempted and not resumed) longer than
+  ``QUEUE_TIMEOUT_S`` gives up, as does a request no instance took for that long.
+* **Replicas**: while a model has demand it wants ``ModelProfile.replicas`` instances; a system
+  that places on demand is asked on arrivals and ticks, at most every ``PLACE_RETRY_S`` per model.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import Protocol
 
 from bench.mm.metrics import Metrics
@@ -42,49 +50,102 @@ from gearbox.types import TopologySnapshot
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
 
-__all__ = ["Instance", "Simulator", "System", "footprint_of"]
+__all__ = ["Admission", "Instance", "Seq", "Simulator", "System", "footprint_of"]
 
 TICK_S = 5.0  # sampling, timeout sweep and placement-retry period
-MAX_BATCH = 32  # running sequences per instance (same engine setting for both systems)
-QUEUE_TIMEOUT_S = 60.0  # a request not started this long after arriving gives up
+MAX_BATCH = 32  # running sequences per instance (same engine setting for every system)
+BLOCK_TOKENS = 16  # KV page size (vLLM's default block)
+CHUNK_TOKENS = 32  # decode tokens per simulated engine step at most
+QUEUE_TIMEOUT_S = 60.0  # a sequence waiting this long (unadmitted or preempted) gives up
 PLACE_RETRY_S = 5.0  # placement attempts per model at most this often
 GAP_WINDOW = 20  # arrivals in the mean-gap estimate handed to eviction
 
 
-class _Kind(IntEnum):
-    """Event order at equal times: free memory first, then arrivals, then the tick."""
+class Admission(StrEnum):
+    """How much KV a sequence holds: no rule may read the request's actual output length."""
 
-    FINISH = 0
+    INCREMENTAL = "incremental"  # paged: blocks for the tokens so far, grown before each step
+    MAX_TOKENS = "max_tokens"  # prompt + the client's stated max_tokens, reserved on admission
+
+
+class _Kind(IntEnum):
+    """Event order at equal times: free memory first, then loads, arrivals, the tick."""
+
+    STEP_END = 0
     READY = 1
     ARRIVAL = 2
     TICK = 3
 
 
 @dataclass
+class Seq:
+    """One request inside an engine."""
+
+    request: SimRequest
+    waiting_since_s: float  # arrival at the engine, or the last preemption
+    generated: int = 0
+    kv_tokens: int = 0  # tokens with KV blocks held (a multiple of BLOCK_TOKENS)
+    prefilled: bool = False  # False when (re)admitted: its context is computed again
+    first_token_s: float | None = None
+    preemptions: int = 0
+    spans: list[tuple[float, float]] = field(default_factory=list)  # engine steps it ran in
+    kv_byte_s: float = 0.0  # ∫ KV bytes held while running
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.request.request_id
+
+    @property
+    def context(self) -> int:
+        """Tokens whose KV the sequence needs now (prompt + generated)."""
+        return self.request.prompt_tokens + self.generated
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to generate (known to the simulator only, never to admission)."""
+        return self.request.output_tokens - self.generated
+
+
+def _age(seq: Seq) -> tuple[float, str]:
+    return (seq.request.arrival_s, seq.request_id)
+
+
+@dataclass
 class Instance:
-    """One model loaded on one GPU."""
+    """One model loaded on one GPU, with its engine."""
 
     iid: str
+    serial: int  # unique per load, so events of an evicted instance are ignored
     profile: ModelProfile
     gpu_uuid: str
     timing: ReplicaTiming
     weight_bytes: int  # weights + per-process runtime overhead
     ready_at_s: float
-    epoch: int = 0  # bumped on restart, so stale events are ignored
-    running: dict[str, tuple[SimRequest, float]] = field(default_factory=dict)  # id → (req, start)
-    queue: deque[SimRequest] = field(default_factory=deque)
-    kv_bytes: dict[str, int] = field(default_factory=dict)  # requests holding physical KV here
+    kv_pool_bytes: int | None = None  # a private, preallocated KV pool; None: the GPU's free memory
+    running: dict[str, Seq] = field(default_factory=dict)
+    waiting: deque[Seq] = field(default_factory=deque)
+    kv_bytes: int = 0  # KV blocks held by running sequences
+    step: tuple[float, int] | None = None  # (start_s, tokens) of the engine step in flight
     last_request_s: float = 0.0
     ready_since_s: float | None = None  # for the weight-memory integral
 
     @property
     def active(self) -> int:
-        """Requests running or queued here."""
-        return len(self.running) + len(self.queue)
+        """Requests running or waiting here."""
+        return len(self.running) + len(self.waiting)
 
-    def kv_for(self, request: SimRequest) -> int:
-        """Bytes of KV the request holds."""
-        return request.total_tokens * self.profile.spec.kv_bytes_per_token
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token of context takes."""
+        return self.profile.spec.kv_bytes_per_token
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The most context one sequence can ever hold here (the engine's max model length)."""
+        if self.kv_pool_bytes is not None:
+            return self.kv_pool_bytes // self.kv_bytes_per_token
+        return self.timing.kv_capacity_tokens
 
     def is_ready(self, now_s: float) -> bool:
         """Loaded and serving."""
@@ -95,26 +156,25 @@ class System(Protocol):
     """What differs between the compared systems."""
 
     name: str
-    kv_at_admission: bool  # True: KV is committed when admitted (VMM); False: when started
 
-    def place(self, profile: ModelProfile, count: int) -> None:
-        """Load up to ``count`` more instances of the model (or leave it waiting)."""
+    def deploy(self, models: Sequence[ModelProfile]) -> None:
+        """At t = 0: load what the system starts with (``models``: the whole catalogue)."""
         ...
 
-    def route(self, request: SimRequest, candidates: Sequence[Instance]) -> Instance | str:
-        """The instance to queue the request at, or the rejection reason."""
+    def place(self, profile: ModelProfile, count: int) -> None:
+        """A model with demand lacks ``count`` instances: load some, or leave it waiting."""
+        ...
+
+    def route(self, request: SimRequest) -> Instance | str | None:
+        """The instance to queue the request at, a rejection reason, or None (no instance yet)."""
         ...
 
     def on_loaded(self, instance: Instance) -> bool:
-        """An instance's weights were allocated (ours: VMM reservation + weight commit)."""
+        """An instance's memory was allocated; False refuses the load."""
         ...
 
     def on_unloaded(self, instance: Instance) -> None:
-        """An instance's memory was freed (eviction or crash)."""
-        ...
-
-    def on_release(self, instance: Instance, request_id: str) -> None:
-        """A request left the instance (finished, failed or timed out)."""
+        """An instance's memory was freed (eviction)."""
         ...
 
 
@@ -133,21 +193,27 @@ def footprint_of(
 
 
 class Simulator:
-    """One run of one system over one scenario (see the module docstring)."""
+    """One run of one system over a scenario."""
 
-    def __init__(self, scenario: Scenario, placement: PlacementConfig) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        placement: PlacementConfig,
+        admission: Admission = Admission.INCREMENTAL,
+        config: GearboxConfig | None = None,
+    ) -> None:
         self.scenario = scenario
         self.placement = placement
-        self.config = GearboxConfig()
-        self.now_s = 0.0
+        self.admission = admission
+        self.config = config or GearboxConfig()
         self.metrics = Metrics()
+        self.now_s = 0.0
         self.pool = SimGpuPool()
         self.gpus = {g.uuid: g for g in scenario.cluster.gpus}
-        for gpu in self.gpus.values():
+        for gpu in scenario.cluster.gpus:
             self.pool.ensure(gpu.uuid, gpu.total_memory_bytes)
         self.profiles = {m.name: m for m in scenario.models}
         self.instances: dict[str, Instance] = {}
-        self.restart_until_s: dict[str, float] = {}
         self.system: System | None = None
         self._pending: dict[str, deque[SimRequest]] = {m: deque() for m in self.profiles}
         self._arrivals: dict[str, deque[float]] = {
@@ -155,8 +221,9 @@ class Simulator:
         }
         self._last_place_s: dict[str, float] = {}
         self._timings: dict[tuple[str, str], ReplicaTiming] = {}
-        self._events: list[tuple[float, int, int, tuple[str, str, int]]] = []
+        self._events: list[tuple[float, int, int, tuple[str, int]]] = []
         self._seq = 0
+        self._serial = 0
         self._footprints = tuple(footprint_of(m, self.config) for m in scenario.models)
 
     # ---- queries systems use ------------------------------------------------------------------
@@ -173,13 +240,19 @@ class Simulator:
         """The model's instance on the GPU, if loaded."""
         return self.instances.get(f"{model_name}@{gpu_uuid}")
 
-    def restarting(self, gpu_uuid: str) -> bool:
-        """True while the GPU's process reloads after an OOM."""
-        return self.now_s < self.restart_until_s.get(gpu_uuid, 0.0)
+    def pending(self, model_name: str) -> int:
+        """Requests for the model that no instance has taken yet."""
+        return len(self._pending[model_name])
 
     def free_bytes(self, gpu_uuid: str) -> int:
         """Physical memory not allocated on the GPU."""
         return self.pool.total_bytes(gpu_uuid) - self.pool.used_bytes(gpu_uuid)
+
+    def reservation_tokens(self, request: SimRequest) -> int:
+        """Tokens of KV a request is admitted with, from what the client states only."""
+        if self.admission is Admission.MAX_TOKENS:
+            return request.prompt_tokens + request.max_tokens
+        return request.prompt_tokens + BLOCK_TOKENS
 
     def mean_gap_s(self, model_name: str) -> float:
         """Mean gap over the last arrivals, the open gap since the last one included.
@@ -202,7 +275,7 @@ class Simulator:
                     gpu,
                     free_memory_bytes=self.free_bytes(gpu.uuid),
                     utilisation=min(1.0, running / MAX_BATCH),
-                    schedulable=gpu.uuid not in exclude and not self.restarting(gpu.uuid),
+                    schedulable=gpu.uuid not in exclude,
                     last_seen_s=self.now_s,
                 )
             )
@@ -224,63 +297,62 @@ class Simulator:
 
     # ---- actions systems take -----------------------------------------------------------------
 
-    def load(self, profile: ModelProfile, gpu_uuid: str) -> Instance | None:
-        """Allocate the weights and start loading; None (an OOM event) if memory refuses."""
+    def load(
+        self, profile: ModelProfile, gpu_uuid: str, kv_pool_bytes: int | None = None
+    ) -> Instance | None:
+        """Allocate weights (+ a private KV pool) and start loading; None if memory refuses."""
         assert self.system is not None
         weight_bytes = profile.spec.weight_bytes + self.config.runtime_overhead_bytes
-        if not self.pool.allocate(gpu_uuid, weight_bytes):
+        if not self.pool.allocate(gpu_uuid, weight_bytes + (kv_pool_bytes or 0)):
+            self.metrics.failed_loads += 1  # an OOM at start-up: the pool counted the event
             return None
         timing = self.timing(profile, gpu_uuid)
+        self._serial += 1
         iid = f"{profile.name}@{gpu_uuid}"
-        inst = Instance(iid, profile, gpu_uuid, timing, weight_bytes, 0.0)
-        inst.ready_at_s = self.now_s + timing.weight_load_s()
+        ready_s = self.now_s + timing.weight_load_s()
+        inst = Instance(iid, self._serial, profile, gpu_uuid, timing, weight_bytes, ready_s)
+        inst.kv_pool_bytes = kv_pool_bytes
         inst.last_request_s = self.now_s
         if not self.system.on_loaded(inst):
-            self.pool.free(gpu_uuid, weight_bytes)
+            self.pool.free(gpu_uuid, weight_bytes + (kv_pool_bytes or 0))
             return None
         self.instances[iid] = inst
         self.metrics.loads += 1
-        self._push(inst.ready_at_s, _Kind.READY, (iid, "", inst.epoch))
+        self._push(ready_s, _Kind.READY, (iid, inst.serial))
         return inst
 
     def evict(self, inst: Instance) -> None:
         """Unload an instance; anything it still holds fails (and is counted)."""
         assert self.system is not None
-        if inst.active:
+        last_of_model = len(self.instances_of(inst.profile.name)) == 1
+        if inst.active or (last_of_model and self._pending[inst.profile.name]):
             self.metrics.evicted_with_active += 1
         self.metrics.evictions += 1
-        for request, _ in list(inst.running.values()):
-            self._drop(inst, request.request_id)
+        for seq in [*inst.running.values(), *inst.waiting]:
+            self._free_kv(inst, seq)
             self.metrics.failed_evicted += 1
-        while inst.queue:
-            self._drop(inst, inst.queue.popleft().request_id)
-            self.metrics.failed_evicted += 1
+        inst.running.clear()
+        inst.waiting.clear()
         self._close_weights(inst)
-        self.pool.free(inst.gpu_uuid, inst.weight_bytes)
+        self.pool.free(inst.gpu_uuid, inst.weight_bytes + (inst.kv_pool_bytes or 0))
         self.system.on_unloaded(inst)
         del self.instances[inst.iid]
-
-    def allocate_kv(self, inst: Instance, request: SimRequest) -> bool:
-        """Allocate the request's KV; on refusal the GPU's process crashes (False)."""
-        need = inst.kv_for(request)
-        if self.pool.allocate(inst.gpu_uuid, need):
-            inst.kv_bytes[request.request_id] = need
-            return True
-        self.metrics.failed_oom += 1  # the victim
-        self._crash(inst.gpu_uuid)
-        return False
+        # NOTE: no kick here: an eviction makes room for a load that follows at once, and
+        # engines growing KV into the room first would make that load fail (the tick kicks).
 
     # ---- the run ------------------------------------------------------------------------------
 
     def run(self, system: System) -> Metrics:
         """Replay the scenario's requests through ``system`` until ``duration_s``."""
         self.system = system
-        self._deploy_catalogue()
+        for profile in self.scenario.models:
+            self._last_place_s[profile.name] = 0.0
+        system.deploy(self.scenario.models)
         for n, request in enumerate(self.scenario.requests):
-            self._push(request.arrival_s, _Kind.ARRIVAL, ("", "", n))
+            self._push(request.arrival_s, _Kind.ARRIVAL, ("", n))
         ticks = int(self.scenario.duration_s // TICK_S)
         for k in range(ticks):
-            self._push(k * TICK_S, _Kind.TICK, ("", "", k))
+            self._push(k * TICK_S, _Kind.TICK, ("", k))
         while self._events and self._events[0][0] < self.scenario.duration_s:
             time_s, kind, _, data = heapq.heappop(self._events)
             self.now_s = time_s
@@ -288,151 +360,65 @@ class Simulator:
         self.now_s = self.scenario.duration_s
         for inst in self.instances.values():
             self._close_weights(inst)
+            self.metrics.unfinished += inst.active
+        self.metrics.unfinished += sum(len(p) for p in self._pending.values())
         self.metrics.oom_events = self.pool.oom_events
         return self.metrics
 
-    def _deploy_catalogue(self) -> None:
-        """At t = 0 place every model live from the start, largest footprint first.
-
-        NOTE: largest-first is the usual knapsack order; placed on first demand instead, small
-        models spread over the 80 GB cards and leave no room for the 34B ones (in both systems).
-        """
-        assert self.system is not None
-        live = [m for m in self.scenario.models if m.traffic.active_from_s <= 0.0]
-        live.sort(key=lambda m: (-footprint_of(m, self.config).estimated_bytes(1.0), m.name))
-        for profile in live:
-            self._last_place_s[profile.name] = self.now_s
-            self.system.place(profile, profile.replicas)
-
-    def _push(self, time_s: float, kind: _Kind, data: tuple[str, str, int]) -> None:
+    def _push(self, time_s: float, kind: _Kind, data: tuple[str, int]) -> None:
         self._seq += 1
         heapq.heappush(self._events, (time_s, int(kind), self._seq, data))
 
-    def _handle(self, kind: _Kind, data: tuple[str, str, int]) -> None:
-        iid, request_id, number = data
+    def _handle(self, kind: _Kind, data: tuple[str, int]) -> None:
+        iid, number = data
         if kind is _Kind.ARRIVAL:
             self._on_arrival(self.scenario.requests[number])
-        elif kind is _Kind.FINISH:
-            self._on_finish(iid, request_id, number)
-        elif kind is _Kind.READY:
-            inst = self.instances.get(iid)
-            if inst is not None and inst.epoch == number:
-                inst.ready_since_s = self.now_s
-                self._try_start(inst)
-        else:
+            return
+        if kind is _Kind.TICK:
             self._on_tick()
+            return
+        inst = self.instances.get(iid)
+        if inst is None or inst.serial != number:
+            return  # evicted meanwhile
+        if kind is _Kind.READY:
+            inst.ready_since_s = self.now_s
+            self._step(inst)
+        else:
+            self._on_step_end(inst)
 
-    # ---- events -------------------------------------------------------------------------------
+    # ---- front end ----------------------------------------------------------------------------
 
     def _on_arrival(self, request: SimRequest) -> None:
         self.metrics.arrivals += 1
         self._arrivals[request.model_name].append(request.arrival_s)
+        self._pending[request.model_name].append(request)
         self._ensure_replicas(request.model_name)
-        if self.instances_of(request.model_name):
-            self._dispatch(request)
-        else:
-            self._pending[request.model_name].append(request)
+        self._drain_pending(request.model_name)
 
-    def _dispatch(self, request: SimRequest) -> None:
+    def _drain_pending(self, model_name: str) -> None:
         assert self.system is not None
-        choice = self.system.route(request, self.instances_of(request.model_name))
-        if isinstance(choice, str):
-            self.metrics.rejected[choice] += 1
-            return
-        if self.system.kv_at_admission and not self.allocate_kv(choice, request):
-            self.system.on_release(choice, request.request_id)
-            return
-        choice.queue.append(request)
-        choice.last_request_s = self.now_s
-        self._try_start(choice)
-
-    def _try_start(self, inst: Instance) -> None:
-        """Start queued requests while the instance is ready and has batch room."""
-        while inst.queue and inst.is_ready(self.now_s) and len(inst.running) < MAX_BATCH:
-            request = inst.queue.popleft()
-            if self.now_s - request.arrival_s > QUEUE_TIMEOUT_S:
-                self._drop(inst, request.request_id)
-                self.metrics.timed_out += 1
+        pending = self._pending[model_name]
+        while pending:
+            choice = self.system.route(pending[0])
+            if choice is None:
+                return  # no instance to take it yet: it waits in the front end
+            request = pending.popleft()
+            if isinstance(choice, str):
+                self.metrics.rejected[choice] += 1
                 continue
-            if request.request_id not in inst.kv_bytes and not self.allocate_kv(inst, request):
-                return  # OOM: the process crashed and reloads; the queue waits for it
-            finish_s = self.now_s + self._service_s(inst, request)
-            inst.running[request.request_id] = (request, self.now_s)
-            self._push(finish_s, _Kind.FINISH, (inst.iid, request.request_id, inst.epoch))
-
-    def _service_s(self, inst: Instance, request: SimRequest) -> float:
-        sharing = sum(1 for i in self.instances_on(inst.gpu_uuid) if i.running or i is inst)
-        context = request.prompt_tokens + request.output_tokens / 2
-        per_token_s = inst.timing.decode_cycle_s(len(inst.running) + 1, context)
-        solo_s = inst.timing.prefill_s(request.prompt_tokens) + request.output_tokens * per_token_s
-        return solo_s * sharing
-
-    def _on_finish(self, iid: str, request_id: str, epoch: int) -> None:
-        inst = self.instances.get(iid)
-        if inst is None or inst.epoch != epoch or request_id not in inst.running:
-            return  # the instance crashed or was evicted meanwhile
-        request, start_s = inst.running[request_id]
-        m = self.metrics
-        m.served_requests += 1
-        m.served_tokens += request.total_tokens
-        m.busy.setdefault(inst.gpu_uuid, []).append((start_s, self.now_s))
-        m.kv_byte_s += inst.kv_for(request) * (self.now_s - start_s)
-        m.latency_s.append(self.now_s - request.arrival_s)
-        m.ttft_s.append(start_s + inst.timing.prefill_s(request.prompt_tokens) - request.arrival_s)
-        self._drop(inst, request_id)
-        self._try_start(inst)
-
-    def _drop(self, inst: Instance, request_id: str) -> None:
-        """Forget the request on the instance and give its memory back."""
-        assert self.system is not None
-        inst.running.pop(request_id, None)
-        held = inst.kv_bytes.pop(request_id, 0)
-        if held:
-            self.pool.free(inst.gpu_uuid, held)
-        self.system.on_release(inst, request_id)
-
-    def _crash(self, gpu_uuid: str) -> None:
-        """OOM: the GPU's process dies; requests holding KV fail; every model reloads in turn."""
-        assert self.system is not None
-        self.metrics.restarts += 1
-        ready_s = self.now_s
-        for inst in self.instances_on(gpu_uuid):
-            lost = set(inst.kv_bytes)
-            inst.queue = deque(r for r in inst.queue if r.request_id not in lost)
-            for request_id in sorted(lost):
-                self._drop(inst, request_id)
-                self.metrics.failed_oom += 1
-            self._close_weights(inst)
-            self.system.on_unloaded(inst)
-            inst.epoch += 1
-            ready_s += inst.timing.weight_load_s()
-            inst.ready_at_s = ready_s
-            self.metrics.loads += 1
-            self.system.on_loaded(inst)
-            self._push(ready_s, _Kind.READY, (inst.iid, "", inst.epoch))
-        self.restart_until_s[gpu_uuid] = ready_s
-
-    def _close_weights(self, inst: Instance) -> None:
-        if inst.ready_since_s is not None:
-            self.metrics.weight_byte_s += inst.weight_bytes * (self.now_s - inst.ready_since_s)
-            inst.ready_since_s = None
+            choice.waiting.append(Seq(request, self.now_s))
+            choice.last_request_s = self.now_s
+            self._step(choice)
 
     def _ensure_replicas(self, model_name: str) -> None:
         """Ask the system for missing replicas (rate-limited per model)."""
         assert self.system is not None
         profile = self.profiles[model_name]
         missing = profile.replicas - len(self.instances_of(model_name))
-        last = self._last_place_s.get(model_name)
-        if missing <= 0 or (last is not None and self.now_s - last < PLACE_RETRY_S):
+        if missing <= 0 or self.now_s - self._last_place_s[model_name] < PLACE_RETRY_S:
             return
         self._last_place_s[model_name] = self.now_s
         self.system.place(profile, missing)
-        self._drain_pending(model_name)
-
-    def _drain_pending(self, model_name: str) -> None:
-        pending = self._pending[model_name]
-        while pending and self.instances_of(model_name):
-            self._dispatch(pending.popleft())
 
     def _on_tick(self) -> None:
         for model_name, pending in self._pending.items():
@@ -441,20 +427,149 @@ class Simulator:
                 self.metrics.timed_out += 1
             if pending:
                 self._ensure_replicas(model_name)
+                self._drain_pending(model_name)
         for inst in list(self.instances.values()):
-            self._expire_queue(inst)
+            self._expire_waiting(inst)
+            self._step(inst)
         report = dead_memory(self.snapshot(), self._footprints, self.placement)
         capacity = sum(g.total_memory_bytes for g in self.gpus.values())
         self.metrics.dead_frac_sum += report.dead_bytes / capacity
         self.metrics.dead_share_sum += report.dead_share
         self.metrics.dead_samples += 1
 
-    def _expire_queue(self, inst: Instance) -> None:
-        keep: deque[SimRequest] = deque()
-        for request in inst.queue:
-            if self.now_s - request.arrival_s > QUEUE_TIMEOUT_S:
-                self._drop(inst, request.request_id)
+    def _expire_waiting(self, inst: Instance) -> None:
+        keep: deque[Seq] = deque()
+        for seq in inst.waiting:
+            if self.now_s - seq.waiting_since_s > QUEUE_TIMEOUT_S:
                 self.metrics.timed_out += 1
             else:
-                keep.append(request)
-        inst.queue = keep
+                keep.append(seq)
+        inst.waiting = keep
+
+    # ---- the engine ---------------------------------------------------------------------------
+
+    def _grow(self, inst: Instance, seq: Seq, tokens: int) -> bool:
+        """Hold KV blocks for ``tokens`` tokens of the sequence; False when memory has none."""
+        blocks = -(-tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+        need = (blocks - seq.kv_tokens) * inst.kv_bytes_per_token
+        if need <= 0:
+            return True
+        if inst.kv_pool_bytes is not None:
+            if inst.kv_bytes + need > inst.kv_pool_bytes:
+                return False
+        elif self.free_bytes(inst.gpu_uuid) < need or not self.pool.allocate(inst.gpu_uuid, need):
+            return False
+        seq.kv_tokens = blocks
+        inst.kv_bytes += need
+        return True
+
+    def _free_kv(self, inst: Instance, seq: Seq) -> None:
+        held = seq.kv_tokens * inst.kv_bytes_per_token
+        seq.kv_tokens = 0
+        inst.kv_bytes -= held
+        if inst.kv_pool_bytes is None and held:
+            self.pool.free(inst.gpu_uuid, held)
+
+    def _preempt(self, inst: Instance, seq: Seq) -> None:
+        """Recompute preemption: free the sequence's KV and queue it first to resume."""
+        self._free_kv(inst, seq)
+        del inst.running[seq.request_id]
+        seq.prefilled = False
+        seq.preemptions += 1
+        seq.waiting_since_s = self.now_s
+        self.metrics.preemptions += 1
+        inst.waiting.appendleft(seq)
+
+    def _admit(self, inst: Instance) -> None:
+        """Admit waiting sequences, FIFO, while their first blocks can be had."""
+        while inst.waiting and len(inst.running) < MAX_BATCH:
+            seq = inst.waiting[0]
+            if self.now_s - seq.waiting_since_s > QUEUE_TIMEOUT_S:
+                inst.waiting.popleft()
+                self.metrics.timed_out += 1
+                continue
+            if self.admission is Admission.MAX_TOKENS:
+                target = seq.request.prompt_tokens + seq.request.max_tokens
+            else:
+                target = seq.context + BLOCK_TOKENS
+            if not self._grow(inst, seq, target):
+                return  # head-of-line waits for memory, as vLLM's FCFS scheduler does
+            inst.waiting.popleft()
+            inst.running[seq.request_id] = seq
+
+    def _step(self, inst: Instance) -> None:
+        """Start an engine step if the instance is idle, ready and has work."""
+        if inst.step is not None or not inst.is_ready(self.now_s):
+            return
+        self._admit(inst)
+        if not inst.running:
+            return
+        tokens = min(CHUNK_TOKENS, min(s.remaining for s in inst.running.values()))
+        for seq in sorted(inst.running.values(), key=_age):
+            if seq.request_id not in inst.running:
+                continue  # preempted for an older sequence in this loop
+            while not self._grow(inst, seq, seq.context + tokens):
+                victim = max(inst.running.values(), key=_age)
+                self._preempt(inst, victim)
+                if victim is seq:
+                    break
+        if not inst.running:
+            return  # everything preempted: it resumes when memory frees on the GPU
+        batch = list(inst.running.values())
+        prefill_s = sum(inst.timing.prefill_s(s.context) for s in batch if not s.prefilled)
+        mean_context = sum(s.context for s in batch) / len(batch) + tokens / 2
+        cycle_s = inst.timing.decode_cycle_s(len(batch), mean_context)
+        sharing = sum(1 for i in self.instances_on(inst.gpu_uuid) if i.step or i is inst)
+        for seq in batch:
+            if seq.first_token_s is None:
+                seq.first_token_s = self.now_s + (prefill_s + cycle_s) * sharing
+        duration_s = (prefill_s + tokens * cycle_s) * sharing
+        inst.step = (self.now_s, tokens)
+        self._push(self.now_s + duration_s, _Kind.STEP_END, (inst.iid, inst.serial))
+
+    def _on_step_end(self, inst: Instance) -> None:
+        assert inst.step is not None
+        start_s, tokens = inst.step
+        inst.step = None
+        finished = False
+        for seq in list(inst.running.values()):
+            seq.kv_byte_s += seq.kv_tokens * inst.kv_bytes_per_token * (self.now_s - start_s)
+            seq.generated += tokens
+            seq.prefilled = True
+            seq.spans.append((start_s, self.now_s))
+            if seq.remaining <= 0:
+                self._finish(inst, seq)
+                finished = True
+        self._step(inst)
+        if finished:
+            self._kick(inst.gpu_uuid)
+
+    def _finish(self, inst: Instance, seq: Seq) -> None:
+        request = seq.request
+        m = self.metrics
+        m.served_requests += 1
+        m.served_tokens += request.prompt_tokens + request.output_tokens
+        m.busy.setdefault(inst.gpu_uuid, []).extend(seq.spans)
+        m.kv_byte_s += seq.kv_byte_s
+        assert seq.first_token_s is not None
+        ttft_s = seq.first_token_s - request.arrival_s
+        tbt_s = (self.now_s - seq.first_token_s) / max(1, request.output_tokens - 1)
+        m.latency_s.append(self.now_s - request.arrival_s)
+        m.ttft_s.append(ttft_s)
+        m.tbt_s.append(tbt_s)
+        if ttft_s * 1000 <= self.config.ttft_slo_ms and tbt_s * 1000 <= self.config.tbt_slo_ms:
+            m.goodput_requests += 1
+            m.goodput_tokens += request.prompt_tokens + request.output_tokens
+        self._free_kv(inst, seq)
+        del inst.running[seq.request_id]
+
+    def _kick(self, gpu_uuid: str) -> None:
+        """Memory came free on the GPU: idle engines with waiting sequences try again."""
+        for inst in self.instances_on(gpu_uuid):
+            if inst.step is None and inst.waiting:
+                self._step(inst)
+
+    def _close_weights(self, inst: Instance) -> None:
+        if inst.ready_since_s is not None:
+            self.metrics.weight_byte_s += inst.weight_bytes * (self.now_s - inst.ready_since_s)
+            inst.ready_since_s = None

@@ -1,13 +1,19 @@
 """Counters and time integrals one simulated system accumulates, and their summary.
 
-Definitions (the same for both systems):
+Definitions (the same for every system):
 
 * ``busy_frac`` — compute utilisation: the time-average share of GPUs busy with *served* work, a
-  GPU being busy while at least one request that later completes runs on it (the
-  ``nvidia-smi`` "GPU utilisation" notion: kernel time, not FLOP efficiency). Work lost to an
-  OOM restart or an eviction does not count.
+  GPU being busy while an engine step of a request that later completes runs on it (the
+  ``nvidia-smi`` "GPU utilisation" notion: kernel time, not FLOP efficiency). Work of requests
+  that time out or are lost to an eviction does not count; recomputation after a preemption
+  does (the GPU was busy with it).
+* ``tokens_per_busy_gpu_s`` — served tokens per busy GPU-second: how much the busy time bought
+  (spreading a model thin keeps more GPUs busy at smaller batches).
 * ``mem_util`` — memory utilisation by served work: the time-average of (weights of ready
   instances + KV of requests that complete, over their service) / cluster memory.
+* ``goodput_req_s`` — requests served within gearbox's default SLOs (TTFT ≤ ``ttft_slo_ms``,
+  mean time between tokens ≤ ``tbt_slo_ms``) per simulated second; ``slo_attainment`` is their
+  share of all arrivals (rejected, timed out and unfinished ones count as misses).
 * ``dead_frac`` — time-average of gearbox's ``dead_memory`` dead bytes / cluster memory, sampled
   every tick (the article's "share of cluster memory"); ``dead_share`` is the same report's dead
   / free.
@@ -51,11 +57,12 @@ class Metrics:
     served_tokens: int = 0
     rejected: Counter[str] = field(default_factory=Counter)  # 429s etc. by reason
     timed_out: int = 0  # waited past the queue timeout (no instance, or queue too slow)
-    failed_oom: int = 0  # running when their GPU ran out of memory (victim + the process's others)
     failed_evicted: int = 0  # held by an instance when it was evicted
-    oom_events: int = 0  # allocations refused by the physical memory (one per process crash)
-    restarts: int = 0  # GPU processes restarted after an OOM
-    loads: int = 0  # model loads, reloads after a restart included
+    failed_loads: int = 0  # model loads refused by physical memory
+    oom_events: int = 0  # allocations refused by the physical memory
+    preemptions: int = 0  # running sequences preempted for KV (recomputed when resumed)
+    unfinished: int = 0  # still in the system when the run ended
+    loads: int = 0  # model loads, reloads after an eviction included
     evictions: int = 0
     evicted_with_active: int = 0  # evicted while holding running or queued requests (must be 0)
     placement_queued: int = 0  # placement attempts that found no GPU
@@ -67,6 +74,9 @@ class Metrics:
     dead_samples: int = 0
     latency_s: list[float] = field(default_factory=list)  # served requests: arrival → finish
     ttft_s: list[float] = field(default_factory=list)  # served requests: arrival → first token
+    tbt_s: list[float] = field(default_factory=list)  # served requests: mean time between tokens
+    goodput_requests: int = 0  # served within the TTFT and TBT SLOs
+    goodput_tokens: int = 0  # their prompt + output tokens
 
     def summary(self, capacity_bytes: int, num_gpus: int, duration_s: float) -> dict[str, object]:
         """Plain, rounded figures (deterministic: no wall-clock values)."""
@@ -80,21 +90,28 @@ class Metrics:
             "rejected_429": sum(n for reason, n in self.rejected.items() if reason != "too_long"),
             "rejected_by_reason": dict(sorted(self.rejected.items())),
             "timed_out": self.timed_out,
-            "failed_oom": self.failed_oom,
             "failed_evicted": self.failed_evicted,
+            "failed_loads": self.failed_loads,
             "oom_events": self.oom_events,
-            "restarts": self.restarts,
+            "preemptions": self.preemptions,
+            "unfinished": self.unfinished,
             "loads": self.loads,
             "evictions": self.evictions,
             "evicted_with_active": self.evicted_with_active,
             "placement_queued": self.placement_queued,
             "busy_frac": busy_s / (num_gpus * duration_s),
+            "tokens_per_busy_gpu_s": self.served_tokens / busy_s if busy_s else 0.0,
             "mem_util": (self.kv_byte_s + self.weight_byte_s) / (capacity_bytes * duration_s),
             "dead_frac": self.dead_frac_sum / samples,
             "dead_share": self.dead_share_sum / samples,
             "latency_p50_s": percentile(self.latency_s, 50),
             "latency_p95_s": percentile(self.latency_s, 95),
             "ttft_p95_s": percentile(self.ttft_s, 95),
+            "tbt_p95_s": percentile(self.tbt_s, 95),
+            "goodput_requests": self.goodput_requests,
+            "goodput_req_s": self.goodput_requests / duration_s,
+            "goodput_tok_s": self.goodput_tokens / duration_s,
+            "slo_attainment": self.goodput_requests / self.arrivals if self.arrivals else 0.0,
             "served_tok_s": self.served_tokens / duration_s,
         }
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in figures.items()}

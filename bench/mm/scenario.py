@@ -46,6 +46,7 @@ LLAMA2_13B = ModelSpec("llama-2-13b", 13_015_864_320, 40, 5120, 40, 40, 128)
 CODELLAMA_34B = ModelSpec("codellama-34b", 33_743_970_304, 48, 8192, 64, 8, 128)
 
 LONG_PROMPT_TOKENS = (4096, 12288)  # a long prompt's length is uniform in this range
+MAX_OUTPUT_TOKENS = 1024  # the max_tokens every client states (outputs are clipped to it)
 NEVER_S = 1e12  # "no end" for traffic windows (finite so it stays JSON-safe)
 
 
@@ -86,11 +87,7 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int
     long_prompt: bool  # drawn inside a spike with a long prompt
-
-    @property
-    def total_tokens(self) -> int:
-        """Context length at completion: the KV the request holds."""
-        return self.prompt_tokens + self.output_tokens
+    max_tokens: int = MAX_OUTPUT_TOKENS  # what the client states; output_tokens is the truth
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +250,7 @@ def _requests_for(
             prompt = rng.randint(*LONG_PROMPT_TOKENS)
         else:
             prompt = _lognormal(rng, traffic.mean_prompt_tokens, 0.6, 16, LONG_PROMPT_TOKENS[0])
-        output = _lognormal(rng, traffic.mean_output_tokens, 0.6, 1, 1024)
+        output = _lognormal(rng, traffic.mean_output_tokens, 0.6, 1, MAX_OUTPUT_TOKENS)
         out.append(
             SimRequest(
                 f"{profile.name}/{n}", profile.name, round(t, 6), prompt, output, long_prompt

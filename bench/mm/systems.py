@@ -1,48 +1,78 @@
-"""The two compared systems: round-robin, and ours (gearbox placement + runtime admission).
+"""The compared systems. Every one runs the same engine (paged KV, youngest-first preemption,
+:mod:`bench.mm.core`) on the same requests; they differ in placement, routing/admission,
+eviction and KV pool layout.
 
-**Round-robin** (the article's baseline, "assumes uniform cost"): a model instance goes on the
-next GPU in a cluster-wide cycle that can take the weights at all — the one thing any loader
-checks — evicting the least recently used *idle* instances there when that makes room (plain
-LRU: never one with requests, but with no reload-cost rule); no KV headroom is kept. Requests go
-cyclically over the model's ready instances; nothing is throttled, so a KV allocation past the
-GPU's memory is an OOM. The engine's own context-length check (``too_long``) applies, as in ours.
+**Naive round-robin** (the second article's baseline, "assumes uniform cost"): each request goes
+to the next GPU in one cluster-wide cycle, whatever that GPU has loaded; a GPU without the model
+loads it there (skipping GPUs that can never hold its weights, and evicting least recently used
+*idle* models to make room — never one with requests; a GPU where no room can be made is
+skipped). It starts with the catalogue's live models loaded as model-aware round-robin does.
+
+**Model-aware round-robin**: a model's instances go on the next GPUs in a cluster-wide cycle that
+can take the weights (the same LRU-idle eviction), and requests go cyclically over that model's
+instances. No memory headroom is kept and nothing is throttled.
+
+**vLLM-like** (per GPU, no cross-GPU scheduler): a static deployment of the whole catalogue made
+at start (one replica of every model first, largest first, each on the GPU with the most memory
+left that holds its weights + its nominal batch's KV under ``GPU_MEMORY_UTILIZATION``; then the
+extra replicas where room is left). Each instance preallocates a private KV pool (its share of
+the GPU's memory under that cap, split by nominal KV demand) and admits and preempts inside it.
+No loads after start, no evictions, no 429s: requests queue (and time out) at the model's
+instances, spread round-robin.
 
 **Ours**: placement is ``gearbox.place_model`` (memory estimate with k = 1.3, pre-OOM watermark,
 concurrency cap, affinity/free-memory/utilisation score, anti-affinity); a queued decision's
-eviction proposals are applied, and only those. Admission mirrors
-:meth:`runtime.serving.ServingCore.submit`: candidates least loaded first, the runtime's
-``check_watermark`` on the VMM ledger, then ``ReservationManager.commit`` of the request's KV —
-the first replica passing both takes it, else a 429 naming the rule.
+eviction proposals are applied, and only those (gearbox never proposes a model with running or
+queued requests). Admission mirrors :meth:`runtime.serving.ServingCore.submit` without knowing
+any output length: candidates least loaded first, the engine's context limit on prompt + stated
+``max_tokens``, the queue cap, then the runtime's ``check_watermark`` on the GPU's memory with the
+KV the request is admitted with (its prompt's blocks under incremental admission) — the first
+replica passing takes it, else a 429 naming the rule. Weights are reserved through the runtime's
+``ReservationManager`` (VMM).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from bench.mm.core import MAX_BATCH, Instance, Simulator, footprint_of
 from bench.mm.scenario import ModelProfile, SimRequest
 from gearbox.placement import PlacementDecision, PlacementStatus, ResidentModel, place_model
-from runtime.throttle import DEFAULT_WATERMARK, check_watermark
+from runtime.throttle import DEFAULT_WATERMARK, GpuMemory, check_watermark
 from runtime.types import Reason
 from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager
 
-__all__ = ["GearboxSystem", "RoundRobinSystem"]
+__all__ = ["GearboxSystem", "ModelAwareRoundRobin", "NaiveRoundRobin", "VllmLikeSystem"]
 
 MAX_QUEUE_PER_INSTANCE = 1024  # ServingSettings.max_queue_per_replica's default
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU its processes may take
 # Most specific rejection wins when several replicas refused (ServingCore's order).
-_REJECTION_ORDER = (
-    Reason.REJECTED_OOM_RISK,
-    Reason.THROTTLED_WATERMARK,
-    Reason.QUEUE_FULL,
-    Reason.TOO_LONG,
-)
+_REJECTION_ORDER = (Reason.THROTTLED_WATERMARK, Reason.QUEUE_FULL, Reason.TOO_LONG)
 
 
-class RoundRobinSystem:
-    """Cyclic placement and routing without memory awareness (see the module docstring)."""
+def _deploy_live(
+    place: Callable[[ModelProfile, int], None], sim: Simulator, models: Sequence[ModelProfile]
+) -> None:
+    """Place every model live at t = 0, largest footprint first.
 
-    name = "round_robin"
-    kv_at_admission = False
+    NOTE: largest-first is the usual knapsack order; placed on first demand instead, small
+    models spread over the 80 GB cards and leave no room for the 34B ones (in every system).
+    """
+    live = [m for m in models if m.traffic.active_from_s <= 0.0]
+    live.sort(key=lambda m: (-footprint_of(m, sim.config).estimated_bytes(1.0), m.name))
+    for profile in live:
+        place(profile, profile.replicas)
+
+
+def _too_long(request: SimRequest, inst: Instance) -> bool:
+    """The engine's context limit, on what the client states."""
+    return request.prompt_tokens + request.max_tokens > inst.kv_capacity_tokens
+
+
+class ModelAwareRoundRobin:
+    """Cyclic placement and per-model cyclic routing (see the module docstring)."""
+
+    name = "model_aware_rr"
 
     def __init__(self, sim: Simulator) -> None:
         self.sim = sim
@@ -50,53 +80,65 @@ class RoundRobinSystem:
         self._next_gpu = 0
         self._next_instance: dict[str, int] = {}
 
+    def deploy(self, models: Sequence[ModelProfile]) -> None:
+        """Load the live models, largest first."""
+        _deploy_live(self._place_cyclic, self.sim, models)
+
     def place(self, profile: ModelProfile, count: int) -> None:
         """Load ``count`` instances on the next GPUs in the cycle that can take the weights."""
+        self._place_cyclic(profile, count)
+
+    def _place_cyclic(self, profile: ModelProfile, count: int) -> None:
         for _ in range(count):
-            if not self._place_one(profile):
+            if self._load_next(profile) is None:
                 self.sim.metrics.placement_queued += 1
                 return
 
-    def _place_one(self, profile: ModelProfile) -> bool:
-        weight_bytes = footprint_of(profile, self.sim.config).model_bytes
+    def _load_next(self, profile: ModelProfile) -> Instance | None:
+        """Load the model on the next GPU in the cycle that can make room for it."""
         n = len(self._gpu_order)
         for k in range(n):
             index = (self._next_gpu + k) % n
             uuid = self._gpu_order[index]
-            if self.sim.restarting(uuid) or self.sim.instance(profile.name, uuid) is not None:
+            if self.sim.instance(profile.name, uuid) is not None:
                 continue
-            if self._make_room(uuid, weight_bytes):
+            if self._make_room(uuid, footprint_of(profile, self.sim.config).model_bytes):
                 self._next_gpu = (index + 1) % n
-                return self.sim.load(profile, uuid) is not None
-        return False
+                return self.sim.load(profile, uuid)
+        return None
 
     def _make_room(self, uuid: str, weight_bytes: int) -> bool:
         """Evict LRU idle instances on the GPU until the weights fit; False if they never do."""
-        cap = self.sim.placement.max_models_per_gpu
-        on_gpu = self.sim.instances_on(uuid)
-        free, count = self.sim.free_bytes(uuid), len(on_gpu)
+        sim = self.sim
+        if weight_bytes > sim.gpus[uuid].total_memory_bytes:
+            return False
+        cap = sim.placement.max_models_per_gpu
+        on_gpu = sim.instances_on(uuid)
+        free, count = sim.free_bytes(uuid), len(on_gpu)
         victims: list[Instance] = []
-        for inst in sorted((i for i in on_gpu if not i.active), key=lambda i: i.last_request_s):
+        idle = (i for i in on_gpu if not i.active and not sim.pending(i.profile.name))
+        for inst in sorted(idle, key=lambda i: i.last_request_s):
             if free >= weight_bytes and count < cap:
                 break
             victims.append(inst)
-            free += inst.weight_bytes
+            free += inst.weight_bytes + inst.kv_bytes
             count -= 1
         if free < weight_bytes or count >= cap:
             return False
         for inst in victims:
-            self.sim.evict(inst)
+            sim.evict(inst)
         return True
 
-    def route(self, request: SimRequest, candidates: Sequence[Instance]) -> Instance | str:
+    def route(self, request: SimRequest) -> Instance | str | None:
         """The next ready instance in the model's cycle (any instance while none is ready)."""
-        ready = [i for i in candidates if i.is_ready(self.sim.now_s)] or list(candidates)
+        candidates = self.sim.instances_of(request.model_name)
+        if not candidates:
+            return None
+        ready = [i for i in candidates if i.is_ready(self.sim.now_s)] or candidates
         turn = self._next_instance.get(request.model_name, 0)
         self._next_instance[request.model_name] = turn + 1
         choice = ready[turn % len(ready)]
-        if request.total_tokens > choice.timing.kv_capacity_tokens:
-            return Reason.TOO_LONG.value
-        return choice
+        return Reason.TOO_LONG.value if _too_long(request, choice) else choice
 
     def on_loaded(self, instance: Instance) -> bool:
         """Nothing to reserve: memory is taken as it is used."""
@@ -105,15 +147,112 @@ class RoundRobinSystem:
     def on_unloaded(self, instance: Instance) -> None:
         """Nothing reserved."""
 
-    def on_release(self, instance: Instance, request_id: str) -> None:
-        """Nothing committed."""
+
+class NaiveRoundRobin(ModelAwareRoundRobin):
+    """The article's round-robin: next GPU whatever it has loaded (see the module docstring)."""
+
+    name = "naive_rr"
+
+    def place(self, profile: ModelProfile, count: int) -> None:
+        """Nothing ahead of demand: a request loads its model where it lands."""
+
+    def route(self, request: SimRequest) -> Instance | str | None:
+        """The next GPU in the cycle; the model is loaded there when it is not."""
+        sim = self.sim
+        n = len(self._gpu_order)
+        for k in range(n):
+            index = (self._next_gpu + k) % n
+            uuid = self._gpu_order[index]
+            choice = sim.instance(request.model_name, uuid)
+            if choice is None:
+                profile = sim.profiles[request.model_name]
+                if not self._make_room(uuid, footprint_of(profile, sim.config).model_bytes):
+                    continue
+                choice = sim.load(profile, uuid)
+                if choice is None:
+                    continue
+            self._next_gpu = (index + 1) % n
+            return Reason.TOO_LONG.value if _too_long(request, choice) else choice
+        return None
+
+
+class VllmLikeSystem:
+    """Static per-GPU deployment with private KV pools (see the module docstring)."""
+
+    name = "vllm_like"
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self._next_instance: dict[str, int] = {}
+
+    def deploy(self, models: Sequence[ModelProfile]) -> None:
+        """Plan the whole catalogue statically, then load every planned instance."""
+        sim = self.sim
+        budget = {
+            u: int(g.total_memory_bytes * GPU_MEMORY_UTILIZATION) for u, g in sim.gpus.items()
+        }
+        plan: dict[str, list[ModelProfile]] = {u: [] for u in sim.gpus}
+        order = sorted(
+            models, key=lambda m: (-footprint_of(m, sim.config).estimated_bytes(1.0), m.name)
+        )
+        for wave in range(max(m.replicas for m in models)):
+            for profile in order:
+                if wave >= profile.replicas:
+                    continue
+                need = footprint_of(profile, sim.config).estimated_bytes(1.0)
+                fits = [
+                    u
+                    for u in sim.gpus
+                    if budget[u] >= need
+                    and profile not in plan[u]
+                    and len(plan[u]) < sim.placement.max_models_per_gpu
+                ]
+                if not fits:
+                    sim.metrics.placement_queued += 1  # the static plan has no room for it
+                    continue
+                uuid = max(fits, key=lambda u: (budget[u], u))
+                budget[uuid] -= need
+                plan[uuid].append(profile)
+        for uuid, profiles in plan.items():
+            self._load_gpu(uuid, profiles)
+
+    def _load_gpu(self, uuid: str, profiles: Sequence[ModelProfile]) -> None:
+        """Load the GPU's models, each with its share of the KV memory under the cap."""
+        sim = self.sim
+        if not profiles:
+            return
+        cap = int(sim.gpus[uuid].total_memory_bytes * GPU_MEMORY_UTILIZATION)
+        feet = [footprint_of(p, sim.config) for p in profiles]
+        kv_room = cap - sum(f.model_bytes for f in feet)
+        nominal = [f.estimated_bytes(1.0) - f.model_bytes for f in feet]
+        for profile, kv in zip(profiles, nominal, strict=True):
+            sim.load(profile, uuid, kv_room * kv // sum(nominal))
+
+    def place(self, profile: ModelProfile, count: int) -> None:
+        """Static: nothing is loaded after start."""
+
+    def route(self, request: SimRequest) -> Instance | str | None:
+        """Round-robin over the model's instances (None if the static plan has none)."""
+        candidates = self.sim.instances_of(request.model_name)
+        if not candidates:
+            return None
+        turn = self._next_instance.get(request.model_name, 0)
+        self._next_instance[request.model_name] = turn + 1
+        choice = candidates[turn % len(candidates)]
+        return Reason.TOO_LONG.value if _too_long(request, choice) else choice
+
+    def on_loaded(self, instance: Instance) -> bool:
+        """Nothing beyond the allocation."""
+        return True
+
+    def on_unloaded(self, instance: Instance) -> None:
+        """Never called: nothing is evicted."""
 
 
 class GearboxSystem:
-    """``place_model`` + the runtime's watermark throttle and VMM (see the module docstring)."""
+    """``place_model`` + the runtime's watermark throttle (see the module docstring)."""
 
     name = "gearbox"
-    kv_at_admission = True
 
     def __init__(self, sim: Simulator, watermark: float = DEFAULT_WATERMARK) -> None:
         self.sim = sim
@@ -122,6 +261,10 @@ class GearboxSystem:
         self.decisions: list[PlacementDecision] = []
 
     # ---- placement ----------------------------------------------------------------------------
+
+    def deploy(self, models: Sequence[ModelProfile]) -> None:
+        """Place the live models, largest first."""
+        _deploy_live(self.place, self.sim, models)
 
     def place(self, profile: ModelProfile, count: int) -> None:
         """Place ``count`` replicas; when queued, apply the proposed evictions and try once more."""
@@ -147,11 +290,12 @@ class GearboxSystem:
             ResidentModel(
                 i.profile.name,
                 i.gpu_uuid,
-                i.weight_bytes,
-                i.active,
+                i.weight_bytes + i.kv_bytes,
+                len(i.running),
                 i.last_request_s,
                 sim.mean_gap_s(i.profile.name),
                 i.timing.weight_load_s(),
+                len(i.waiting) + sim.pending(i.profile.name),
             )
             for i in sim.instances.values()
         ]
@@ -162,20 +306,23 @@ class GearboxSystem:
 
     # ---- admission ----------------------------------------------------------------------------
 
-    def route(self, request: SimRequest, candidates: Sequence[Instance]) -> Instance | str:
-        """ServingCore's admission loop: too long → queue cap → watermark → VMM commit."""
+    def route(self, request: SimRequest) -> Instance | str | None:
+        """ServingCore's admission loop: too long → queue cap → watermark."""
+        sim = self.sim
+        candidates = sim.instances_of(request.model_name)
+        if not candidates:
+            return None
         refused: set[Reason] = set()
-        memory = self.vmm.memory()
         for inst in sorted(candidates, key=lambda i: (i.active / MAX_BATCH, i.iid)):
-            need = {inst.gpu_uuid: inst.kv_for(request)}
-            if request.total_tokens > inst.timing.kv_capacity_tokens:
+            uuid = inst.gpu_uuid
+            memory = {uuid: GpuMemory(sim.pool.total_bytes(uuid), sim.pool.used_bytes(uuid))}
+            need = {uuid: sim.reservation_tokens(request) * inst.kv_bytes_per_token}
+            if _too_long(request, inst):
                 refused.add(Reason.TOO_LONG)
-            elif len(inst.queue) >= MAX_QUEUE_PER_INSTANCE:
+            elif len(inst.waiting) >= MAX_QUEUE_PER_INSTANCE:
                 refused.add(Reason.QUEUE_FULL)
             elif not check_watermark(memory, need, self.watermark).allowed:
                 refused.add(Reason.THROTTLED_WATERMARK)
-            elif not self.vmm.commit(inst.iid, request.request_id, need):
-                refused.add(Reason.REJECTED_OOM_RISK)
             else:
                 return inst
         return next(r for r in _REJECTION_ORDER if r in refused).value
@@ -194,7 +341,3 @@ class GearboxSystem:
     def on_unloaded(self, instance: Instance) -> None:
         """Release the reservation and every commit under it."""
         self.vmm.unreserve_replica(instance.iid)
-
-    def on_release(self, instance: Instance, request_id: str) -> None:
-        """Return the request's KV pages."""
-        self.vmm.release(instance.iid, request_id)

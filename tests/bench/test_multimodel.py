@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from bench.mm.core import Simulator
+from bench.mm.core import Admission, Simulator, System
 from bench.mm.metrics import Metrics, percentile, union_length_s
 from bench.mm.scenario import (
     ModelProfile,
@@ -18,15 +19,24 @@ from bench.mm.scenario import (
     build_scenario,
     make_cluster,
 )
-from bench.mm.systems import GearboxSystem, RoundRobinSystem
-from bench.multimodel import main, results_text, run_benchmark
-from gearbox.config import PlacementConfig
-from gearbox.presets import MODEL_7B_MHA
+from bench.mm.systems import GearboxSystem, ModelAwareRoundRobin, NaiveRoundRobin, VllmLikeSystem
+from bench.multimodel import main, results_text, run_seed
+from gearbox.config import GearboxConfig, PlacementConfig
+from gearbox.presets import GIB, MODEL_7B_MHA
 
 SHORT_S = 900.0
 # NOTE: a short run cannot wait the default 30 min for a model to go cold; shortening it lets
 # the tidal models become eviction candidates before the late ones need their room.
 SHORT_PLACEMENT = PlacementConfig(cold_after_s=120.0)
+KV_PER_TOKEN = MODEL_7B_MHA.kv_bytes_per_token
+# What one A10 24 GB leaves for KV once the 7B's weights and the runtime's overhead are loaded.
+A10_KV_ROOM = 24 * GIB - MODEL_7B_MHA.weight_bytes - GearboxConfig().runtime_overhead_bytes
+SYSTEMS: dict[str, Callable[[Simulator], System]] = {
+    "naive": NaiveRoundRobin,
+    "rr": ModelAwareRoundRobin,
+    "vllm": VllmLikeSystem,
+    "ours": GearboxSystem,
+}
 
 
 def make_single_gpu_scenario(requests: tuple[SimRequest, ...]) -> Scenario:
@@ -38,35 +48,35 @@ def make_single_gpu_scenario(requests: tuple[SimRequest, ...]) -> Scenario:
     return Scenario(0, 400.0, dataclasses.replace(cluster, gpus=(a10,)), (model,), (), requests)
 
 
-def long_request(n: int, arrival_s: float = 100.0) -> SimRequest:
-    """8,000 prompt + 200 output tokens: ~4.3 GB of 7B KV."""
-    return SimRequest(f"chat-7b/{n}", "chat-7b", arrival_s, 8000, 200, True)
+def request(n: int, prompt: int, output: int, arrival_s: float = 100.0) -> SimRequest:
+    """A chat-7b request."""
+    return SimRequest(f"chat-7b/{n}", "chat-7b", arrival_s, prompt, output, True)
 
 
-def run_one(scenario: Scenario, system: str) -> Metrics:
+def run_one(
+    scenario: Scenario, system: str, admission: Admission = Admission.INCREMENTAL
+) -> Metrics:
     """Run one system on a scenario with the default placement config."""
-    sim = Simulator(scenario, PlacementConfig())
-    factory = RoundRobinSystem if system == "rr" else GearboxSystem
-    return sim.run(factory(sim))
+    sim = Simulator(scenario, PlacementConfig(), admission)
+    return sim.run(SYSTEMS[system](sim))
 
 
 @pytest.mark.unit
 def test_same_seed_gives_byte_identical_results() -> None:
-    first = results_text(run_benchmark(3, SHORT_S, placement=SHORT_PLACEMENT))
-    second = results_text(run_benchmark(3, SHORT_S, placement=SHORT_PLACEMENT))
-    assert first == second
-    other = results_text(run_benchmark(4, SHORT_S, placement=SHORT_PLACEMENT))
-    assert other != first
+    first = json.dumps(run_seed(3, 600.0, placement=SHORT_PLACEMENT), sort_keys=True)
+    assert first == json.dumps(run_seed(3, 600.0, placement=SHORT_PLACEMENT), sort_keys=True)
+    assert json.dumps(run_seed(4, 600.0, placement=SHORT_PLACEMENT), sort_keys=True) != first
 
 
 @pytest.mark.unit
 def test_ours_evicts_only_idle_models_and_never_ooms() -> None:
-    result = run_benchmark(3, SHORT_S, placement=SHORT_PLACEMENT)
-    ours = result["systems"]["gearbox"]  # type: ignore[index]
-    assert ours["evictions"] > 0  # the eviction path ran …
-    assert result["evicted_with_active"] == 0  # … and never hit a model with requests
-    assert result["oom_ours"] == 0
-    assert result["oom_rr"] > 0  # type: ignore[operator]
+    scenario = build_scenario(3, SHORT_S)
+    sim = Simulator(scenario, SHORT_PLACEMENT)
+    metrics = sim.run(GearboxSystem(sim))
+    assert metrics.evictions > 0  # the eviction path ran …
+    assert metrics.evicted_with_active == 0  # … and never hit a model with requests
+    assert metrics.oom_events == 0
+    assert metrics.served_requests > 0.8 * metrics.arrivals
 
 
 @pytest.mark.unit
@@ -75,39 +85,110 @@ def test_scenario_is_seeded_and_sorted() -> None:
     assert a.requests == b.requests
     assert [r.arrival_s for r in a.requests] == sorted(r.arrival_s for r in a.requests)
     assert build_scenario(6, SHORT_S).requests != a.requests
+    assert all(r.output_tokens <= r.max_tokens for r in a.requests)
 
 
 @pytest.mark.unit
-def test_round_robin_overcommit_crashes_the_gpu_process() -> None:
-    # Weights + runtime overhead leave ~10 GB: two long requests fit, the third OOMs.
-    scenario = make_single_gpu_scenario(tuple(long_request(n) for n in range(3)))
-    metrics = run_one(scenario, "rr")
-    assert metrics.oom_events == 1
-    assert metrics.restarts == 1
-    assert metrics.failed_oom == 3  # the victim and the two running beside it
-    assert metrics.served_requests == 0
+@pytest.mark.parametrize("system", ["naive", "rr"])
+def test_growing_kv_preempts_the_youngest_and_resumes_it(system: str) -> None:
+    # Both prompts fit side by side, both finished contexts do not: the younger one is preempted
+    # mid-generation, resumes once the older one has finished, and both are served; no OOM.
+    prompt = A10_KV_ROOM // KV_PER_TOKEN // 2 - 600
+    older, younger = request(0, prompt, 1000, 100.0), request(1, prompt, 1000, 100.5)
+    metrics = run_one(make_single_gpu_scenario((older, younger)), system)
+    assert metrics.oom_events == 0
+    assert metrics.preemptions >= 1
+    assert metrics.served_requests == 2
+    assert metrics.latency_s[0] + older.arrival_s < metrics.latency_s[1] + younger.arrival_s
 
 
 @pytest.mark.unit
-def test_ours_throttles_at_the_watermark_instead() -> None:
-    # The first long request leaves the GPU at ~77 %; a second would pass the 85 % watermark.
-    scenario = make_single_gpu_scenario(tuple(long_request(n) for n in range(3)))
-    metrics = run_one(scenario, "ours")
+@pytest.mark.parametrize("system", ["naive", "rr", "ours"])
+def test_kv_growth_past_memory_preempts_instead_of_crashing(system: str) -> None:
+    # Eight prompts pass ours' 85 % watermark together; their outputs outgrow the GPU.
+    count, output = 8, 1000
+    under_watermark = 0.85 * 24 * GIB - (24 * GIB - A10_KV_ROOM)
+    prompt = int(under_watermark) // KV_PER_TOKEN // count - 50
+    assert count * (prompt + output) * KV_PER_TOKEN > A10_KV_ROOM
+    requests = tuple(request(n, prompt, output, 100.0 + n / 100) for n in range(count))
+    metrics = run_one(make_single_gpu_scenario(requests), system)
+    assert metrics.oom_events == 0 and metrics.rejected == {}
+    assert metrics.preemptions >= 1
+    assert metrics.served_requests == count
+
+
+@pytest.mark.unit
+def test_max_tokens_admission_reserves_up_front_and_never_preempts() -> None:
+    prompt = A10_KV_ROOM // KV_PER_TOKEN // 2 - 600
+    requests = (request(0, prompt, 1000, 100.0), request(1, prompt, 1000, 100.5))
+    metrics = run_one(make_single_gpu_scenario(requests), "rr", Admission.MAX_TOKENS)
+    assert metrics.oom_events == 0 and metrics.preemptions == 0
+    assert metrics.served_requests == 2  # the second waited for the first's reservation
+
+
+@pytest.mark.unit
+def test_context_limit_uses_the_stated_max_tokens_not_the_output() -> None:
+    # prompt + actual output fits the engine, prompt + max_tokens does not: refused up front.
+    prompt = A10_KV_ROOM // KV_PER_TOKEN - 500
+    metrics = run_one(make_single_gpu_scenario((request(0, prompt, 100),)), "rr")
+    assert metrics.rejected == {"too_long": 1}
+
+
+@pytest.mark.unit
+def test_ours_throttles_at_the_watermark() -> None:
+    # The first long prompt leaves the GPU at ~82 %; a second would pass the 85 % watermark.
+    requests = tuple(request(n, 8000, 200) for n in range(3))
+    metrics = run_one(make_single_gpu_scenario(requests), "ours")
     assert metrics.oom_events == 0
     assert metrics.rejected == {"throttled_watermark": 2}
     assert metrics.served_requests == 1
 
 
 @pytest.mark.unit
+def test_vllm_like_keeps_kv_in_its_private_pool() -> None:
+    # Two long prompts fit the GPU's free memory but not the 90 % pool: the second waits.
+    requests = tuple(request(n, 7000, 200, 100.0 + n / 10) for n in range(2))
+    scenario = make_single_gpu_scenario(requests)
+    sim = Simulator(scenario, PlacementConfig())
+    metrics = sim.run(VllmLikeSystem(sim))
+    (inst,) = sim.instances.values()
+    assert inst.kv_pool_bytes is not None
+    assert 0 < inst.kv_pool_bytes < A10_KV_ROOM
+    assert metrics.served_requests == 2 and metrics.oom_events == 0
+    assert metrics.loads == 1 and metrics.evictions == 0
+
+
+@pytest.mark.unit
+def test_naive_round_robin_loads_the_model_where_the_request_lands() -> None:
+    scenario = build_scenario(3, 300.0)
+    sim = Simulator(scenario, PlacementConfig())
+    metrics = sim.run(NaiveRoundRobin(sim))
+    live = sum(m.replicas for m in scenario.models if m.traffic.active_from_s <= 0.0)
+    assert metrics.loads > 2 * live  # the cycle, not the model, picks the GPU
+    assert metrics.evicted_with_active == 0
+
+
+@pytest.mark.unit
 def test_json_line_matches_results_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "multimodel.json"
-    assert main(["--seed", "2", "--duration-s", "600", "--out", str(out)]) == 0
+    code = main(["--seed", "2", "--seeds", "1", "--duration-s", "600", "--out", str(out)])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert "wall_s" in last
-    required = {"oom_rr", "oom_ours", "util_ratio", "dead_memory_frac_ours", "evicted_with_active"}
+    assert code == (1 if last["missed"] else 0)
+    assert last["admission"] == "incremental"
+    required = {
+        "oom_ours",
+        "util_ratio_vs_naive_rr",
+        "util_ratio_vs_model_aware_rr",
+        "goodput_ratio_vs_vllm_like",
+        "dead_memory_frac_ours",
+        "evicted_with_active",
+        "calibration_ms",
+    }
     assert required <= set(last)
-    del last["wall_s"]
-    assert last == json.loads(out.read_text())
+    del last["wall_s"], last["calibration_ms"]
+    written = json.loads(out.read_text())
+    assert last == written["summary"]
+    assert results_text(written) == out.read_text()
 
 
 @pytest.mark.unit
