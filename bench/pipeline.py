@@ -227,7 +227,9 @@ class Runtime:
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return None
         self.decisions += 1
-        if p.get("forced") and p.get("trigger") == "topology_change":
+        # NOTE: any forced decision answers a trigger: one deferred while the worker's input
+        # trailed the clock is decided by the next tick (trigger "timer") or a later event
+        if p.get("forced"):
             self.forced_ms.setdefault(deployment, []).append(timestamp_ms)
         plan = (p.get("decision") or {}).get("to_plan")
         if not plan or not p.get("to_plan_id"):
