@@ -17,6 +17,8 @@ topology or load trigger takes in the stream. Two series per size:
 * ``cold`` — every cache cleared before each call (``gearbox.clear_caches``): a worker's first
   decision.
 
+``decide_cpu_median_ms`` is the cached calls' CPU time (this process's): what a call costs when
+the machine is shared and the wall time also counts other processes' turns.
 ``growth_64_to_128`` is the median at 128 blocks over the median at 64 (goal ≤ 2.2, i.e. close to
 linear in blocks). ``calibration_ms`` times a fixed pure-Python workload (:mod:`bench.calibrate`)
 so figures compare across machines. Prints a table, then LAST one JSON line; exits 1 naming the
