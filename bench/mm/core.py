@@ -24,7 +24,8 @@ and the KV pool layout differ:
 * **Step time** comes from the runtime's :class:`runtime.timing.ReplicaTiming` (gearbox's cost
   model) for the model on that GPU class: the prefill of newly admitted or resumed sequences
   (prompt + generated so far) plus ``tokens × decode_cycle_s(batch, mean context)``, times the
-  number of instances on the GPU computing then (processes sharing a GPU time-slice it).
+  number of instances on the GPU computing then (processes sharing a GPU time-slice it). A
+  sequence arriving mid-step cuts the step at its next token, so it joins the batch then.
 * **Timeouts**: a sequence waiting (never admitted, or preempted and not resumed) longer than
   ``QUEUE_TIMEOUT_S`` gives up, as does a request no instance took for that long.
 * **Replicas**: while a model has demand it wants ``ModelProfile.replicas`` instances; a system
@@ -112,6 +113,22 @@ def _age(seq: Seq) -> tuple[float, str]:
 
 
 @dataclass
+class _Step:
+    """One engine step: prefill of (re)admitted sequences, then ``tokens`` decode cycles."""
+
+    start_s: float
+    tokens: int
+    prefill_s: float  # of the whole step, before sharing
+    cycle_s: float  # one decode cycle, before sharing
+    sharing: int  # instances time-slicing the GPU when it started
+    end_s: float
+
+    def token_end_s(self, k: int) -> float:
+        """When the step's ``k``-th decode token is out."""
+        return self.start_s + (self.prefill_s + k * self.cycle_s) * self.sharing
+
+
+@dataclass
 class Instance:
     """One model loaded on one GPU, with its engine."""
 
@@ -126,7 +143,7 @@ class Instance:
     running: dict[str, Seq] = field(default_factory=dict)
     waiting: deque[Seq] = field(default_factory=deque)
     kv_bytes: int = 0  # KV blocks held by running sequences
-    step: tuple[float, int] | None = None  # (start_s, tokens) of the engine step in flight
+    step: _Step | None = None  # the engine step in flight
     last_request_s: float = 0.0
     ready_since_s: float | None = None  # for the weight-memory integral
 
@@ -383,8 +400,8 @@ class Simulator:
         if kind is _Kind.READY:
             inst.ready_since_s = self.now_s
             self._step(inst)
-        else:
-            self._on_step_end(inst)
+        elif inst.step is not None and inst.step.end_s == self.now_s:
+            self._on_step_end(inst)  # (a step cut short left its first end event stale)
 
     # ---- front end ----------------------------------------------------------------------------
 
@@ -408,6 +425,7 @@ class Simulator:
                 continue
             choice.waiting.append(Seq(request, self.now_s))
             choice.last_request_s = self.now_s
+            self._cut_step(choice)
             self._step(choice)
 
     def _ensure_replicas(self, model_name: str) -> None:
@@ -523,13 +541,31 @@ class Simulator:
         for seq in batch:
             if seq.first_token_s is None:
                 seq.first_token_s = self.now_s + (prefill_s + cycle_s) * sharing
-        duration_s = (prefill_s + tokens * cycle_s) * sharing
-        inst.step = (self.now_s, tokens)
-        self._push(self.now_s + duration_s, _Kind.STEP_END, (inst.iid, inst.serial))
+        step = _Step(self.now_s, tokens, prefill_s, cycle_s, sharing, 0.0)
+        step.end_s = step.token_end_s(tokens)
+        inst.step = step
+        self._push(step.end_s, _Kind.STEP_END, (inst.iid, inst.serial))
+
+    def _cut_step(self, inst: Instance) -> None:
+        """End the step in flight at its next token, so a new sequence joins the batch then.
+
+        NOTE: a real engine schedules every decode iteration; simulating ``CHUNK_TOKENS`` per
+        event would otherwise hold a new arrival back for up to a whole chunk.
+        """
+        step = inst.step
+        if step is None or step.cycle_s <= 0:
+            return
+        elapsed = (self.now_s - step.start_s) / step.sharing - step.prefill_s
+        k = max(1, -int(-elapsed // step.cycle_s))  # the first token out at or after now
+        if k >= step.tokens:
+            return
+        step.tokens = k
+        step.end_s = max(self.now_s, step.token_end_s(k))  # never before now (rounding)
+        self._push(step.end_s, _Kind.STEP_END, (inst.iid, inst.serial))
 
     def _on_step_end(self, inst: Instance) -> None:
         assert inst.step is not None
-        start_s, tokens = inst.step
+        start_s, tokens = inst.step.start_s, inst.step.tokens
         inst.step = None
         finished = False
         for seq in list(inst.running.values()):

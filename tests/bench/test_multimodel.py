@@ -118,6 +118,15 @@ def test_kv_growth_past_memory_preempts_instead_of_crashing(system: str) -> None
 
 
 @pytest.mark.unit
+def test_an_arrival_joins_the_batch_at_the_next_token_not_the_next_chunk() -> None:
+    # A long generation is mid-chunk (32 tokens, ~0.7 s on an A10) when a short one arrives.
+    requests = (request(0, 100, 1000, 100.0), request(1, 100, 10, 100.3))
+    metrics = run_one(make_single_gpu_scenario(requests), "rr")
+    assert metrics.served_requests == 2
+    assert metrics.ttft_s[0] < 0.2  # the short one finished first: one cycle + its prefill
+
+
+@pytest.mark.unit
 def test_max_tokens_admission_reserves_up_front_and_never_preempts() -> None:
     prompt = A10_KV_ROOM // KV_PER_TOKEN // 2 - 600
     requests = (request(0, prompt, 1000, 100.0), request(1, prompt, 1000, 100.5))
