@@ -33,7 +33,7 @@ def run_bench(out: Path, workers: int, hash_seed: str) -> str:
             "--seed",
             "3",
             "--seeds",
-            "2",
+            "1",
             "--workers",
             str(workers),
             "--out",
