@@ -35,10 +35,13 @@ from tests.runtime.torch_engine.crash_driver import MAX_NEW, PROMPTS
 pytestmark = pytest.mark.torch
 ROOT = Path(__file__).resolve().parents[3]
 DEADLINE_S = 60.0
+# NOTE: three drivers import torch and start five engines' ranks together; one alone paused
+# after 15 s at a load average of 12, the three together missed 60 s at 15-18
+PAUSE_DEADLINE_S = 240.0
 
 
-def _wait_for(predicate: object, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
+def _wait_for(predicate: object, what: str, deadline_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + deadline_s
     while not predicate():  # type: ignore[operator]
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
@@ -99,7 +102,11 @@ def test_sigkill_in_phase_recovers_token_exact(
 ) -> None:
     proc, journal = drivers[phase]
     try:
-        _wait_for(lambda: "paused" in journal.read_text() or proc.poll() is not None, "pause")
+        _wait_for(
+            lambda: "paused" in journal.read_text() or proc.poll() is not None,
+            "pause",
+            PAUSE_DEADLINE_S,
+        )
         assert proc.poll() is None, f"driver exited {proc.returncode} before pausing"
         proc.send_signal(signal.SIGKILL)
         proc.wait(DEADLINE_S)
