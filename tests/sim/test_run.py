@@ -38,6 +38,22 @@ def test_merge_holds_a_partition_ahead_until_the_lagging_one_catches_up() -> Non
     assert [e.event_time_ms for e in merge.release(caught_up=[], final=True)] == [4000]
 
 
+@pytest.mark.unit
+def test_a_caught_up_partition_holds_the_merge_while_it_is_recent() -> None:
+    ahead, behind = TopicPartition("gpu", 0), TopicPartition("gpu", 1)
+    merge = EventTimeMerge((ahead, behind), idle_ms=1000)
+    merge.push(behind, _event(1000, "b"))
+    for t_ms in (1500, 2000, 2500):
+        merge.push(ahead, _event(t_ms, "a"))
+    # Read to its end, 1.5 s behind: gone quiet, waits for nobody.
+    assert [e.event_time_ms for e in merge.release(caught_up=[behind])] == [1000, 1500, 2000, 2500]
+    merge.push(behind, _event(2600, "b"))
+    merge.push(ahead, _event(3000, "a"))
+    # Read to its end but only 0.4 s behind: its next fetch may still bring older records.
+    assert [e.event_time_ms for e in merge.release(caught_up=[behind])] == [2600]
+    assert [e.event_time_ms for e in merge.release(caught_up=[ahead, behind], final=True)] == [3000]
+
+
 def _view_lines(out: str) -> list[str]:
     """The per-block timeline lines (``HH:MM:SS  A ███…``), in printed order."""
     return [line for line in out.splitlines() if line[:2].isdigit() and "│" in line]
