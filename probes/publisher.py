@@ -1,12 +1,12 @@
 """The agent's path to Kafka: a bounded buffer that survives broker outages.
 
 Events wait in a bounded deque. A sender task moves a batch into flight, publishes it with a
-durable producer (idempotent, acks=all, lz4) and removes it only once the broker acknowledged every
-message. When the broker is unreachable the batch goes back to the head of the buffer, the
-producer is rebuilt after an exponential backoff, and while the buffer is full the *oldest* events
-are dropped and counted, so the newest state always gets through first after an outage.
-Delivery is at-least-once: a batch whose acknowledgement was lost may be sent twice; consumers
-drop duplicates by (source, seq).
+durable producer (idempotent, acks=all, lz4) and removes each event once the broker acknowledged
+it. When the broker is unreachable the unacknowledged rest of the batch goes back to the head of
+the buffer, the producer is rebuilt after an exponential backoff, and while the buffer is full the
+*oldest* events are dropped and counted, so the newest state always gets through first after an
+outage. Delivery is at-least-once: an event whose acknowledgement was lost may be sent twice;
+consumers drop duplicates by (source, seq).
 """
 
 from __future__ import annotations
@@ -135,27 +135,52 @@ class BufferedPublisher:
 
     async def _send_batch(self) -> bool:
         batch = [self._buffer.popleft() for _ in range(min(self._batch_size, len(self._buffer)))]
+        futures: list[asyncio.Future[Any]] = []
+        error: BaseException | None = None
         try:
             producer = await self._ensure_producer()
-            futures = [await producer.send(o.topic, o.value, key=o.key) for o in batch]
-            await asyncio.wait_for(asyncio.gather(*futures), self._ack_timeout_s)
-        except Exception as exc:  # any broker or network failure: requeue and rebuild
-            log.warning(
-                "publish failed (%s: %s); %d events requeued", type(exc).__name__, exc, len(batch)
-            )
-            self._buffer.extendleft(reversed(batch))
-            self._trim()
-            self._metrics.broker_up.set(0)
-            await self._close_producer()
-            return False
+            for o in batch:
+                futures.append(await producer.send(o.topic, o.value, key=o.key))
+        except Exception as exc:  # any broker or network failure: requeue what was not acked
+            error = exc
+        if futures:
+            _, pending = await asyncio.wait(futures, timeout=self._ack_timeout_s)
+            if pending and error is None:
+                error = TimeoutError(f"{len(pending)} sends not acknowledged")
+        # NOTE: a batch spans partitions, so part of it can be acknowledged when the broker
+        # fails; only the unacknowledged rest goes back, so an acknowledged event is never
+        # sent twice nor counted as dropped when the buffer overflows afterwards.
+        acked = [o for o, f in zip(batch, futures, strict=False) if _succeeded(f)]
+        self._record_published(acked)
+        if len(acked) == len(batch):
+            self._metrics.broker_up.set(1)
+            return True
+        if error is None:
+            failed = next(f for f in futures if not _succeeded(f))
+            error = asyncio.CancelledError() if failed.cancelled() else failed.exception()
+        unsent = batch[len(futures) :]
+        unacked = [o for o, f in zip(batch, futures, strict=False) if not _succeeded(f)] + unsent
+        log.warning(
+            "publish failed (%s: %s); %d events requeued, %d acknowledged",
+            type(error).__name__,
+            error,
+            len(unacked),
+            len(acked),
+        )
+        self._buffer.extendleft(reversed(unacked))
+        self._trim()
+        self._metrics.buffered.set(len(self._buffer))
+        self._metrics.broker_up.set(0)
+        await self._close_producer()
+        return False
+
+    def _record_published(self, acked: list[Outgoing]) -> None:
         now = self._clock()
-        for o in batch:
+        for o in acked:
             self._metrics.latency.observe(now - o.enqueued_s)
             self._metrics.published.labels(o.topic).inc()
-        self.published += len(batch)
+        self.published += len(acked)
         self._metrics.buffered.set(len(self._buffer))
-        self._metrics.broker_up.set(1)
-        return True
 
     async def _ensure_producer(self) -> Producer:
         if self._producer is None:
@@ -172,6 +197,10 @@ class BufferedPublisher:
         if self._producer is not None:
             producer, self._producer = self._producer, None
             await _quiet_stop(producer)
+
+
+def _succeeded(future: asyncio.Future[Any]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 async def _quiet_stop(producer: Producer) -> None:

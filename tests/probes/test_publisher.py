@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,12 +16,16 @@ pytestmark = pytest.mark.unit
 
 
 class FakeBroker:
-    """Accepts sends while ``up``; a down broker fails every start and every send."""
+    """Accepts sends while ``up``; a down broker fails every start and every send.
+
+    ``fail_after`` takes it down after that many more accepted sends, in the middle of a batch.
+    """
 
     def __init__(self) -> None:
         self.up = True
         self.log: list[bytes] = []
         self.starts = 0
+        self.fail_after: int | None = None
 
 
 class FakeProducer:
@@ -36,12 +42,22 @@ class FakeProducer:
 
     async def send(self, topic: str, value: bytes, key: bytes | None = None) -> Any:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.broker.fail_after is not None:
+            self.broker.up = self.broker.fail_after > 0
+            self.broker.fail_after -= 1
         if self.broker.up:
             self.broker.log.append(value)
             fut.set_result(None)
         else:
             fut.set_exception(ConnectionError("broker down"))
         return fut
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
 
 
 def make_publisher(broker: FakeBroker, max_buffer: int) -> BufferedPublisher:
@@ -78,13 +94,38 @@ async def test_outage_drops_oldest_and_counts_exactly() -> None:
         await asyncio.sleep(0)
     assert pub.dropped == 70
     broker.up = True
-    while len(pub):
-        await asyncio.sleep(0.001)
+    await until(lambda: len(pub) == 0)
     stop.set()
     await task
     assert broker.log == [str(i).encode() for i in range(70, 120)], "newest 50 survive, in order"
     assert pub.published + pub.dropped == 120
     assert broker.starts > 1, "the producer is rebuilt after failures"
+
+
+async def test_partly_acknowledged_batch_is_neither_resent_nor_counted_as_dropped() -> None:
+    # The broker fails in the middle of the first batch (batch_size 7): the 3 acknowledged events
+    # must not be re-sent, and overflow while it is down must drop only unacknowledged ones.
+    broker = FakeBroker()
+    broker.fail_after = 3
+    pub = make_publisher(broker, max_buffer=20)
+    stop = asyncio.Event()
+    for i in range(10):
+        pub.put("t", b"k", str(i).encode())
+    task = asyncio.create_task(pub.run(stop))
+    await until(lambda: broker.starts >= 2)  # the batch failed and a rebuild was attempted
+    for i in range(10, 40):
+        pub.put("t", b"k", str(i).encode())
+    broker.fail_after = None
+    broker.up = True
+    await until(lambda: len(pub) == 0)
+    stop.set()
+    await task
+    assert broker.log[:3] == [b"0", b"1", b"2"]
+    assert len(broker.log) == len(set(broker.log)), "an acknowledged event was sent twice"
+    delivered = {int(v) for v in broker.log}
+    assert pub.dropped == 40 - len(delivered), "dropped must count exactly what never arrived"
+    assert pub.published == len(delivered)
+    assert delivered == {0, 1, 2} | set(range(40 - 20, 40)), "the newest 20 survive"
 
 
 async def test_shutdown_with_broker_down_does_not_hang() -> None:
