@@ -5,7 +5,10 @@ long-input summarisation with a daily swing, 8 simulated hours, three preemption
 or any scenario file — through the product's own loop on simulated time (:mod:`bench.sim.des`,
 :mod:`sim.world`), for six systems on the same traces: the fixed TP8@A baseline, static replicas
 with round-robin routing, FlexPipe, and three FlexPipe ablations (no hysteresis/cooldown,
-replay-only hand-over, no prefill/decode split).
+replay-only hand-over, no prefill/decode split) — and the oracle (:mod:`bench.sim.oracle`), the
+limit of each world: it knows the timeline and trace in advance, shifts instantly and for free,
+and picks each interval's plans jointly by the ground truth; ``goodput_vs_oracle`` is FlexPipe's
+SLO goodput over the oracle's.
 
 The simulated engines are timed by a ground truth the planner cannot see (:mod:`sim.truth`:
 per GPU class and plan shape efficiency factors and per-step jitter drawn from the seed,
@@ -13,15 +16,16 @@ per GPU class and plan shape efficiency factors and per-step jitter drawn from t
 when its TTFT and mean inter-token gap are within its deployment's SLOs (config
 ``deployments[].ttft_slo_ms`` / ``tbt_slo_ms``, gearbox's by default); ``goodput_of_offered`` is
 goodput tokens over all tokens offered. ``--seeds N`` runs seeds ``--seed`` … ``--seed + N − 1``
-and reports the median and the worst seed; FlexPipe, its no-hysteresis ablation and the fixed
-plan run on every seed (the targets read them), the other systems on the first seed only unless
-``--all-systems``.
+and reports the median and the worst seed; the oracle, FlexPipe, its no-hysteresis ablation and
+the fixed plan run on every seed (the targets read them), the other systems on the first seed
+only unless ``--all-systems``.
 
 Writes ``bench/results/<scenario>[-<duration>s][-spread<x>].json`` (sorted keys, rounded floats,
 no wall-clock figures: the same seeds give the same bytes) and ``.png`` (the first seed); prints
 each seed's side-by-side table, the issue's targets met or missed, the wall time, what broke
 (then it exits 1: a runtime invariant, a deployment that completed nothing, no decision after a
-preemption), and LAST one JSON line — the results file's ``summary``.
+preemption, a system with more SLO goodput than the oracle), and LAST one JSON line — the
+results file's ``summary``.
 
 Run: ``python -m bench.fragmented [--scenario PATH] [--seed N] [--seeds N] [--spread X]
 [--all-systems] [--duration S] [--workers N]``.
@@ -60,9 +64,17 @@ DEFAULT_SEED = 7
 DEFAULT_SEEDS = 5  # seeds DEFAULT_SEED, DEFAULT_SEED + 1, ...
 # The systems every seed runs (the targets read them); the ablations that no target reads run
 # on the first seed only unless --all-systems (their rows are in the results file for it).
-HEADLINE_SYSTEMS = ("flexpipe", "no_hysteresis", "fixed")
+HEADLINE_SYSTEMS = ("oracle", "flexpipe", "no_hysteresis", "fixed")
 # Most expensive first, so two workers finish together.
-RUN_ORDER = ("flexpipe", "no_hysteresis", "replay_only", "no_pd_split", "static_rr", "fixed")
+RUN_ORDER = (
+    "oracle",
+    "flexpipe",
+    "no_hysteresis",
+    "replay_only",
+    "no_pd_split",
+    "static_rr",
+    "fixed",
+)
 
 Job = tuple[str, str, int, float, float]
 
@@ -80,18 +92,25 @@ def run_system(job: Job) -> tuple[str, int, dict[str, Any], float]:
     started = time.process_time()  # printed only, never part of the results
     key, scenario_path, seed, duration_s, spread = job
     from bench.sim.des import Simulation
+    from bench.sim.oracle import ORACLE, Oracle
     from bench.sim.summary import system_summary
     from bench.sim.systems import SYSTEMS
     from sim.truth import GroundTruth
 
     scenario = load_scenario(scenario_path)
-    system = next(s for s in SYSTEMS if s.key == key)
     trace = _trace(scenario_path, seed, duration_s)
     truth = GroundTruth(seed, spread)
-    result = Simulation(
-        system, scenario, trace, seed=seed, duration_s=duration_s, truth=truth
-    ).run()
-    summary = system_summary(result, scenario, duration_s)
+    if key == ORACLE.key:
+        oracle = Oracle(scenario, trace, seed=seed, duration_s=duration_s, truth=truth)
+        result, choices = oracle.run()
+        summary = system_summary(result, scenario, duration_s)
+        summary["oracle_intervals"] = [c.as_dict() for c in choices]
+    else:
+        system = next(s for s in SYSTEMS if s.key == key)
+        result = Simulation(
+            system, scenario, trace, seed=seed, duration_s=duration_s, truth=truth
+        ).run()
+        summary = system_summary(result, scenario, duration_s)
     return key, seed, summary, time.process_time() - started
 
 

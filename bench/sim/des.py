@@ -34,7 +34,7 @@ from bench.sim.metrics import DeploymentMetrics, Utilisation
 from bench.sim.systems import SystemSpec
 from flexpipe.config import FlexPipeConfig
 from flexpipe.schemas import GearTransition
-from gearbox import Trigger
+from gearbox import DeploymentPlan, Trigger
 from runtime.deployment import EngineFactory, RuntimeSettings
 from runtime.engine.sim import SimEngine
 from runtime.engine.simgpu import SimGpuPool
@@ -153,7 +153,12 @@ class Simulation:
         duration_s: float,
         config: FlexPipeConfig | None = None,
         truth: GroundTruth | None = None,
+        plans: Mapping[str, DeploymentPlan] | None = None,
+        clock_offset_s: float = 0.0,
     ) -> None:
+        """``plans``: what to start with instead of the scenario's starting plans (the oracle's
+        choice for one interval); ``clock_offset_s``: added to the times the metrics and
+        utilisation are keyed by, so a run of one interval records on the whole run's clock."""
         self.system = system
         self.truth = truth
         self.scenario = scenario
@@ -163,7 +168,7 @@ class Simulation:
         # the validated section refuses on purpose) reaches the stream as it is.
         self.cfg = base.model_copy(update={"gearbox": system.config})
         names = sorted(d.name for d in scenario.deployments)
-        self.metrics = {name: DeploymentMetrics() for name in names}
+        self.metrics = {name: DeploymentMetrics(clock_offset_s=clock_offset_s) for name in names}
         for dep in self.cfg.deployments:
             ttft_ms, tbt_ms = dep.slo_ms(self.cfg.gearbox)
             self.metrics[dep.name].ttft_slo_s = ttft_ms / 1000.0
@@ -185,6 +190,8 @@ class Simulation:
         self.world = World(self.cfg, scenario, seed, self.host)
         self.runtimes = self.host.runtimes
         self.trace = trace
+        self.start_plans = plans
+        self.clock_offset_s = clock_offset_s
         self.kinds = {r.request_id: r.kind for reqs in trace.values() for r in reqs}
         self.utilisation = Utilisation()
         self.decisions: list[DecisionLog] = []
@@ -244,7 +251,7 @@ class Simulation:
     def _start(self) -> None:
         world = self.world
         world.observe(0.0)  # the agents' first round: what the starting plans are built on
-        plans = world.starting_plans()
+        plans = world.starting_plans() if self.start_plans is None else dict(self.start_plans)
         if self.system.static_layout:
             topology, blocks = world.topology()
             deployments = world.deployments
@@ -380,7 +387,8 @@ class Simulation:
                 busy_gpu_s += (stats.busy_s - seen_busy) * len(engine.timing.gpu_uuids)
                 flops += stats.model_flops - seen_flops
         schedulable = len(self.world.fleet.cluster.schedulable_gpus())
-        self.utilisation.add(t_s, SAMPLE_S, held, (busy_gpu_s, flops), schedulable)
+        now_s = t_s + self.clock_offset_s
+        self.utilisation.add(now_s, SAMPLE_S, held, (busy_gpu_s, flops), schedulable)
 
     # ---- result --------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from runtime.types import Admission, Completion, Reason, RequestKind
@@ -87,11 +87,17 @@ class DeploymentMetrics:
     good_requests: int = 0
     missed_ttft: int = 0  # completed requests over the TTFT SLO
     missed_tbt: int = 0  # completed requests over the TBT SLO (TTFT within)
+    # Added to every time before it is keyed by minute: a run simulating a slice of a longer
+    # one (the oracle's intervals) records on the longer run's clock.
+    clock_offset_s: float = 0.0
     _step_buckets: dict[float, int] = field(default_factory=dict)
+
+    def _minute(self, t_s: float) -> int:
+        return int((t_s + self.clock_offset_s) // 60.0)
 
     def on_decode(self, end_s: float, step_s: float, tokens: int) -> None:
         """``tokens`` inter-token gaps of ``step_s`` (decode observer)."""
-        h = self.tbt[int(end_s // 60.0)]
+        h = self.tbt[self._minute(end_s)]
         index = self._step_buckets.get(step_s)
         if index is None:  # step times repeat (memoised timing): bucket each value once
             index = self._step_buckets[step_s] = bucket_of(step_s * 1000.0)
@@ -99,7 +105,7 @@ class DeploymentMetrics:
 
     def on_admission(self, admission: Admission, arrival_s: float) -> None:
         """A submitted request, admitted or not."""
-        minute = int(arrival_s // 60.0)
+        minute = self._minute(arrival_s)
         self.arrivals[minute] += 1
         if admission.reason is not Reason.ADMITTED:
             self.rejected[minute] += 1
@@ -108,11 +114,11 @@ class DeploymentMetrics:
     def on_completion(self, done: Completion, kind: RequestKind) -> None:
         """A finished request."""
         index = bucket_of(done.ttft_s * 1000.0)
-        h = self.ttft[int(done.first_token_s // 60.0)]
+        h = self.ttft[self._minute(done.first_token_s)]
         h[index] = h.get(index, 0.0) + 1.0
         by_kind = self.chat_ttft if kind is RequestKind.CHAT else self.summarisation_ttft
         by_kind[index] = by_kind.get(index, 0.0) + 1.0
-        minute = int(done.finish_s // 60.0)
+        minute = self._minute(done.finish_s)
         self.completions[minute] += 1
         self.tokens[minute] += done.prompt_tokens + done.output_tokens
         self.replays += done.replays
@@ -130,6 +136,34 @@ class DeploymentMetrics:
         """Histograms of the minutes starting in ``[start_s, end_s)``, merged."""
         first, last = math.floor(start_s / 60.0), math.ceil(end_s / 60.0)
         return merge(series[m] for m in range(first, last) if m in series)
+
+
+def combined(parts: Sequence[DeploymentMetrics]) -> DeploymentMetrics:
+    """One deployment's metrics over several runs recorded on one clock (the oracle's
+    intervals, each its own run): histograms and counters summed, SLOs from the first."""
+    out = DeploymentMetrics()
+    if parts:
+        out.ttft_slo_s, out.tbt_slo_s = parts[0].ttft_slo_s, parts[0].tbt_slo_s
+    for part in parts:
+        for mine, theirs in ((out.ttft, part.ttft), (out.tbt, part.tbt)):
+            for minute, h in theirs.items():
+                mine[minute] = merge((mine.get(minute, {}), h))
+        out.chat_ttft = merge((out.chat_ttft, part.chat_ttft))
+        out.summarisation_ttft = merge((out.summarisation_ttft, part.summarisation_ttft))
+        for counter, more in (
+            (out.arrivals, part.arrivals),
+            (out.rejected, part.rejected),
+            (out.completions, part.completions),
+            (out.tokens, part.tokens),
+        ):
+            counter.update(more)
+        out.rejections.update(part.rejections)
+        out.replays += part.replays
+        out.goodput_tokens += part.goodput_tokens
+        out.good_requests += part.good_requests
+        out.missed_ttft += part.missed_ttft
+        out.missed_tbt += part.missed_tbt
+    return out
 
 
 @dataclass
@@ -168,6 +202,19 @@ class Utilisation:
         self.cluster_gpu_s += schedulable * dt_s
         self.sampled_s += dt_s
         self.gpus_by_minute[int(now_s // 60.0)] = len(held)
+
+    def absorb(self, other: Utilisation, minutes: range) -> None:
+        """Add another run's integrals (one on the same clock: an oracle interval); its GPU
+        counts only for ``minutes``, the interval it stands for (its drain overlaps the next)."""
+        self.held_gpu_s += other.held_gpu_s
+        self.memory_used_byte_s += other.memory_used_byte_s
+        self.memory_capacity_byte_s += other.memory_capacity_byte_s
+        self.busy_gpu_s += other.busy_gpu_s
+        self.model_flops += other.model_flops
+        self.peak_flops += other.peak_flops
+        self.cluster_gpu_s += other.cluster_gpu_s
+        self.sampled_s += other.sampled_s
+        self.gpus_by_minute.update((m, n) for m, n in other.gpus_by_minute.items() if m in minutes)
 
     def summary(self) -> dict[str, float]:
         """Utilisation ratios over the run (held GPUs, and the whole schedulable cluster)."""

@@ -13,7 +13,12 @@ matplotlib.use("Agg")  # NOTE: headless, and the same bytes on every machine wit
 
 import matplotlib.pyplot as plt
 
-PLOTTED = (("fixed", "tab:red"), ("static_rr", "tab:orange"), ("flexpipe", "tab:blue"))
+PLOTTED = (
+    ("fixed", "tab:red"),
+    ("static_rr", "tab:orange"),
+    ("flexpipe", "tab:blue"),
+    ("oracle", "tab:green"),
+)
 
 
 def _hours(minutes: Sequence[int]) -> list[float]:

@@ -15,7 +15,17 @@ from typing import Any
 
 from bench.sim.summary import rnd
 
-SYSTEM_ORDER = ("fixed", "static_rr", "flexpipe", "no_hysteresis", "replay_only", "no_pd_split")
+SYSTEM_ORDER = (
+    "fixed",
+    "static_rr",
+    "flexpipe",
+    "no_hysteresis",
+    "replay_only",
+    "no_pd_split",
+    "oracle",
+)
+# Systems without a gear loop: no decision is expected of them after a preemption.
+FIXED_PLANS = ("fixed", "static_rr", "oracle")
 
 # The article's figures (DESIGN.md §0.1): baseline = fixed TP8 on block A.
 ARTICLE: dict[str, Any] = {
@@ -122,8 +132,11 @@ def headline(
     fixed_util, flex_util = fixed["utilisation"], flex["utilisation"]
     by_dep = [d["goodput_of_offered"] for d in flex["deployments"].values()]
     ratios = post_preemption_ratios(flex, big)
+    oracle = systems.get("oracle", {})
     return {
         "perturbation_spread": spread,
+        "goodput_vs_oracle": _ratio(flex["goodput_tokens"], oracle.get("goodput_tokens"), 4),
+        "oracle_goodput_of_offered": oracle.get("goodput_of_offered"),
         "goodput_of_offered": flex["goodput_of_offered"],
         "fixed_goodput_of_offered": fixed["goodput_of_offered"],
         "goodput_ratio_vs_fixed": _ratio(flex["goodput_tokens"], fixed["goodput_tokens"]),
@@ -204,10 +217,9 @@ def aggregate(
         "decision_delay_s_modelled": _median(col("decision_delay_s_modelled")),
         "rejections_flexpipe": _median(col("rejections_flexpipe")),
         "rejections_fixed": _median(col("rejections_fixed")),
-        # Not built in this round (see the README): reported as absent, never as a figure.
-        "goodput_vs_oracle": None,
-        "goodput_vs_oracle_min": None,
-        "oracle_goodput_of_offered": None,
+        "goodput_vs_oracle": _median(col("goodput_vs_oracle")),
+        "goodput_vs_oracle_min": _least(col("goodput_vs_oracle")),
+        "oracle_goodput_of_offered": _median(col("oracle_goodput_of_offered")),
         "estimator_error_p95": _median(col("estimator_error_p95")),
         "estimator_error_median": _median(col("estimator_error_median")),
     }
@@ -230,10 +242,15 @@ def targets(head: Mapping[str, Any]) -> list[dict[str, Any]]:
         # NOTE: 0 ≥ 2 × 0 would pass with no flaps anywhere, which shows nothing about
         # hysteresis: the ablation must flap more than FlexPipe.
         flaps_ok = no_h >= 3 or (no_h >= 2 * flex and no_h > flex)
+    share = check("goodput_of_offered", ">=", 0.93)
+    oracle_share = head.get("oracle_goodput_of_offered")
+    if oracle_share is not None and oracle_share < 0.93:
+        # The issue's exception: the bound is out of reach in this world; said, not moved.
+        share["note"] = f"the oracle's own share is {oracle_share}, below the bound"
     return [
         check("goodput_vs_oracle", ">=", 0.90),
         check("goodput_vs_oracle_min", ">=", 0.85),
-        check("goodput_of_offered", ">=", 0.93),
+        share,
         check("goodput_of_offered_by_deployment_min", ">=", 0.90),
         check("goodput_ratio_vs_fixed", ">=", 1.0),
         check("goodput_ratio_vs_fixed_min", ">=", 1.0),
@@ -402,21 +419,29 @@ def targets_text(rows: Sequence[Mapping[str, Any]]) -> str:
     out = []
     for row in rows:
         state = {True: "met", False: "MISSED", None: "n/a"}[row["met"]]
-        out.append(f"  {state:6} {row['target']}: {row['value']} (target {row['bound']})")
+        note = f" — {row['note']}" if "note" in row else ""
+        out.append(f"  {state:6} {row['target']}: {row['value']} (target {row['bound']}){note}")
     return "\n".join(out)
 
 
 def run_problems(systems: Mapping[str, Any], preemptions: Sequence[float]) -> list[str]:
     """What makes a run untrustworthy (not a missed article figure): a broken runtime
     invariant, a deployment that completed nothing, an adaptive system that never decided
-    after a preemption."""
+    after a preemption, a system with more SLO goodput than the oracle (which is the limit:
+    either the oracle missed a plan or something is wrong)."""
     problems = []
+    limit = systems["oracle"]["goodput_tokens"] if "oracle" in systems else None
     for key, system in systems.items():
         problems += [f"{key}: {v}" for v in system.get("violations", [])]
         for name, dep in system["deployments"].items():
             if not dep["completions"]:
                 problems.append(f"{key}: {name} completed no request")
-        adaptive = key not in ("fixed", "static_rr")
+        adaptive = key not in FIXED_PLANS
         if adaptive and preemptions and system["decision_delay_s"] is None:
             problems.append(f"{key}: no decision after the preemption at {preemptions[0]:g} s")
+        if limit is not None and system["goodput_tokens"] > limit:
+            problems.append(
+                f"{key}: {system['goodput_tokens']:,} SLO goodput tokens, more than the "
+                f"oracle's {limit:,}: the oracle is not the limit"
+            )
     return problems

@@ -1,0 +1,323 @@
+"""The oracle: the SLO goodput each simulated world allows, the limit FlexPipe is judged against.
+
+It knows the timeline and the arrival trace in advance, shifts instantly and for free, and picks
+the best plans per interval by the ground truth (:mod:`sim.truth`), jointly over deployments:
+
+* intervals — the run is cut at every timeline event, every load phase's edges and at least
+  every ``MAX_INTERVAL_S`` (the daily swing moves the load between phases);
+* candidates — per deployment, every plan gearbox's candidate generator assembles on the
+  interval's live GPUs (all free: the oracle owes no switch) for the interval's true load scaled
+  by each of ``DEMAND_SCALES`` (bigger plans queue less), the deployment's starting plan there
+  and its share of the static layout over every GPU (the baselines' plans), or nothing;
+* ranking — each candidate serves the interval's arrivals alone in the simulated world, timed by
+  the ground truth gearbox cannot see, from a warm start (loaded before the interval begins);
+  the joint choice is the combination on disjoint GPUs with the most goodput tokens (ties: fewer
+  GPUs, then plan ids). Deployments on disjoint GPUs share nothing in the simulator, so the
+  joint goodput is the sum of the singles';
+* the oracle's run — the chosen plans of each interval serve it together, and the intervals'
+  metrics are put together on the run's clock (:func:`bench.sim.metrics.combined`).
+
+Every interval starts empty and warm, and its requests may finish after it ends (up to the
+last instant one could still meet its SLOs, never past the run's end) on the interval's plans
+while the next interval's plans serve new arrivals: both favour the oracle, which is what an
+upper bound may do. A system that beats it has found a plan outside its candidates, or a bug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bench.sim.baselines import static_layout
+from bench.sim.des import RunResult, Simulation
+from bench.sim.metrics import DeploymentMetrics, Utilisation, combined
+from bench.sim.systems import SystemSpec
+from flexpipe.config import FlexPipeConfig
+from gearbox import DeploymentPlan, GearboxConfig
+from gearbox.ranking import rank_candidates
+from gearbox.types import LoadSnapshot
+from runtime.deployment import RuntimeSettings
+from runtime.host import RuntimeHost
+from runtime.types import Request
+from sim.catalog import with_scenario
+from sim.spec import Preempt, Scenario
+from sim.truth import GroundTruth
+from sim.world import World
+
+MAX_INTERVAL_S = 1800.0
+DEMAND_SCALES = (1.0, 2.0, 4.0)
+ORACLE = SystemSpec("oracle", "oracle", adaptive=False, static_layout=False)
+
+Trace = Mapping[str, Sequence[Request]]
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """A stretch of the run with one topology and one load phase: ``[start_s, end_s)``."""
+
+    start_s: float
+    end_s: float
+
+    @property
+    def length_s(self) -> float:
+        """Seconds the interval lasts."""
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """One deployment's candidate for an interval and the goodput it earned there alone."""
+
+    plan: DeploymentPlan | None  # None: the deployment serves nothing
+    goodput_tokens: int
+
+    @property
+    def gpus(self) -> frozenset[str]:
+        """The GPUs it holds."""
+        return self.plan.gpu_uuids if self.plan is not None else frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The oracle's plans for one interval, chosen among ``candidates`` per deployment."""
+
+    interval: Interval
+    plans: dict[str, DeploymentPlan | None]
+    goodput_tokens: dict[str, int]  # each chosen plan's, alone (the ranking's figure)
+    candidates: dict[str, int]  # how many were simulated per deployment
+
+    def as_dict(self) -> dict[str, Any]:
+        """The results file's record of this interval."""
+        return {
+            "start_s": self.interval.start_s,
+            "end_s": self.interval.end_s,
+            "candidates": self.candidates,
+            "plans": {name: _plan_row(plan) for name, plan in self.plans.items()},
+            "goodput_tokens": self.goodput_tokens,
+        }
+
+
+def _plan_row(plan: DeploymentPlan | None) -> dict[str, Any] | None:
+    if plan is None:
+        return None
+    return {"plan_id": plan.plan_id, "gpus": plan.num_gpus, "replicas": len(plan.replicas)}
+
+
+def intervals(scenario: Scenario, duration_s: float) -> tuple[Interval, ...]:
+    """The oracle's intervals over ``[0, duration_s)`` (see the module docstring)."""
+    marks = {0.0, duration_s}
+    marks |= {ev.t_s for ev in scenario.timeline}
+    for dep in scenario.deployments:
+        marks |= {t for ph in dep.workload.phases for t in (ph.start_s, ph.end_s)}
+    edges = sorted(t for t in marks if 0.0 <= t <= duration_s)
+    out = []
+    for start, end in itertools.pairwise(edges):
+        parts = math.ceil((end - start) / MAX_INTERVAL_S)
+        cuts = [start + (end - start) * i / parts for i in range(parts)] + [end]
+        out += [Interval(a, b) for a, b in itertools.pairwise(cuts)]
+    return tuple(out)
+
+
+def segment_scenario(
+    scenario: Scenario, interval: Interval, names: Sequence[str], run_s: float
+) -> Scenario:
+    """The world of one interval, ``run_s`` long: every timeline event up to its start happens
+    at t=0 (in order, so a preemption by count takes the same GPUs), none after; only the
+    deployments ``names``."""
+    timeline = tuple(
+        dataclasses.replace(ev, t_s=0.0) for ev in scenario.timeline if ev.t_s <= interval.start_s
+    )
+    deployments = tuple(d for d in scenario.deployments if d.name in names)
+    return dataclasses.replace(
+        scenario, duration_s=run_s, deployments=deployments, timeline=timeline
+    )
+
+
+def interval_requests(requests: Sequence[Request], interval: Interval) -> list[Request]:
+    """The arrivals of ``interval``, on its own clock (arrival − start)."""
+    return [
+        dataclasses.replace(r, arrival_s=r.arrival_s - interval.start_s)
+        for r in requests
+        if interval.start_s <= r.arrival_s < interval.end_s
+    ]
+
+
+def interval_load(requests: Sequence[Request], interval: Interval) -> LoadSnapshot:
+    """The interval's true load (the oracle knows the trace): rate, mean prompt and output."""
+    count = len(requests)
+    if count == 0:
+        return LoadSnapshot(0.0, 0.0, 1.0, 1.0)
+    return LoadSnapshot(
+        0.0,
+        count / interval.length_s,
+        max(1.0, sum(r.prompt_tokens for r in requests) / count),
+        max(1.0, sum(r.max_output_tokens for r in requests) / count),
+    )
+
+
+class Oracle:
+    """The oracle for one scenario, trace, seed and ground truth (see the module docstring)."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        trace: Trace,
+        *,
+        seed: int,
+        duration_s: float,
+        truth: GroundTruth,
+        config: FlexPipeConfig | None = None,
+    ) -> None:
+        self.scenario = scenario
+        self.trace = trace
+        self.seed = seed
+        self.duration_s = duration_s
+        self.truth = truth
+        self.config = config or FlexPipeConfig()
+        cfg = with_scenario(self.config, scenario)
+        self.gearbox: GearboxConfig = cfg.gearbox
+        self.names = sorted(d.name for d in scenario.deployments)
+        self.slo_s: dict[str, tuple[float, float]] = {}
+        for dep in cfg.deployments:
+            ttft_ms, tbt_ms = dep.slo_ms(cfg.gearbox)
+            self.slo_s[dep.name] = (ttft_ms / 1000.0, tbt_ms / 1000.0)
+
+    # ---- one interval --------------------------------------------------------------------------
+
+    def _run_s(self, interval: Interval, names: Sequence[str]) -> float:
+        """How long an interval's run lasts: until no request of it could still meet its SLOs
+        (first token within the TTFT SLO, every gap within the TBT SLO), never past the run."""
+        last = interval.end_s
+        for name in names:
+            ttft_s, tbt_s = self.slo_s[name]
+            for r in interval_requests(self.trace[name], interval):
+                done = interval.start_s + r.arrival_s + ttft_s + tbt_s * (r.max_output_tokens - 1)
+                last = max(last, done)
+        return min(last, self.duration_s) - interval.start_s
+
+    def simulate(self, interval: Interval, plans: Mapping[str, DeploymentPlan | None]) -> RunResult:
+        """The deployments of ``plans`` serving the interval's arrivals on those plans (loaded
+        before it starts), in the ground-truth world; times on the whole run's clock."""
+        names = sorted(plans)
+        run_s = self._run_s(interval, names)
+        scenario = segment_scenario(self.scenario, interval, names, run_s)
+        trace = {n: interval_requests(self.trace[n], interval) for n in names}
+        chosen = {n: p for n, p in plans.items() if p is not None}
+        return Simulation(
+            ORACLE,
+            scenario,
+            trace,
+            seed=self.seed,
+            duration_s=run_s,
+            config=self.config,
+            truth=self.truth,
+            plans=chosen,
+            clock_offset_s=interval.start_s,
+        ).run()
+
+    def candidates(self, interval: Interval) -> dict[str, list[DeploymentPlan]]:
+        """Every deployment's candidate plans for ``interval`` (see the module docstring)."""
+        scenario = segment_scenario(self.scenario, interval, self.names, interval.length_s)
+        cfg = with_scenario(self.config, scenario)
+        world = World(cfg, scenario, self.seed, RuntimeHost(self.names, RuntimeSettings()))
+        for name in self.names:  # nothing placed: every live GPU is the oracle's to give
+            world.fleet.cluster.place(name, [])
+        world.observe(0.0)
+        topology, blocks = world.topology()
+        starting = world.starting_plans()
+        static = static_layout(
+            scenario, world.deployments, starting, topology, blocks, self.gearbox
+        )
+        out: dict[str, list[DeploymentPlan]] = {}
+        for dep in world.deployments:
+            load = interval_load(interval_requests(self.trace[dep.name], interval), interval)
+            plans: dict[str, DeploymentPlan] = {}
+            for scale in DEMAND_SCALES:
+                scaled = dataclasses.replace(load, arrival_rate_rps=load.arrival_rate_rps * scale)
+                ranked = rank_candidates(
+                    topology, blocks, dep.model, scaled, self.gearbox, deployment=dep.name
+                )
+                plans.update((c.plan.plan_id, c.plan) for c in ranked)
+            for plan in (starting.get(dep.name), static.get(dep.name)):
+                if plan is not None and plan.replicas:
+                    plans[plan.plan_id] = plan
+            out[dep.name] = [plans[k] for k in sorted(plans)]
+        return out
+
+    def choose(self, interval: Interval) -> Choice:
+        """The interval's best plans by the ground truth, jointly over deployments."""
+        options: dict[str, list[Scored]] = {}
+        for name, plans in self.candidates(interval).items():
+            scored = [Scored(None, 0)]
+            for plan in plans:
+                run = self.simulate(interval, {name: plan})
+                scored.append(Scored(plan, run.metrics[name].goodput_tokens))
+            options[name] = scored
+        best = max(
+            (combo for combo in itertools.product(*options.values()) if _disjoint(combo)),
+            key=_joint_order,
+        )
+        names = list(options)
+        return Choice(
+            interval,
+            {n: s.plan for n, s in zip(names, best, strict=True)},
+            {n: s.goodput_tokens for n, s in zip(names, best, strict=True)},
+            {n: len(options[n]) - 1 for n in names},
+        )
+
+    # ---- the whole run -------------------------------------------------------------------------
+
+    def run(self) -> tuple[RunResult, list[Choice]]:
+        """Every interval's choice, served; the oracle's run and the choices."""
+        choices, runs = [], []
+        for interval in intervals(self.scenario, self.duration_s):
+            choice = self.choose(interval)
+            choices.append(choice)
+            runs.append((interval, self.simulate(interval, choice.plans)))
+        return self._result(runs), choices
+
+    def _result(self, runs: Sequence[tuple[Interval, RunResult]]) -> RunResult:
+        metrics: dict[str, DeploymentMetrics] = {
+            n: combined([r.metrics[n] for _, r in runs]) for n in self.names
+        }
+        utilisation = Utilisation()
+        for interval, r in runs:
+            minutes = range(int(interval.start_s // 60), math.ceil(interval.end_s / 60))
+            utilisation.absorb(r.utilisation, minutes)
+        events = [ev for ev in self.scenario.timeline if ev.t_s < self.duration_s]
+        return RunResult(
+            system=ORACLE,
+            metrics=metrics,
+            utilisation=utilisation,
+            decisions=[],
+            transitions=[],
+            preemptions=[ev.t_s for ev in events if isinstance(ev, Preempt)],
+            timeline=[(ev.t_s, type(ev).__name__.lower()) for ev in events],
+            unfinished={n: sum(r.unfinished.get(n, 0) for _, r in runs) for n in self.names},
+            observed_s=[],
+            violations=[
+                f"interval {i.start_s:g}-{i.end_s:g} s: {v}" for i, r in runs for v in r.violations
+            ],
+            offered_tokens={
+                n: sum(r.total_tokens for r in self.trace[n] if r.arrival_s < self.duration_s)
+                for n in self.names
+            },
+        )
+
+
+def _disjoint(combo: Sequence[Scored]) -> bool:
+    gpus = [u for s in combo for u in s.gpus]
+    return len(gpus) == len(set(gpus))
+
+
+def _joint_order(combo: Sequence[Scored]) -> tuple[int, int, tuple[str, ...]]:
+    """Most goodput, then fewest GPUs, then plan ids (max() takes the largest key)."""
+    ids = tuple(s.plan.plan_id if s.plan is not None else "" for s in combo)
+    return (sum(s.goodput_tokens for s in combo), -sum(len(s.gpus) for s in combo), ids)
+
+
+__all__ = ["ORACLE", "Choice", "Interval", "Oracle", "intervals", "segment_scenario"]
