@@ -5,10 +5,13 @@ the best plans per interval by the ground truth (:mod:`sim.truth`), jointly over
 
 * intervals — the run is cut at every timeline event, every load phase's edges and at least
   every ``MAX_INTERVAL_S`` (the daily swing moves the load between phases);
-* candidates — per deployment, every plan gearbox's candidate generator assembles on the
-  interval's live GPUs (all free: the oracle owes no switch) for the interval's true load scaled
-  by each of ``DEMAND_SCALES`` (bigger plans queue less), the deployment's starting plan there
-  and its share of the static layout over every GPU (the baselines' plans), or nothing;
+* candidates — per deployment, on the interval's live GPUs (all free: the oracle owes no
+  switch): every replica option gearbox enumerates (a block and TP degree, a pipeline, a
+  prefill/decode split) as one, half or all of its copies — so a plan gearbox's estimator
+  ranks low is still tried; every plan gearbox assembles for the interval's true load scaled by
+  each of ``DEMAND_SCALES`` (mixes of options; bigger plans queue less); the deployment's
+  starting plan there and its share of the static layout over every GPU (the baselines'
+  plans); or nothing;
 * ranking — each candidate serves the interval's arrivals alone in the simulated world, timed by
   the ground truth gearbox cannot see, from a warm start (loaded before the interval begins);
   the joint choice is the combination on disjoint GPUs with the most goodput tokens (ties: fewer
@@ -38,7 +41,9 @@ from bench.sim.metrics import DeploymentMetrics, Utilisation, combined
 from bench.sim.systems import SystemSpec
 from flexpipe.config import FlexPipeConfig
 from gearbox import DeploymentPlan, GearboxConfig
-from gearbox.ranking import rank_candidates
+from gearbox.candidates import enumerate_options
+from gearbox.ranking import available_memory, rank_candidates
+from gearbox.scoring import request_profile
 from gearbox.types import LoadSnapshot
 from runtime.deployment import RuntimeSettings
 from runtime.host import RuntimeHost
@@ -228,6 +233,7 @@ class Oracle:
             world.fleet.cluster.place(name, [])
         world.observe(0.0)
         topology, blocks = world.topology()
+        free = available_memory(topology, frozenset())
         starting = world.starting_plans()
         static = static_layout(
             scenario, world.deployments, starting, topology, blocks, self.gearbox
@@ -236,15 +242,25 @@ class Oracle:
         for dep in world.deployments:
             load = interval_load(interval_requests(self.trace[dep.name], interval), interval)
             plans: dict[str, DeploymentPlan] = {}
+            prompt, output = request_profile(load, self.gearbox)
+            options = enumerate_options(
+                blocks, topology, dep.model, prompt, output, free, self.gearbox
+            )
+            for option in options:
+                copies = len(option.copies)
+                for count in sorted({1, (copies + 1) // 2, copies}):
+                    replicas = tuple(option.plan(dep.model.name, i) for i in range(count))
+                    made = DeploymentPlan(dep.name, dep.model.name, replicas)
+                    plans[made.plan_id] = made
             for scale in DEMAND_SCALES:
                 scaled = dataclasses.replace(load, arrival_rate_rps=load.arrival_rate_rps * scale)
                 ranked = rank_candidates(
                     topology, blocks, dep.model, scaled, self.gearbox, deployment=dep.name
                 )
                 plans.update((c.plan.plan_id, c.plan) for c in ranked)
-            for plan in (starting.get(dep.name), static.get(dep.name)):
-                if plan is not None and plan.replicas:
-                    plans[plan.plan_id] = plan
+            for baseline in (starting.get(dep.name), static.get(dep.name)):
+                if baseline is not None and baseline.replicas:
+                    plans[baseline.plan_id] = baseline
             out[dep.name] = [plans[k] for k in sorted(plans)]
         return out
 
