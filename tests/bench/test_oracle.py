@@ -1,0 +1,201 @@
+"""Unit: the fragmented benchmark's oracle — its intervals and worlds, that it is the limit of
+every system on the same trace, that it shifts at event times for free, and that it ranks plans
+by the ground truth rather than by gearbox's estimates."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.sim.des import RunResult, Simulation
+from bench.sim.metrics import DeploymentMetrics, combined
+from bench.sim.oracle import (
+    MAX_INTERVAL_S,
+    Interval,
+    Oracle,
+    interval_load,
+    interval_requests,
+    intervals,
+    segment_scenario,
+)
+from bench.sim.report import headline, run_problems
+from bench.sim.systems import SYSTEMS
+from flexpipe.config import FlexPipeConfig
+from gearbox.plans import ExecutionPlan
+from gearbox.ranking import rank_candidates
+from runtime.deployment import RuntimeSettings
+from runtime.host import RuntimeHost
+from runtime.types import Completion, RequestKind
+from sim.catalog import with_scenario
+from sim.cluster import SimCluster
+from sim.loadgen import scenario_trace
+from sim.scenario import SEED_FRAGMENTED, load_scenario
+from sim.spec import Scenario
+from sim.truth import GroundTruth
+from sim.world import World
+
+pytestmark = pytest.mark.unit
+
+SHORT = Path(__file__).resolve().parents[1] / "fixtures" / "scenarios" / "fragmented-short.yaml"
+SEED, DURATION_S = 1, 600.0
+PREEMPTED = {f"GPU-sim-A-node-a1-{i}" for i in (4, 5, 6, 7)}  # the fixture's preemption
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlowClass(GroundTruth):
+    """A world where one GPU class is far slower than gearbox's cost model says."""
+
+    slow: str = "hopper-80g"
+
+    def efficiency(self, plan: ExecutionPlan, phase: str) -> float:
+        """8x the estimate on any plan with a stage of the slow class, the estimate elsewhere."""
+        return 8.0 if any(s.gpu_class.name == self.slow for s in plan.stages) else 1.0
+
+
+@cache
+def short() -> Scenario:
+    return load_scenario(SHORT)
+
+
+def truth() -> GroundTruth:
+    return GroundTruth(SEED, 0.3)
+
+
+@cache
+def oracle_run() -> tuple[RunResult, list[Any]]:
+    trace = scenario_trace(short(), DURATION_S, SEED)
+    oracle = Oracle(short(), trace, seed=SEED, duration_s=DURATION_S, truth=truth())
+    return oracle.run()
+
+
+@cache
+def system_run(key: str) -> RunResult:
+    system = next(s for s in SYSTEMS if s.key == key)
+    trace = scenario_trace(short(), DURATION_S, SEED)
+    return Simulation(system, short(), trace, seed=SEED, duration_s=DURATION_S, truth=truth()).run()
+
+
+def goodput(result: RunResult) -> int:
+    return sum(m.goodput_tokens for m in result.metrics.values())
+
+
+def test_intervals_cut_at_every_event_and_phase_edge() -> None:
+    cuts = [(i.start_s, i.end_s) for i in intervals(short(), short().duration_s)]
+    # preemption at 300 s, busy phase from 600 s, release at 900 s
+    assert cuts == [(0.0, 300.0), (300.0, 600.0), (600.0, 900.0), (900.0, 1200.0)]
+    seed = load_scenario(SEED_FRAGMENTED)
+    parts = intervals(seed, seed.duration_s)
+    assert parts[0].start_s == 0.0 and parts[-1].end_s == seed.duration_s
+    assert all(a.end_s == b.start_s for a, b in itertools.pairwise(parts))
+    assert max(p.length_s for p in parts) <= MAX_INTERVAL_S
+    assert {ev.t_s for ev in seed.timeline} <= {p.start_s for p in parts}
+
+
+def test_an_interval_world_starts_as_the_whole_run_is_then() -> None:
+    scenario = load_scenario(SEED_FRAGMENTED)  # preemptions by count: GPUs picked by the seed
+    names = [d.name for d in scenario.deployments]
+    whole = SimCluster(scenario, 7)
+    for interval in intervals(scenario, scenario.duration_s):
+        whole.advance_to(interval.start_s)
+        part = SimCluster(segment_scenario(scenario, interval, names, interval.length_s), 7)
+        part.advance_to(0.0)
+        assert part.schedulable_gpus() == whole.schedulable_gpus(), interval
+
+
+def test_the_oracle_is_the_limit_of_every_system_on_the_same_trace() -> None:
+    result, _ = oracle_run()
+    best = goodput(result)
+    for system in SYSTEMS:
+        run = system_run(system.key)
+        assert run.offered_tokens == result.offered_tokens  # the same requests
+        assert goodput(run) <= best, system.key
+    assert best > goodput(system_run("fixed"))  # the fixed plan loses the 70B when preempted
+
+
+def test_the_oracle_shifts_at_the_event_for_free() -> None:
+    result, choices = oracle_run()
+    assert [c.interval for c in choices] == [Interval(0.0, 300.0), Interval(300.0, 600.0)]
+    assert result.transitions == [] and result.decisions == []  # no transition to pay for
+    during = choices[1].plans["chat-70b"]
+    assert during is not None and not during.gpu_uuids & PREEMPTED
+    big = result.metrics["chat-70b"]
+    assert sum(big.rejections.values()) == 0
+    assert big.completions[5] > 0  # served in the minute the GPUs went
+    fixed = system_run("fixed").metrics["chat-70b"]
+    assert sum(fixed.rejections.values()) > 0 and fixed.completions[6] == 0
+
+
+def test_the_oracle_ranks_plans_by_the_ground_truth_not_by_gearbox() -> None:
+    only_70b = dataclasses.replace(
+        short(), deployments=tuple(d for d in short().deployments if d.name == "chat-70b")
+    )
+    trace = scenario_trace(only_70b, 300.0, SEED)
+    oracle = Oracle(only_70b, trace, seed=SEED, duration_s=300.0, truth=SlowClass(SEED, 0.0))
+    interval = Interval(0.0, 300.0)
+    chosen = oracle.choose(interval).plans["chat-70b"]
+    assert chosen is not None
+    classes = {s.gpu_class.name for r in chosen.replicas for s in r.stages}
+    assert "hopper-80g" not in classes  # 8x slower in this world, whatever the estimator says
+    # gearbox, on the same GPUs and the same true load, prefers the class the world slows down
+    cfg = with_scenario(FlexPipeConfig(), only_70b)
+    world = World(cfg, only_70b, SEED, RuntimeHost(["chat-70b"], RuntimeSettings()))
+    world.fleet.cluster.place("chat-70b", [])
+    world.observe(0.0)
+    topology, blocks = world.topology()
+    load = interval_load(interval_requests(trace["chat-70b"], interval), interval)
+    dep = world.deployments[0]
+    top = rank_candidates(topology, blocks, dep.model, load, cfg.gearbox, deployment=dep.name)[0]
+    assert "hopper-80g" in {s.gpu_class.name for r in top.plan.replicas for s in r.stages}
+    assert top.plan.plan_id != chosen.plan_id
+
+
+def _done(rid: str, at_s: float) -> Completion:
+    return Completion(rid, "r", None, 100, 11, at_s, at_s + 0.5, at_s + 1.5)
+
+
+def test_intervals_combine_on_the_whole_runs_clock() -> None:
+    first, second = (
+        DeploymentMetrics(ttft_slo_s=2.0, tbt_slo_s=0.15),
+        DeploymentMetrics(ttft_slo_s=2.0, tbt_slo_s=0.15, clock_offset_s=300.0),
+    )
+    first.on_completion(_done("a", 10.0), RequestKind.CHAT)
+    second.on_completion(_done("b", 10.0), RequestKind.CHAT)  # at 310 s on the run's clock
+    both = combined([first, second])
+    assert dict(both.completions) == {0: 1, 5: 1}
+    assert both.goodput_tokens == 2 * 111 and both.good_requests == 2
+    assert sorted(both.ttft) == [0, 5]
+
+
+def _system(goodput_tokens: int) -> dict[str, Any]:
+    return {
+        "label": "x",
+        "goodput_tokens": goodput_tokens,
+        "goodput_of_offered": goodput_tokens / 1000,
+        "tokens": goodput_tokens,
+        "deployments": {"big": {"completions": 1, "preemptions": [], "goodput_of_offered": 0.5}},
+        "decision_delay_s": 0.0,
+        "utilisation": {},
+        "shifts": [],
+        "estimator_error": {"p95": None, "median": None},
+        "flaps": {"flaps": 0},
+        "rejections": 0,
+    }
+
+
+def test_headline_and_a_system_above_the_oracle_is_a_problem() -> None:
+    systems = {
+        "fixed": _system(500),
+        "flexpipe": _system(900),
+        "no_hysteresis": _system(950),
+        "oracle": _system(920),
+    }
+    head = headline(systems, "big", None, 0.3)
+    assert head["goodput_vs_oracle"] == round(900 / 920, 4)
+    assert head["oracle_goodput_of_offered"] == 0.92
+    problems = run_problems(systems, [])
+    assert len(problems) == 1 and problems[0].startswith("no_hysteresis:")
