@@ -34,10 +34,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.calibrate import calibration_ms
-from bench.mm.core import Admission, Simulator, System
+from bench.mm.core import Simulator, System
 from bench.mm.scenario import Scenario, build_scenario
 from bench.mm.systems import GearboxSystem, ModelAwareRoundRobin, NaiveRoundRobin, VllmLikeSystem
 from gearbox.config import PlacementConfig
+from runtime.engine.paging import KvAdmission
 
 __all__ = ["main", "results_text", "run_benchmark", "run_seed"]
 
@@ -67,7 +68,7 @@ _LOWER_IS_WORSE.add("goodput_ratio_vs_vllm_like")
 
 
 def _run_system(
-    scenario: Scenario, factory: SystemFactory, placement: PlacementConfig, admission: Admission
+    scenario: Scenario, factory: SystemFactory, placement: PlacementConfig, admission: KvAdmission
 ) -> dict[str, object]:
     sim = Simulator(scenario, placement, admission)
     metrics = sim.run(factory(sim))
@@ -85,7 +86,7 @@ def run_seed(
     duration_s: float = DEFAULT_DURATION_S,
     load_scale: float = 1.0,
     placement: PlacementConfig | None = None,
-    admission: Admission = Admission.INCREMENTAL,
+    admission: KvAdmission = KvAdmission.INCREMENTAL,
 ) -> dict[str, object]:
     """Every system on one seed's scenario; a plain, deterministic dict."""
     placement = placement or PlacementConfig()
@@ -127,7 +128,7 @@ def run_benchmark(
     duration_s: float = DEFAULT_DURATION_S,
     load_scale: float = 1.0,
     placement: PlacementConfig | None = None,
-    admission: Admission = Admission.INCREMENTAL,
+    admission: KvAdmission = KvAdmission.INCREMENTAL,
 ) -> dict[str, object]:
     """Every system on every seed, the median and worst of each target figure, the verdicts."""
     per_seed = [run_seed(s, duration_s, load_scale, placement, admission) for s in seeds]
@@ -228,14 +229,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=DEFAULT_DURATION_S)
     parser.add_argument("--load-scale", type=float, default=1.0)
     parser.add_argument(
-        "--admission", choices=[a.value for a in Admission], default=Admission.INCREMENTAL.value
+        "--admission", choices=[a.value for a in KvAdmission], default=KvAdmission.INCREMENTAL.value
     )
     parser.add_argument("--out", default=str(RESULTS_PATH), help="results file, '-' for none")
     args = parser.parse_args(argv)
     calibration = calibration_ms()
     started = time.perf_counter()
     seeds = [args.seed + n for n in range(max(1, args.seeds))]
-    result = run_benchmark(seeds, args.duration_s, args.load_scale, None, Admission(args.admission))
+    admission = KvAdmission(args.admission)
+    result = run_benchmark(seeds, args.duration_s, args.load_scale, None, admission)
     wall_s = time.perf_counter() - started
     per_seed = result["per_seed"]
     summary = result["summary"]

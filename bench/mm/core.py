@@ -15,9 +15,10 @@ and the KV pool layout differ:
   sequences wait FIFO; one is admitted (at most ``MAX_BATCH`` running) when its first KV blocks
   can be allocated; each engine step decodes up to ``CHUNK_TOKENS`` tokens for every running
   sequence (fewer when one finishes sooner, so finishes are exact). **Admission knows nothing of
-  the future**: with ``Admission.INCREMENTAL`` a sequence holds KV blocks (``BLOCK_TOKENS``
-  each) for the tokens it has so far and grows them before each step; with
-  ``Admission.MAX_TOKENS`` it reserves prompt + the client's stated ``max_tokens`` when admitted.
+  the future** — it is the runtime's paging rule (:mod:`runtime.engine.paging`), the one the
+  live engine applies: with ``KvAdmission.INCREMENTAL`` a sequence holds KV pages
+  (``PAGE_TOKENS`` each) for the tokens it has so far plus one and grows them before each step;
+  with ``KvAdmission.MAX_TOKENS`` it reserves prompt + the client's stated ``max_tokens``.
   When a block cannot be had, the engine **preempts the youngest running sequence** (latest
   arrival; recompute: its KV is freed and it goes back to the head of the queue, keeping its
   generated tokens, and is prefilled again when resumed) until the block fits — never an OOM.
@@ -39,7 +40,7 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum, StrEnum
+from enum import IntEnum
 from typing import Protocol
 
 from bench.mm.metrics import Metrics
@@ -48,25 +49,18 @@ from gearbox.config import GearboxConfig, PlacementConfig
 from gearbox.placement import ModelFootprint, dead_memory
 from gearbox.plans import ExecutionPlan, Stage, StageRole
 from gearbox.types import TopologySnapshot
+from runtime.engine.paging import KvAdmission, admission_tokens, paged, preemption_victim
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
 
-__all__ = ["Admission", "Instance", "Seq", "Simulator", "System", "footprint_of"]
+__all__ = ["Instance", "Seq", "Simulator", "System", "footprint_of"]
 
 TICK_S = 5.0  # sampling, timeout sweep and placement-retry period
 MAX_BATCH = 32  # running sequences per instance (same engine setting for every system)
-BLOCK_TOKENS = 16  # KV page size (vLLM's default block)
 CHUNK_TOKENS = 32  # decode tokens per simulated engine step at most
 QUEUE_TIMEOUT_S = 60.0  # a sequence waiting this long (unadmitted or preempted) gives up
 PLACE_RETRY_S = 5.0  # placement attempts per model at most this often
 GAP_WINDOW = 20  # arrivals in the mean-gap estimate handed to eviction
-
-
-class Admission(StrEnum):
-    """How much KV a sequence holds: no rule may read the request's actual output length."""
-
-    INCREMENTAL = "incremental"  # paged: blocks for the tokens so far, grown before each step
-    MAX_TOKENS = "max_tokens"  # prompt + the client's stated max_tokens, reserved on admission
 
 
 class _Kind(IntEnum):
@@ -85,7 +79,7 @@ class Seq:
     request: SimRequest
     waiting_since_s: float  # arrival at the engine, or the last preemption
     generated: int = 0
-    kv_tokens: int = 0  # tokens with KV blocks held (a multiple of BLOCK_TOKENS)
+    kv_tokens: int = 0  # tokens with KV blocks held (a multiple of PAGE_TOKENS)
     prefilled: bool = False  # False when (re)admitted: its context is computed again
     first_token_s: float | None = None
     preemptions: int = 0
@@ -216,7 +210,7 @@ class Simulator:
         self,
         scenario: Scenario,
         placement: PlacementConfig,
-        admission: Admission = Admission.INCREMENTAL,
+        admission: KvAdmission = KvAdmission.INCREMENTAL,
         config: GearboxConfig | None = None,
     ) -> None:
         self.scenario = scenario
@@ -267,9 +261,7 @@ class Simulator:
 
     def reservation_tokens(self, request: SimRequest) -> int:
         """Tokens of KV a request is admitted with, from what the client states only."""
-        if self.admission is Admission.MAX_TOKENS:
-            return request.prompt_tokens + request.max_tokens
-        return request.prompt_tokens + BLOCK_TOKENS
+        return admission_tokens(self.admission, request.prompt_tokens, 0, request.max_tokens)
 
     def mean_gap_s(self, model_name: str) -> float:
         """Mean gap over the last arrivals, the open gap since the last one included.
@@ -468,7 +460,7 @@ class Simulator:
 
     def _grow(self, inst: Instance, seq: Seq, tokens: int) -> bool:
         """Hold KV blocks for ``tokens`` tokens of the sequence; False when memory has none."""
-        blocks = -(-tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+        blocks = paged(tokens)
         need = (blocks - seq.kv_tokens) * inst.kv_bytes_per_token
         if need <= 0:
             return True
@@ -506,10 +498,10 @@ class Simulator:
                 inst.waiting.popleft()
                 self.metrics.timed_out += 1
                 continue
-            if self.admission is Admission.MAX_TOKENS:
-                target = seq.request.prompt_tokens + seq.request.max_tokens
-            else:
-                target = seq.context + BLOCK_TOKENS
+            request = seq.request
+            target = admission_tokens(
+                self.admission, request.prompt_tokens, seq.generated, request.max_tokens
+            )
             if not self._grow(inst, seq, target):
                 return  # head-of-line waits for memory, as vLLM's FCFS scheduler does
             inst.waiting.popleft()
@@ -527,7 +519,7 @@ class Simulator:
             if seq.request_id not in inst.running:
                 continue  # preempted for an older sequence in this loop
             while not self._grow(inst, seq, seq.context + tokens):
-                victim = max(inst.running.values(), key=_age)
+                victim = preemption_victim(inst.running.values(), _age)
                 self._preempt(inst, victim)
                 if victim is seq:
                     break

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.mm.core import Admission, Simulator, System
+from bench.mm.core import Instance, Seq, Simulator, System
 from bench.mm.metrics import Metrics, percentile, union_length_s
 from bench.mm.scenario import (
+    MAX_OUTPUT_TOKENS,
     ModelProfile,
     Scenario,
     SimRequest,
@@ -23,6 +24,7 @@ from bench.mm.systems import GearboxSystem, ModelAwareRoundRobin, NaiveRoundRobi
 from bench.multimodel import main, results_text, run_seed
 from gearbox.config import GearboxConfig, PlacementConfig
 from gearbox.presets import GIB, MODEL_7B_MHA
+from runtime.engine.paging import KvAdmission, admission_tokens
 
 SHORT_S = 900.0
 # NOTE: a short run cannot wait the default 30 min for a model to go cold; shortening it lets
@@ -54,7 +56,7 @@ def request(n: int, prompt: int, output: int, arrival_s: float = 100.0) -> SimRe
 
 
 def run_one(
-    scenario: Scenario, system: str, admission: Admission = Admission.INCREMENTAL
+    scenario: Scenario, system: str, admission: KvAdmission = KvAdmission.INCREMENTAL
 ) -> Metrics:
     """Run one system on a scenario with the default placement config."""
     sim = Simulator(scenario, PlacementConfig(), admission)
@@ -130,9 +132,39 @@ def test_an_arrival_joins_the_batch_at_the_next_token_not_the_next_chunk() -> No
 def test_max_tokens_admission_reserves_up_front_and_never_preempts() -> None:
     prompt = A10_KV_ROOM // KV_PER_TOKEN // 2 - 600
     requests = (request(0, prompt, 1000, 100.0), request(1, prompt, 1000, 100.5))
-    metrics = run_one(make_single_gpu_scenario(requests), "rr", Admission.MAX_TOKENS)
+    metrics = run_one(make_single_gpu_scenario(requests), "rr", KvAdmission.MAX_TOKENS)
     assert metrics.oom_events == 0 and metrics.preemptions == 0
     assert metrics.served_requests == 2  # the second waited for the first's reservation
+
+
+@dataclasses.dataclass(frozen=True)
+class StatedRequest:
+    """A request as its client states it: no actual output length anywhere."""
+
+    request_id: str
+    model_name: str
+    arrival_s: float
+    prompt_tokens: int
+    max_tokens: int = MAX_OUTPUT_TOKENS
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("admission", list(KvAdmission))
+def test_admission_never_reads_the_actual_output_length(admission: KvAdmission) -> None:
+    # Routing, the watermark check and the engine's admission take a request that has no
+    # output_tokens at all: reading it would raise.
+    sim = Simulator(make_single_gpu_scenario(()), PlacementConfig(), admission)
+    sim.system = system = GearboxSystem(sim)
+    system.deploy(sim.scenario.models)
+    stated = StatedRequest("chat-7b/0", "chat-7b", 0.0, 500)
+    choice = system.route(stated)  # type: ignore[arg-type]
+    assert isinstance(choice, Instance)
+    sim.now_s = choice.ready_at_s
+    choice.waiting.append(Seq(stated, sim.now_s))  # type: ignore[arg-type]
+    sim._admit(choice)
+    assert [s.request_id for s in choice.running.values()] == [stated.request_id]
+    held = choice.running[stated.request_id].kv_tokens
+    assert held == admission_tokens(admission, 500, 0, MAX_OUTPUT_TOKENS)
 
 
 @pytest.mark.unit
