@@ -17,11 +17,11 @@ and the KV pool layout differ:
   sequence (fewer when one finishes sooner, so finishes are exact). **Admission knows nothing of
   the future** — it is the runtime's paging rule (:mod:`runtime.engine.paging`), the one the
   live engine applies: with ``KvAdmission.INCREMENTAL`` a sequence holds KV pages
-  (``PAGE_TOKENS`` each) for the tokens it has so far plus one and grows them before each step;
-  with ``KvAdmission.MAX_TOKENS`` it reserves prompt + the client's stated ``max_tokens``.
-  When a block cannot be had, the engine **preempts the youngest running sequence** (latest
+  (``PAGE_TOKENS`` each) for the tokens it has so far plus one page and grows them before each
+  step; with ``KvAdmission.MAX_TOKENS`` it reserves prompt + the client's stated ``max_tokens``.
+  When a page cannot be had, the engine **preempts the youngest running sequence** (latest
   arrival; recompute: its KV is freed and it goes back to the head of the queue, keeping its
-  generated tokens, and is prefilled again when resumed) until the block fits — never an OOM.
+  generated tokens, and is prefilled again when resumed) until the page fits — never an OOM.
 * **Step time** comes from the runtime's :class:`runtime.timing.ReplicaTiming` (gearbox's cost
   model) for the model on that GPU class: the prefill of newly admitted or resumed sequences
   (prompt + generated so far) plus ``tokens × decode_cycle_s(batch, mean context)``, times the
