@@ -178,6 +178,11 @@ class Simulation:
         if system.variant.round_robin:
             routers = {n: RoundRobinRouter(self.cfg.runtime.canary_share) for n in names}
         self.pool = SimGpuPool()
+        # Every GPU exists with its memory from the start, as hardware does: one first heard of
+        # through a preemption would otherwise stay registered with no memory at all (an
+        # oracle interval's world starts with every earlier preemption at t=0).
+        for gpu in scenario.gpus:
+            self.pool.ensure(gpu.uuid, scenario.gpu_class(gpu.gpu_class).memory_total_bytes)
         self.host = RuntimeHost(
             names,
             self._settings(),

@@ -316,13 +316,25 @@ class Oracle:
             unfinished={n: sum(r.unfinished.get(n, 0) for _, r in runs) for n in self.names},
             observed_s=[],
             violations=[
-                f"interval {i.start_s:g}-{i.end_s:g} s: {v}" for i, r in runs for v in r.violations
+                f"interval {i.start_s:g}-{i.end_s:g} s: {v}"
+                for i, r in runs
+                for v in [*r.violations, *_cold(r)]
             ],
             offered_tokens={
                 n: sum(r.total_tokens for r in self.trace[n] if r.arrival_s < self.duration_s)
                 for n in self.names
             },
         )
+
+
+def _cold(run: RunResult) -> list[str]:
+    """Plans still loading when their interval began: the shift was not free after all."""
+    return [
+        f"{log.deployment} loaded at {t_s:g} s, after the interval began"
+        for log in run.transitions
+        for t_s, phase, *_ in log.records
+        if phase == "done" and t_s > 0.0
+    ]
 
 
 def _disjoint(combo: Sequence[Scored]) -> bool:
