@@ -199,3 +199,14 @@ def test_headline_and_a_system_above_the_oracle_is_a_problem() -> None:
     assert head["oracle_goodput_of_offered"] == 0.92
     problems = run_problems(systems, [])
     assert len(problems) == 1 and problems[0].startswith("no_hysteresis:")
+
+
+def test_an_interval_after_a_release_can_load_onto_the_released_gpus() -> None:
+    trace = scenario_trace(short(), short().duration_s, SEED)
+    oracle = Oracle(short(), trace, seed=SEED, duration_s=short().duration_s, truth=truth())
+    interval = Interval(900.0, 960.0)  # preempted at 300 s and released at 900 s: both at t=0
+    plan = next(p for p in oracle.candidates(interval)["chat-70b"] if p.gpu_uuids >= PREEMPTED)
+    run = oracle.simulate(interval, {"chat-70b": plan})
+    assert run.violations == []
+    assert sum(run.metrics["chat-70b"].completions.values()) > 0
+    assert not sum(run.metrics["chat-70b"].rejections.values())
