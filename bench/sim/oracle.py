@@ -24,6 +24,11 @@ Every interval starts empty and warm, and its requests may finish after it ends 
 last instant one could still meet its SLOs, never past the run's end) on the interval's plans
 while the next interval's plans serve new arrivals: both favour the oracle, which is what an
 upper bound may do. A system that beats it has found a plan outside its candidates, or a bug.
+
+Cost: every candidate is a simulation of its interval, so the oracle costs about half its
+candidate count (about 50 per interval on the seed cluster) times one system's run: ~50 CPU s
+per seed on the 20-minute test fixture; by estimate 2–3 CPU hours per seed on the 8-hour seed
+scenario (18 intervals, ~10 CPU s per candidate at its load).
 """
 
 from __future__ import annotations
