@@ -14,6 +14,11 @@ left to its producer while the lock is released — its deployment is not decide
 send ends, and then the topic, read again, says whether it landed. A topology or operator trigger
 that cannot be decided now (worker not ready, log unreadable, a send unresolved) waits and is
 decided first once it can be.
+
+A topology trigger the cursor refuses (not newer than the last trigger decided) is still decided
+when the view holds cluster events that no decision of the deployment saw yet: cluster events
+are keyed by node, so one partition's event can be folded after a later event of another
+partition (or a later tick) was decided. It is decided at the worker's clock, after the cursor.
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ class Decider:
         self._gear_unwritten: set[str] = set()
         self._unacked: dict[str, asyncio.Future[None]] = {}  # sends past PUBLISH_WAIT_S
         self._deferred: dict[str, TriggerInfo] = {}  # triggers to decide first when possible
+        # deployment → the view's ``nodes_version`` its last stored decision saw
+        self._nodes_seen: dict[str, int] = {}
         self._log_lock = asyncio.Lock()  # NOTE: one consumer reads the log: one read at a time
 
     @property
@@ -106,6 +113,7 @@ class Decider:
         self.accepting = False
         self._pending.clear()
         self._deferred.clear()
+        self._nodes_seen.clear()
         if self._unacked:  # NOTE: the next owner must find them on the topic
             await asyncio.wait(list(self._unacked.values()), timeout=REVOKE_WAIT_S)
         async with self._lock:
@@ -138,15 +146,19 @@ class Decider:
             self._debounce = asyncio.ensure_future(self._after_debounce())
 
     async def _after_debounce(self) -> None:
-        await asyncio.sleep(self.engine.cfg.streams.debounce_ms / 1000.0)
-        pending, self._pending = self._pending, {}
-        try:
-            await self.evaluate_many(
-                {name: _merge(triggers) for name, triggers in pending.items()},
-                self._pending_since_s,
-            )
-        except Exception:  # NOTE: the triggers topic still carries these triggers
-            log.exception("debounced decision failed")
+        # NOTE: a trigger submitted while this task decides finds it not done and starts no
+        # other: it is decided by the next round here, not left pending (ticks skip a
+        # deployment with a pending trigger) until some later cluster event.
+        while self._pending:
+            await asyncio.sleep(self.engine.cfg.streams.debounce_ms / 1000.0)
+            pending, self._pending = self._pending, {}
+            try:
+                await self.evaluate_many(
+                    {name: _merge(triggers) for name, triggers in pending.items()},
+                    self._pending_since_s,
+                )
+            except Exception:  # NOTE: the triggers topic still carries these triggers
+                log.exception("debounced decision failed")
 
     async def on_triggers(self, batch: Sequence[Message], received_wall_s: float) -> None:
         """A debounced batch from the triggers topic: one decision per deployment in it."""
@@ -257,6 +269,8 @@ class Decider:
             e.flush()
             outs = []
             decided: dict[str, PlanState] = {}  # this batch's plans, claimed for the next ones
+            # NOTE: read before the sends are awaited, which lets more cluster events fold
+            nodes_version = e.view.nodes_version
             # NOTE: the configured order, as the replay decides: an earlier deployment's new plan
             # is claimed before a later one plans.
             for name, trigger in sorted(wanted.items(), key=lambda kv: self._rank[kv[0]]):
@@ -282,6 +296,7 @@ class Decider:
                     )
                 else:
                     self._stored(name, out, trigger, received_wall_s)
+                    self._nodes_seen[name] = nodes_version
 
     def _can_decide(self, name: str, logged: tuple[int, LoggedDecision | None] | None) -> bool:
         """After the lock was taken: still accepting, no send of its unresolved, and verified
@@ -352,7 +367,10 @@ class Decider:
         e = self.engine
         cursor, plan, gear = self._state(name, logged)
         if not cursor.admits(trigger.kind, trigger.time_ms):
-            return None
+            late = self._late(name, trigger, cursor)
+            if late is None:
+                return None
+            trigger = late
         tables = DeploymentTables(
             plan,
             gear,
@@ -381,6 +399,29 @@ class Decider:
         if out is not None:
             decided[name] = out.plan
         return out
+
+    def _late(self, name: str, trigger: TriggerInfo, cursor: Cursor) -> TriggerInfo | None:
+        """A topology trigger the cursor refused, as one it admits, when cluster events were
+        folded since ``name``'s last stored decision; else None (a redelivery or the durable
+        copy of a trigger already decided, or the deployment's last decision is not known here).
+
+        NOTE: without this, an event folded after a later trigger was decided (another
+        partition's event or a tick, while this partition trailed) changes the view but is
+        decided by nothing until the next trigger or tick — a preemption of a serving GPU went
+        unanswered for good when its release was folded before that. The decision is stamped at
+        the clock (and after the cursor): when the worker learned of the event.
+        """
+        seen = self._nodes_seen.get(name)
+        if trigger.kind is not Trigger.TOPOLOGY_CHANGE or seen is None:
+            return None
+        if self.engine.view.nodes_version <= seen:
+            return None
+        time_ms = max(self.engine.now_ms(), cursor.trigger_time_ms + 1)
+        text = (
+            f"{trigger.description} (late: event time t={trigger.time_ms / 1000:.3f} s, folded"
+            f" after the decision at t={cursor.trigger_time_ms / 1000:.3f} s)"
+        )
+        return TriggerInfo(trigger.kind, time_ms, text[:MAX_TRIGGER_TEXT])
 
     def _claims(self, name: str, decided: dict[str, PlanState]) -> frozenset[str]:
         """GPUs the other deployments this worker can read hold.

@@ -23,6 +23,7 @@ class ClusterView:
     nodes: dict[str, NodeState] = field(default_factory=dict)
     max_seen_ms: int = -1  # newest last-seen among applied GPU records
     version: int = 0  # bumped on every applied record (snapshot caches key on it)
+    nodes_version: int = 0  # bumped on every applied node record: the cluster events folded
 
     def apply_gpu(self, state: GpuState) -> bool:
         """Keep ``state`` unless an equal or newer revision is known; True when kept."""
@@ -41,4 +42,5 @@ class ClusterView:
             return False
         self.nodes[state.node] = state
         self.version += 1
+        self.nodes_version += 1
         return True

@@ -20,7 +20,7 @@ from streams.deployments import resolve_deployments
 from streams.intake import SourceTopic
 from streams.ports import Message, TableName
 from streams.processor import StreamProcessor
-from streams.step import TriggerInfo
+from streams.step import PlanState, TriggerInfo
 from tests.streams.builders import (
     T0_MS,
     cluster_envelopes,
@@ -120,6 +120,74 @@ async def test_topology_change_is_decided_in_process_after_the_debounce() -> Non
     await engine.decider.on_triggers(triggers[-1:], wall[0])
     assert len(broker.decisions()) == 1
     assert engine.metrics.skipped.labels("already_decided")._value.get() == 1
+
+
+async def _settled(engine: StreamProcessor, broker: FakeBroker, decisions: int) -> None:
+    """Wait until the debounced evaluation ran: a decision past ``decisions``, or a refusal."""
+    refused = engine.metrics.skipped.labels("already_decided")
+    before = refused._value.get()
+    deadline_s = time.monotonic() + 30  # a busy machine may run the debounce timer late
+    while len(broker.decisions()) == decisions and refused._value.get() == before:
+        assert time.monotonic() < deadline_s, "the debounced evaluation never ran"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_cluster_event_folded_after_a_later_decision_is_still_decided() -> None:
+    engine, _, broker, wall = await started()
+    await engine.decider.tick()  # chat:1, on the hint plan
+    plan = engine.load(TableName.PLANS, "chat", PlanState)
+    assert plan is not None and plan.current is not None
+    serving = sorted(plan.current.gpu_uuids)[0]
+    await feed(engine, heartbeats(T0_MS + 3000, 100), wall)
+    other = make_event(ClusterEventType.PREEMPT, "node-b1", (gpu_uuid("B", "node-b1", 0),))
+    await feed(engine, [env(other, T0_MS + 3000, "s", 500)], wall)
+    await _settled(engine, broker, 1)  # chat:2 at t0 + 3 s
+    # Cluster events are keyed by node: this one, a second older, reaches the worker after
+    # the decision at t0 + 3 s, from a partition that trailed. It takes a GPU chat serves on.
+    node = serving.split("-", 2)[2].rsplit("-", 1)[0]
+    late = env(make_event(ClusterEventType.PREEMPT, node, (serving,)), T0_MS + 2000, "s", 501)
+    await feed(engine, [late])
+    await _settled(engine, broker, 2)
+    decisions = broker.decisions()
+    assert [d.decision_id for d in decisions] == ["chat:1", "chat:2", "chat:3"]
+    assert decisions[2].forced and decisions[2].trigger == "topology_change"
+    assert f"preempt on {node}" in decisions[2].explanation
+    times = [envelope.decode(v).event_time_ms for _, v in broker.sent[TOPICS.decisions]]
+    assert times[2] > times[1] == T0_MS + 3000, "decided after the cursor, at the clock"
+    # The durable copies of both triggers arrive later and are recognised as decided.
+    durable = [
+        Message("triggers", 0, i, k, v) for i, (k, v) in enumerate(broker.sent[TOPICS.triggers])
+    ]
+    await engine.decider.on_triggers(durable[-2:], wall[0])
+    assert len(broker.decisions()) == 3
+
+
+async def test_a_cluster_event_folded_while_the_last_one_is_decided_is_decided_next() -> None:
+    engine, _, broker, wall = await started()
+    await engine.decider.tick()  # chat:1
+    publishing, published = asyncio.Event(), asyncio.Event()
+    record = engine.send
+
+    async def slow(topic: str, key: bytes | None, value: bytes, *, wait: bool) -> None:
+        if wait:  # NOTE: a decision's send, acknowledged once the test says so
+            publishing.set()
+            await published.wait()
+        await record(topic, key, value, wait=wait)
+
+    engine.send = slow
+    first = make_event(ClusterEventType.PREEMPT, "node-b1", (gpu_uuid("B", "node-b1", 0),))
+    await feed(engine, [env(first, T0_MS + 3000, "s", 500)], wall)
+    await asyncio.wait_for(publishing.wait(), 30)  # its debounced decision is being sent ...
+    second = make_event(ClusterEventType.PREEMPT, "node-b2", (gpu_uuid("B", "node-b2", 0),))
+    await feed(engine, [env(second, T0_MS + 4000, "s", 501)], wall)  # ... when this one folds
+    published.set()
+    deadline_s = time.monotonic() + 30
+    while len(broker.decisions()) < 3:
+        assert time.monotonic() < deadline_s, "the second cluster event was never decided"
+        await asyncio.sleep(0.01)
+    decisions = broker.decisions()
+    assert [d.trigger for d in decisions] == ["timer", "topology_change", "topology_change"]
+    assert "preempt on node-b2" in decisions[2].explanation
 
 
 async def test_bad_input_is_dead_lettered_and_the_stream_goes_on() -> None:
