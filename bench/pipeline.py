@@ -20,11 +20,13 @@ Phases, each with the load it applies printed in the result:
 2. **latency** — offers ``min(0.7 × capacity, goal)`` events/s (the p99 is measured while the
    worker keeps up) plus ``--triggers-per-s`` **forced-switch triggers**: each preempts one GPU
    of the plan a deployment serves (read back from the decisions topic), which makes that plan
-   infeasible; the GPU is released ``--release-after-s`` later. A deployment gets its next
-   trigger only once the previous one was answered, so every trigger is matched to the first
-   forced decision of its deployment published after it: ``p99_decision_latency_ms`` is trigger
-   event time → that decision's record timestamp, over at least ``--min-triggers`` triggers.
-   Unanswered triggers are counted and count as misses.
+   infeasible; the GPU is released once the trigger was answered, and no sooner than
+   ``--release-after-s`` after it (a worker that trails by more than that would otherwise fold
+   the release before deciding, and rightly hold a plan whose GPUs are all back). A deployment
+   gets its next trigger only once the previous one was answered, so every trigger is matched to
+   the first forced decision of its deployment published after it:
+   ``p99_decision_latency_ms`` is trigger event time → that decision's record timestamp, over at
+   least ``--min-triggers`` triggers. Unanswered triggers are counted and count as misses.
 
 Baselines measured in the same run: the article's **5 s polling loop**, run for real beside the
 stream (a consumer of the cluster topic polled every 5 s; its figure is event time → the poll that
@@ -47,7 +49,6 @@ import re
 import sys
 import tempfile
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -341,7 +342,8 @@ class Triggers:
     sent: list[tuple[str, int]] = field(default_factory=list)  # (deployment, event time)
     skipped: int = 0  # a deployment's turn passed: previous trigger unanswered or no plan known
     starting: dict[str, tuple[str, ...]] = field(default_factory=dict)  # deployment → block GPUs
-    preempted: deque[tuple[float, tuple[str, ...]]] = field(default_factory=deque)
+    # (monotonic time, deployment, trigger event time, GPUs) of each preemption not released
+    preempted: list[tuple[float, str, int, tuple[str, ...]]] = field(default_factory=list)
     turn: int = 0
     _waiting: dict[str, int] = field(default_factory=dict)  # deployment → unanswered trigger ms
 
@@ -349,27 +351,35 @@ class Triggers:
         """The next trigger (and the releases now due), as messages to send."""
         out = []
         now = time.monotonic()
-        while self.preempted and now - self.preempted[0][0] >= self.release_after_s:
-            _, gpus = self.preempted.popleft()
-            out.append(cluster.gpu_event(ClusterEventType.RELEASE, gpus, t_ms))
+        held = []
+        for entry in self.preempted:
+            at, dep, sent_ms, gpus = entry
+            # NOTE: only once answered: until then the plan stays infeasible, so a forced
+            # decision is the one right answer however far the worker trails
+            answered = self.runtime.answer_after(dep, sent_ms) is not None
+            if answered and now - at >= self.release_after_s:
+                out.append(cluster.gpu_event(ClusterEventType.RELEASE, gpus, t_ms))
+            else:
+                held.append(entry)
+        self.preempted = held
         dep = self.deployments[self.turn % len(self.deployments)]
         self.turn += 1
         pending = self._waiting.get(dep)
         if pending is not None and self.runtime.answer_after(dep, pending) is None:
             self.skipped += 1
             return out
-        held = {g for _, gpus in self.preempted for g in gpus}
+        taken = {g for *_, gpus in self.preempted for g in gpus}
         serving = self.runtime.serving.get(dep)
         if serving is None:  # still on its starting block: take the block
-            victims = tuple(g for g in self.starting.get(dep, ()) if g not in held)
+            victims = tuple(g for g in self.starting.get(dep, ()) if g not in taken)
         else:  # one GPU of the plan it serves
-            free = [g for g in serving if g not in held]
+            free = [g for g in serving if g not in taken]
             victims = (free[self.turn % len(free)],) if free else ()
         if not victims:
             self.skipped += 1
             return out
         out.append(cluster.gpu_event(ClusterEventType.PREEMPT, victims, t_ms))
-        self.preempted.append((now, victims))
+        self.preempted.append((now, dep, t_ms, victims))
         self.sent.append((dep, t_ms))
         self._waiting[dep] = t_ms
         return out
@@ -690,7 +700,12 @@ def main() -> int:
     parser.add_argument("--triggers-per-s", type=float, default=8.0)
     parser.add_argument("--min-triggers", type=int, default=1000)
     parser.add_argument("--max-duration-s", type=float, default=300.0, help="latency phase cap")
-    parser.add_argument("--release-after-s", type=float, default=2.0)
+    parser.add_argument(
+        "--release-after-s",
+        type=float,
+        default=2.0,
+        help="a preempted GPU is released once its trigger was answered, no sooner than this",
+    )
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
     parser.add_argument("--drain-timeout-s", type=float, default=60.0)
     parser.add_argument("--answer-timeout-s", type=float, default=10.0)
