@@ -191,6 +191,7 @@ class Oracle:
         cfg = with_scenario(self.config, scenario)
         self.gearbox: GearboxConfig = cfg.gearbox
         self.names = sorted(d.name for d in scenario.deployments)
+        self._memo: dict[tuple[str, Interval], list[Request]] = {}
         self.slo_s: dict[str, tuple[float, float]] = {}
         for dep in cfg.deployments:
             ttft_ms, tbt_ms = dep.slo_ms(cfg.gearbox)
@@ -198,13 +199,21 @@ class Oracle:
 
     # ---- one interval --------------------------------------------------------------------------
 
+    def _arrivals(self, name: str, interval: Interval) -> list[Request]:
+        """:func:`interval_requests`, once per deployment and interval (every candidate's run
+        reads them; the 8-hour trace holds ~10^5 requests a deployment)."""
+        key = (name, interval)
+        if key not in self._memo:
+            self._memo[key] = interval_requests(self.trace[name], interval)
+        return self._memo[key]
+
     def _run_s(self, interval: Interval, names: Sequence[str]) -> float:
         """How long an interval's run lasts: until no request of it could still meet its SLOs
         (first token within the TTFT SLO, every gap within the TBT SLO), never past the run."""
         last = interval.end_s
         for name in names:
             ttft_s, tbt_s = self.slo_s[name]
-            for r in interval_requests(self.trace[name], interval):
+            for r in self._arrivals(name, interval):
                 done = interval.start_s + r.arrival_s + ttft_s + tbt_s * (r.max_output_tokens - 1)
                 last = max(last, done)
         return min(last, self.duration_s) - interval.start_s
@@ -215,7 +224,7 @@ class Oracle:
         names = sorted(plans)
         run_s = self._run_s(interval, names)
         scenario = segment_scenario(self.scenario, interval, names, run_s)
-        trace = {n: interval_requests(self.trace[n], interval) for n in names}
+        trace = {n: self._arrivals(n, interval) for n in names}
         chosen = {n: p for n, p in plans.items() if p is not None}
         return Simulation(
             ORACLE,
@@ -245,7 +254,7 @@ class Oracle:
         )
         out: dict[str, list[DeploymentPlan]] = {}
         for dep in world.deployments:
-            load = interval_load(interval_requests(self.trace[dep.name], interval), interval)
+            load = interval_load(self._arrivals(dep.name, interval), interval)
             plans: dict[str, DeploymentPlan] = {}
             prompt, output = request_profile(load, self.gearbox)
             options = enumerate_options(
