@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import heapq
 import itertools
 import shutil
@@ -52,7 +53,7 @@ async def broker(cfg: FlexPipeConfig) -> AsyncIterator[str]:
         return
     local = LocalKafka(cfg.local_kafka)
     was_running = local.status().running
-    address = await asyncio.to_thread(local.up)
+    address = await _start(local, fresh=False, ours=not was_running)
     print(f"kafka: {'using running' if was_running else 'started'} local broker {address}")
     try:
         yield address
@@ -73,7 +74,11 @@ async def dedicated_broker(cfg: FlexPipeConfig, name: str) -> AsyncIterator[Loca
             " (unset kafka.bootstrap_servers / FLEXPIPE_KAFKA__BOOTSTRAP_SERVERS)"
         )
     local = LocalKafka(cfg.local_kafka, name=name)
-    address = await asyncio.to_thread(local.up, True)
+    try:
+        address = await _start(local, fresh=True, ours=True)
+    except asyncio.CancelledError:
+        shutil.rmtree(local.run_dir, ignore_errors=True)
+        raise
     print(f"kafka: started a broker of this run's own, {address}")
     try:
         yield local
@@ -81,6 +86,21 @@ async def dedicated_broker(cfg: FlexPipeConfig, name: str) -> AsyncIterator[Loca
         await asyncio.to_thread(local.down)
         shutil.rmtree(local.run_dir, ignore_errors=True)
         print("kafka: stopped and removed this run's broker")
+
+
+async def _start(local: LocalKafka, fresh: bool, ours: bool) -> str:
+    """``local.up`` in a thread. When the job is cancelled meanwhile (SIGTERM, Ctrl-C) the start
+    still runs to its end in its thread, so a broker this job starts (``ours``) is stopped once it
+    is up instead of being left running with nobody to stop it."""
+    starting = asyncio.ensure_future(asyncio.to_thread(local.up, fresh))
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        if ours:
+            with contextlib.suppress(Exception):  # a failed start leaves nothing to stop
+                await starting
+            await asyncio.to_thread(local.down)
+        raise
 
 
 def fleet_events(
