@@ -306,7 +306,6 @@ class DeploymentRuntime:
             "invariant_violations": core.router.check_invariants(),
             "rejections": {str(k): v for k, v in core.rejections.items()},
             "engine_oom_events": core.engine_oom_events,
-            "engine_preemptions": core.engine_preemptions,
             "sim_oom_events": self.pool.oom_events,
         }
         if a is not None:

@@ -70,13 +70,6 @@ class RuntimeMetrics:
             "Simulated-GPU allocations refused at the memory limit (should stay 0)",
             registry=r,
         )
-        self.preemptions = Counter(
-            "flexpipe_runtime_preemptions",
-            "Sequences engines preempted for KV memory (freed, resumed later by recompute)",
-            ["deployment"],
-            registry=r,
-        )
-        self._preemptions_seen: dict[str, int] = {}
 
     def on_record(self, record: GearTransition) -> None:
         """Count a persisted transition record."""
@@ -92,14 +85,6 @@ class RuntimeMetrics:
             self.serving_plan.remove(deployment, previous)
         if plan_id is not None:
             self.serving_plan.labels(deployment, plan_id).set(1)
-
-    def count_preemptions(self, deployment: str, total: int) -> None:
-        """Advance the preemption counter to the deployment's running total."""
-        counter = self.preemptions.labels(deployment)  # the series shows 0 until the first
-        seen = self._preemptions_seen.get(deployment, 0)
-        if total > seen:
-            counter.inc(total - seen)
-            self._preemptions_seen[deployment] = total
 
     def set_phase(self, deployment: str, phase: str | None) -> None:
         """One-hot gauge of the running phase (all zero when idle)."""

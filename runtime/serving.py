@@ -8,10 +8,6 @@ lifecycle and hand-over methods; it never touches engines or the router directly
 
 Admission: candidates in predicted-completion order; a replica is skipped when its GPUs would
 pass the watermark or its queue is full; the first whose VMM commit succeeds owns the request.
-What a request commits is :mod:`runtime.engine.paging`'s admission rule on what the client
-states — by default its prompt's pages plus one (``KvAdmission.INCREMENTAL``); engines grow the
-pages as tokens are generated and preempt their youngest sequence when memory runs short, so the
-watermark bounds weights plus admitted prompts and leaves the rest of memory for that growth.
 No candidate → a rejection naming the rule (``THROTTLED_WATERMARK``, ``REJECTED_OOM_RISK``...),
 which the HTTP layer turns into 429. Sequences moved by a hand-over or a failure are never
 rejected: they wait in their new owner's queue until its VMM can commit them.
@@ -34,7 +30,6 @@ from runtime.engine.base import (
     SeqState,
     StepOutput,
 )
-from runtime.engine.paging import admission_tokens
 from runtime.router import ROUTABLE, ReplicaRole, Router
 from runtime.stats import ServingWindow
 from runtime.throttle import check_watermark
@@ -107,7 +102,6 @@ class ServingCore:
         self.completions: list[Completion] = []
         self.rejections: Counter[Reason] = Counter()
         self.engine_oom_events = 0
-        self.engine_preemptions = 0  # sequences engines preempted for memory (they resume)
         self._factory = engine_factory
         self._slots: dict[str, _Slot] = {}
         self._live: dict[str, _Live] = {}
@@ -227,7 +221,7 @@ class ServingCore:
         memory = self.vmm.memory()
         for choice in choices:
             timing = self._slots[choice.replica_id].timing
-            need = timing.kv_bytes_for(self._admission_tokens(request, 0))
+            need = timing.kv_bytes_for(request.total_tokens)
             if request.total_tokens > timing.kv_capacity_tokens:
                 refused.add(Reason.TOO_LONG)
             elif len(self.router.queued(choice.replica_id)) >= self.settings.max_queue_per_replica:
@@ -271,11 +265,6 @@ class ServingCore:
             self.router.transfer(seq_id, target, running=False, prompt_tokens=self._ctx(live))
         return True
 
-    def _admission_tokens(self, request: Request, generated: int) -> int:
-        """KV tokens a sequence commits when queued at a replica (never its future output)."""
-        mode = self.settings.kv_admission
-        return admission_tokens(mode, request.prompt_tokens, generated, request.max_output_tokens)
-
     @staticmethod
     def _ctx(live: _Live) -> int:
         return live.request.prompt_tokens + live.generated
@@ -302,7 +291,7 @@ class ServingCore:
             live = self._live[seq_id]
             req = live.request
             if not self.vmm.holds(rid, seq_id):
-                need = slot.timing.kv_bytes_for(self._admission_tokens(req, live.generated))
+                need = slot.timing.kv_bytes_for(req.total_tokens)
                 if not self.vmm.commit(rid, seq_id, need):
                     continue  # waits for memory; later queue entries may still fit
             spec = SeqSpec(seq_id, req.prompt_tokens, req.max_output_tokens, live.generated)
@@ -313,7 +302,6 @@ class ServingCore:
 
     def _absorb(self, rid: str, out: StepOutput) -> None:
         self.window.on_step(out.prefill_tokens, out.decode_tokens, out.decode_step_s)
-        self.engine_preemptions += len(out.preempted)
         for first in out.first_tokens:
             live = self._live.get(first.seq_id)
             if live is not None and live.first_token_s is None:
@@ -395,7 +383,7 @@ class ServingCore:
         """
         src, dst = self._slots[source].engine, self._slots[target]
         live = self._live[seq_id]
-        need = dst.timing.kv_bytes_for(self._admission_tokens(live.request, live.generated))
+        need = dst.timing.kv_bytes_for(live.request.total_tokens)
         if not self.vmm.commit(target, seq_id, need):
             return None
         exports = src.export_kv([seq_id], now_s)  # pauses it at the source until commit/abort

@@ -1,11 +1,9 @@
 """Pre-OOM throttling: a watermark on committed memory per GPU.
 
 A replica whose GPUs would pass the watermark (default 85 % of total memory) after committing a
-request's KV — what :mod:`runtime.engine.paging` admits it with, by default its prompt's pages
-plus one — stops taking that request; the router tries another replica, and when none passes
-the request is rejected with HTTP 429 rather than risking an out-of-memory on the GPU. The rest
-of memory is left for sequences' KV to grow into, page by page (an engine short of pages
-preempts its youngest sequence). Pure functions over the memory ledger the VMM keeps.
+request's KV stops taking that request; the router tries another replica, and when none passes
+the request is rejected with HTTP 429 rather than risking an out-of-memory on the GPU. Pure
+functions over the memory ledger the VMM keeps.
 """
 
 from __future__ import annotations

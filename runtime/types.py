@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from flexpipe.schemas import RequestKind
-from runtime.engine.paging import KvAdmission
 from runtime.throttle import DEFAULT_WATERMARK
 
 __all__ = [
@@ -108,7 +107,6 @@ class ServingSettings:
 
     watermark: float = DEFAULT_WATERMARK  # committed share of GPU memory that stops admission
     max_queue_per_replica: int = 1024
-    kv_admission: KvAdmission = KvAdmission.INCREMENTAL  # KV a request commits when admitted
 
 
 @dataclass

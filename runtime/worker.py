@@ -386,7 +386,6 @@ class RuntimeWorker:
         self.metrics.migration_queue.labels(deployment).set(ex["migration_queue"] + ex["staged"])
         self.metrics.owned.labels(deployment).set(len(rt.core.router.ownership()))
         self.metrics.kv_bytes.labels(deployment).set(rt.core.kv_bytes())
-        self.metrics.count_preemptions(deployment, rt.core.engine_preemptions)
         self.metrics.oom.set(self.pool.oom_events)
 
     async def _commit_offsets(self) -> None:
