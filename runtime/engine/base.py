@@ -14,9 +14,6 @@ Contract for implementers (a real torch engine included):
 * Imported and replayed sequences are *staged*: they hold KV but do not decode until
   ``activate`` — the route-table swap decides which copy lives on.
 * Faults are values (:class:`EngineFault`), never exceptions out of the engine.
-* KV follows :mod:`runtime.engine.paging`: when a page cannot be had the engine preempts its
-  youngest running sequence and resumes it later with its generated tokens unchanged (reported
-  in ``StepOutput.preempted``), rather than failing a sequence for memory.
 """
 
 from __future__ import annotations
@@ -137,7 +134,6 @@ class StepOutput:
     finished: tuple[Finished, ...] = ()
     failed: tuple[Failed, ...] = ()
     decode_step_s: tuple[float, ...] = ()  # duration of each iteration that decoded (TBT)
-    preempted: tuple[str, ...] = ()  # sequences whose KV was freed for memory; they resume later
 
 
 class Engine(Protocol):

@@ -35,7 +35,6 @@ class SeqRecord:
     order: int  # admission order: output order among events at the same instant
     gen0: int  # generated tokens at v0 (exact while not running)
     kv0: int  # KV tokens at v0
-    pages: int = 0  # KV tokens allocated, in whole pages (runtime.engine.paging)
     v0: int = 0  # decode counter when it (re)started running
     stage_after_prefill: bool = False
     ready_at_s: float = 0.0  # admission (waiting) or KV arrival (importing)
@@ -147,6 +146,10 @@ class RunningBatch:
                 done.append(q)
         return sorted(done, key=lambda s: s.order)
 
+    def largest(self) -> SeqRecord:
+        """The running sequence holding the most KV (ties: the latest admitted)."""
+        return max(self.seqs.values(), key=lambda q: (self.kv_tokens(q), q.order))
+
 
 @dataclass(frozen=True, slots=True)
 class Segment:
@@ -215,7 +218,6 @@ class EngineStats:
     decode_tokens: int = 0
     prefill_tokens: int = 0
     kv_imported_bytes: int = 0  # migrated KV received
-    preemptions: int = 0  # running sequences whose KV was freed for memory (recompute)
 
 
 EMPTY_STEP = StepOutput()
@@ -232,11 +234,10 @@ class StepAcc:
     finished: list[Finished] = field(default_factory=list)
     failed: list[Failed] = field(default_factory=list)
     decode_step_s: list[float] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
 
     def output(self) -> StepOutput:
         """The accumulated output (the shared empty one when nothing happened)."""
-        if not (self.iterations or self.failed or self.prefill_tokens or self.preempted):
+        if not (self.iterations or self.failed or self.prefill_tokens):
             return EMPTY_STEP  # (a split replica's prefill stage completes outside iterations)
         return StepOutput(
             self.iterations,
@@ -246,5 +247,4 @@ class StepAcc:
             tuple(self.finished),
             tuple(self.failed),
             tuple(self.decode_step_s),
-            tuple(self.preempted),
         )

@@ -15,22 +15,17 @@ finishing, the context crossing a 64-token timing bucket, the caller's ``now_s``
 iteration decodes the same batch in the same time, so a run of them is advanced at once
 (:mod:`runtime.engine.batch`). Work per simulated second is proportional to requests, not
 tokens. ``step`` is lazy: with nothing mutated since the last call and no event possible before
-``now_s`` (a lower bound from the current step time, which only grows with context, and the free
-pages) it returns at once and catches up later. ``tests/runtime/test_sim_engine_oracle.py``
-checks first-token and finish times, pages held and preemptions against a token-by-token oracle.
+``now_s`` (a lower bound from the current step time, which only grows with context) it returns
+at once and catches up later. ``tests/runtime/test_sim_engine_oracle.py`` checks first-token
+and finish times against a token-by-token oracle.
 
-KV is allocated in pages (:mod:`runtime.engine.paging`) against each simulated GPU's memory
-(:class:`SimGpuPool`), as vLLM schedules an iteration: first every running sequence gets the page
-its next token needs — when pages run short the youngest is preempted (its pages freed, it waits
-first in line and later prefills prompt + its generated tokens again: recompute) — then, unless
-it preempted, waiting prompts take their pages in line (context plus one page); the first that
-does not fit holds the line until memory frees. A run of decode iterations takes the pages its
-tokens cross before it starts and stops where the next page cannot be had. Free memory is checked
-before any is taken, so the engine never causes an out-of-memory event. Faults injected into
-the pool (lost GPUs, failing loads or transfers) surface as :class:`EngineFault` values. Time is
-an input: ``step(now_s)`` runs the iterations that complete by ``now_s`` and nothing else.
-``stats`` (busy time, FLOPs, tokens, KV imported, preemptions) and an optional decode observer
-serve utilisation and latency measurements.
+KV is allocated against each simulated GPU's memory (:class:`SimGpuPool`), so a runtime that
+over-admits sees out-of-memory events where a real engine would (a run's KV is allocated at
+once; when it does not fit, the largest sequence fails first). Faults injected into the pool
+(lost GPUs, failing loads or transfers) surface as :class:`EngineFault` values. Time is an
+input: ``step(now_s)`` runs the iterations that complete by ``now_s`` and nothing else.
+``stats`` (busy time, FLOPs, tokens, KV imported) and an optional decode observer serve
+utilisation and latency measurements.
 """
 
 from __future__ import annotations
@@ -62,7 +57,6 @@ from runtime.engine.batch import (
     context_bucket,
     decode_segments,
 )
-from runtime.engine.paging import KvAdmission, admission_tokens, paged, preemption_victim
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
 
@@ -250,13 +244,13 @@ class SimEngine:
         )
 
     def _alloc_kv(self, tokens: int) -> bool:
-        """Take KV for ``tokens`` on every GPU, or nothing when one lacks the room."""
-        # NOTE: checked first, so running short of pages preempts rather than counting an OOM.
-        if not self._fits(tokens):
-            return False
+        done: list[str] = []
         for uuid, per_token in self._kv_per_token.items():
-            if per_token and tokens:
-                self._pool.allocate(uuid, per_token * tokens)
+            if per_token and not self._pool.allocate(uuid, per_token * tokens):
+                for held in done:
+                    self._pool.free(held, self._kv_per_token[held] * tokens)
+                return False
+            done.append(uuid)
         return True
 
     def _free_kv(self, tokens: int) -> None:
@@ -278,7 +272,7 @@ class SimEngine:
                 self._batch.stop(q, SeqState.RUNNING)
             self._waiting.pop(sid, None)
             self._prefilling = [r for r in self._prefilling if r is not q]
-            self._free_kv(q.pages)
+            self._free_kv(q.kv0)
         self._mutated()
 
     def export_kv(self, seq_ids: Sequence[str], now_s: float) -> tuple[KvExport, ...]:
@@ -304,13 +298,13 @@ class SimEngine:
         taken: list[str] = []
         for export in exports:
             tokens = export.spec.context_tokens
-            if not self._alloc_kv(paged(tokens)):
+            if not self._alloc_kv(tokens):
                 self._drop(taken)
                 return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=export.spec.seq_id)
             self._order += 1
             generated = export.spec.generated_tokens
             q = SeqRecord(export.spec, SeqState.IMPORTING, self._order, generated, tokens)
-            q.pages, q.ready_at_s = paged(tokens), now_s + transfer_s
+            q.ready_at_s = now_s + transfer_s
             self._records[export.spec.seq_id] = q
             taken.append(export.spec.seq_id)
         self.stats.kv_imported_bytes += sum(e.num_bytes for e in exports)
@@ -355,9 +349,10 @@ class SimEngine:
         return not self._records
 
     def kv_bytes(self) -> int:
-        """KV bytes held across the replica (whole pages)."""
+        """KV bytes held across the replica."""
         self._sync()
-        return sum(q.pages for q in self._records.values()) * self._kv_total_per_token
+        tokens = sum(self._batch.kv_tokens(q) for q in self._records.values())
+        return tokens * self._kv_total_per_token
 
     # ---- iterations ----------------------------------------------------------------------------
 
@@ -391,12 +386,10 @@ class SimEngine:
         assert self._clock_s is not None
         clock = self._clock_s
         while True:
-            # An iteration starts at ``clock``: running sequences get their pages first.
-            preempted = self._grow_or_preempt(clock, acc)
             if self._split:
-                self._prefill_stage(clock, acc, admit=not preempted)
+                self._prefill_stage(clock, acc)
             else:
-                picked = [] if preempted else self._take_pages(self._due_prefills(clock))
+                picked = self._due_prefills(clock)
                 if picked:
                     end = self._mixed_iteration(picked, clock, now_s, acc)
                     if end is None:
@@ -404,8 +397,6 @@ class SimEngine:
                     clock = end
                     continue
             if not self._batch:
-                if preempted:
-                    continue  # every running sequence was preempted: the queue goes next
                 arrival = self._wake(clock)
                 if arrival is not None and arrival <= now_s:
                     clock = arrival  # idle until this sequence was admitted
@@ -432,26 +423,24 @@ class SimEngine:
         return self._finish_bound(self._clock_s)
 
     def _finish_bound(self, clock_s: float) -> float:
-        """A lower bound on when the next running sequence finishes or is preempted, decoding
-        from ``clock_s``: the step time at the current context bucket (it only grows with the
-        context), over the iterations until a finish or until the free pages run out."""
+        """A lower bound on when the next running sequence finishes, decoding from ``clock_s``:
+        the step time at the current context bucket (it only grows with the context)."""
         batch = self._batch
         step_s = self._step_s(len(batch), batch.mean_context())
-        runs = self._runs_that_fit(batch.steps_to_finish())
-        return clock_s + runs * step_s - 1e-9
+        return clock_s + batch.steps_to_finish() * step_s - 1e-9
 
     def _step_s(self, batch: int, context: float) -> float:
         return self._steps.step_s(batch, context_bucket(context))
 
-    def _prefill_stage(self, clock_s: float, acc: StepAcc, *, admit: bool) -> None:
+    def _prefill_stage(self, clock_s: float, acc: StepAcc) -> None:
         """A split replica's prefill stage at a step boundary: finish its batch if done by
-        ``clock_s``, then start the next (if ``admit``: the boundary preempted nothing)."""
+        ``clock_s``, then start the next."""
         if self._prefilling and self._inflight_done_s <= clock_s:
             batch, self._prefilling = self._prefilling, []
             for q in batch:
                 self._complete_prefill(q, self._inflight_done_s, acc)
-        if not self._prefilling and admit:
-            picked = self._take_pages(self._due_prefills(clock_s))
+        if not self._prefilling:
+            picked = self._due_prefills(clock_s)
             if picked:
                 t = self._clock_timing
                 self._prefilling = picked
@@ -488,72 +477,6 @@ class SimEngine:
                 budget -= tokens
         return picked
 
-    def _grow_or_preempt(self, clock_s: float, acc: StepAcc) -> bool:
-        """The page each running sequence's next token needs, preempting the youngest while
-        short; True when it preempted (as vLLM schedules, that iteration takes no prompt)."""
-        preempted = False
-        while self._batch and not self._grow_batch(1):
-            self._preempt_youngest(clock_s, acc)
-            preempted = True
-        return preempted
-
-    def _take_pages(self, due: list[SeqRecord]) -> list[SeqRecord]:
-        """Allocate the due prompts' pages in line; the first that does not fit holds the rest."""
-        taken: list[SeqRecord] = []
-        for q in due:
-            spec = q.spec
-            need = admission_tokens(
-                KvAdmission.INCREMENTAL, spec.prompt_tokens, q.gen0, spec.max_output_tokens
-            )
-            if need > q.pages:
-                if not self._alloc_kv(need - q.pages):
-                    break
-                q.pages = need
-            taken.append(q)
-        return taken
-
-    def _pages_needed(self, runs: int) -> int:
-        """KV tokens (whole pages) the running batch lacks for ``runs`` more tokens each."""
-        kv = self._batch.kv_tokens
-        return sum(max(0, paged(kv(q) + runs) - q.pages) for q in self._batch.seqs.values())
-
-    def _fits(self, tokens: int) -> bool:
-        pool = self._pool
-        return all(not b or pool.free_bytes(u) >= b * tokens for u, b in self._kv_per_token.items())
-
-    def _runs_that_fit(self, runs: int) -> int:
-        """The most of ``runs`` iterations whose pages the GPUs can give the batch now."""
-        if self._fits(self._pages_needed(runs)):
-            return runs
-        low, high = 0, runs - 1  # NOTE: need grows with runs, so the fitting ones are a prefix
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self._fits(self._pages_needed(mid)):
-                low = mid
-            else:
-                high = mid - 1
-        return low
-
-    def _grow_batch(self, runs: int) -> bool:
-        """Pages for ``runs`` more tokens of every running sequence; False (none taken) if short."""
-        if not self._alloc_kv(self._pages_needed(runs)):
-            return False
-        kv = self._batch.kv_tokens
-        for q in self._batch.seqs.values():
-            q.pages = max(q.pages, paged(kv(q) + runs))
-        return True
-
-    def _preempt_youngest(self, clock_s: float, acc: StepAcc) -> None:
-        """Free the youngest running sequence's pages; it resumes first, by recompute."""
-        q = preemption_victim(self._batch.seqs.values(), lambda r: r.order)
-        self._batch.stop(q, SeqState.WAITING)  # its generated tokens are kept (gen0)
-        self._free_kv(q.pages)
-        q.pages, q.kv0, q.ready_at_s = 0, 0, clock_s
-        self._waiting = {q.spec.seq_id: q, **self._waiting}
-        self.stats.preemptions += 1
-        acc.preempted.append(q.spec.seq_id)
-        self._mutated()
-
     def _mixed_iteration(
         self, picked: list[SeqRecord], clock: float, now_s: float, acc: StepAcc
     ) -> float | None:
@@ -582,16 +505,8 @@ class SimEngine:
         """
         arrival = self._wake(clock)
         segments, end, timed_out = decode_segments(self._batch, self._steps, clock, now_s, arrival)
-        if not segments:
+        if not segments or (timed_out and not partial):
             return None
-        planned = sum(seg.runs for seg in segments)
-        # Pages for the run and the iteration starting after it (≥ 1: the first has its own).
-        fit = self._runs_that_fit(planned + 1)
-        if timed_out and not partial and fit > planned:
-            return None  # nothing observable before now_s: left for later
-        if fit < planned:  # the run stops where the next page cannot be had: a preemption
-            segments, end = _first_runs(segments, fit, clock)
-        self._grow_batch(min(fit, planned))
         self._commit_decode(segments, clock, acc)
         return end
 
@@ -618,9 +533,20 @@ class SimEngine:
         self._decode(done, clock, acc)
 
     def _decode(self, runs: int, end_s: float, acc: StepAcc) -> None:
-        """Tokens of ``runs`` iterations of the whole batch (pages taken), and its finishes."""
+        """KV for ``runs`` iterations of the whole batch, and the sequences that finish."""
         batch = self._batch
         tokens = runs * len(batch)
+        while not self._alloc_kv(tokens):  # NOTE: the VMM commit makes this rare
+            # The run's KV is allocated at once; when it does not fit, the largest sequence
+            # fails first until it does (a token-by-token engine fails whichever's next token
+            # does not fit).
+            victim = batch.largest()
+            generated = batch.generated(victim)
+            acc.failed.append(Failed(victim.spec.seq_id, EngineFault.OUT_OF_MEMORY, generated))
+            self._drop([victim.spec.seq_id])
+            tokens = runs * len(batch)
+            if not batch:
+                return
         acc.decode_tokens += tokens
         self.stats.decode_tokens += tokens
         for q in batch.advance(runs):
@@ -630,7 +556,11 @@ class SimEngine:
     def _complete_prefill(self, q: SeqRecord, end_s: float, acc: StepAcc) -> None:
         sid = q.spec.seq_id
         del self._waiting[sid]
-        tokens = q.spec.prompt_tokens + q.gen0  # its pages were taken when it was picked
+        tokens = q.spec.prompt_tokens + q.gen0
+        if not self._alloc_kv(tokens):
+            acc.failed.append(Failed(sid, EngineFault.OUT_OF_MEMORY, q.gen0))
+            del self._records[sid]
+            return
         q.kv0 = tokens
         acc.prefill_tokens += tokens
         self.stats.prefill_tokens += tokens
@@ -646,17 +576,3 @@ class SimEngine:
                 self._drop([sid])
                 return
         self._batch.start(q)
-
-
-def _first_runs(segments: list[Segment], runs: int, start_s: float) -> tuple[list[Segment], float]:
-    """The first ``runs`` iterations of planned segments, and the clock after them."""
-    out: list[Segment] = []
-    end = start_s
-    for seg in segments:
-        take = min(seg.runs, runs)
-        if take <= 0:
-            break
-        out.append(Segment(take, seg.step_s, seg.context))
-        end += take * seg.step_s
-        runs -= take
-    return out, end

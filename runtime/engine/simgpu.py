@@ -49,13 +49,6 @@ class SimGpuPool:
         if gpu is not None:
             gpu.used_bytes = max(0, gpu.used_bytes - num_bytes)
 
-    def free_bytes(self, gpu_uuid: str) -> int:
-        """Bytes an allocation could still take on the GPU (0 when lost or unknown)."""
-        gpu = self._gpus.get(gpu_uuid)
-        if gpu is None or gpu.lost:
-            return 0
-        return max(0, gpu.total_bytes - gpu.used_bytes)
-
     def used_bytes(self, gpu_uuid: str) -> int:
         """Bytes in use on the GPU."""
         gpu = self._gpus.get(gpu_uuid)

@@ -12,13 +12,11 @@ waiting prompts whenever it is idle (at a decode-step boundary), and each prompt
 batch at the first step boundary after its prefill (KV hand-off included) completes — the first
 token comes out at that completion; decode iterations never wait for prefills.
 
-KV is allocated in pages (:mod:`runtime.engine.paging`) against each simulated GPU's memory
-(:class:`SimGpuPool`), one iteration at a time: a prompt takes its pages (plus one of headroom)
-when picked, every running sequence the page its next token needs before the iteration; when a
-page cannot be had the youngest running sequence is preempted (recompute) and that iteration
-takes no prompt. Faults injected into the pool (lost GPUs, failing loads or transfers) surface
-as :class:`EngineFault` values. Time is an input: ``step(now_s)`` runs the iterations that
-complete by ``now_s`` and nothing else.
+KV is allocated per token against each simulated GPU's memory (:class:`SimGpuPool`), so a
+runtime that over-admits sees out-of-memory events exactly where a real engine would. Faults
+injected into the pool (lost GPUs, failing loads or transfers) surface as :class:`EngineFault`
+values. Time is an input: ``step(now_s)`` runs the iterations that complete by ``now_s`` and
+nothing else.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ from runtime.engine.base import (
     SeqState,
     StepOutput,
 )
-from runtime.engine.paging import KvAdmission, admission_tokens, paged, preemption_victim
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
 
@@ -51,11 +48,9 @@ class _Seq:
     spec: SeqSpec
     state: SeqState
     generated: int
-    kv_tokens: int = 0  # tokens whose KV is computed
+    kv_tokens: int = 0  # tokens whose KV is allocated
     stage_after_prefill: bool = False  # a replay: hold after prefill until activated
     ready_at_s: float = 0.0  # KV import completion; for waiting sequences, their admission
-    order: int = 0  # admission order: the youngest is preempted first
-    pages: int = 0  # KV tokens allocated, in whole pages
 
 
 class TokenSimEngine:
@@ -87,9 +82,6 @@ class TokenSimEngine:
         self._split = timing.plan.is_disaggregated  # prefill and decode stages run concurrently
         self._inflight: list[str] = []  # the split prefill stage's current batch
         self._inflight_done_s = 0.0
-        self._order = 0
-        self._preempted: list[str] = []  # latest first: the head of the prefill line
-        self.preemptions = 0
 
     # ---- weights and groups --------------------------------------------------------------------
 
@@ -173,9 +165,7 @@ class TokenSimEngine:
             return EngineFault.DRAINING
         if len(self._seqs) >= self._max_batch:
             return EngineFault.BATCH_FULL
-        self._order += 1
-        q = _Seq(seq, SeqState.WAITING, seq.generated_tokens, 0, staged, now_s, self._order)
-        self._seqs[seq.seq_id] = q
+        self._seqs[seq.seq_id] = _Seq(seq, SeqState.WAITING, seq.generated_tokens, 0, staged, now_s)
         return None
 
     def progress(self) -> tuple[SeqProgress, ...]:
@@ -192,12 +182,13 @@ class TokenSimEngine:
         )
 
     def _alloc_kv(self, tokens: int) -> bool:
-        pool = self._pool
-        if any(b and pool.free_bytes(u) < b * tokens for u, b in self._kv_per_token.items()):
-            return False
+        done: list[str] = []
         for uuid, per_token in self._kv_per_token.items():
-            if per_token and tokens:
-                pool.allocate(uuid, per_token * tokens)
+            if per_token and not self._pool.allocate(uuid, per_token * tokens):
+                for held in done:
+                    self._pool.free(held, self._kv_per_token[held] * tokens)
+                return False
+            done.append(uuid)
         return True
 
     def _free_kv(self, tokens: int) -> None:
@@ -210,7 +201,7 @@ class TokenSimEngine:
         for sid in seq_ids:
             q = self._seqs.pop(sid, None)
             if q is not None:
-                self._free_kv(q.pages)
+                self._free_kv(q.kv_tokens)
                 if sid in self._inflight:
                     self._inflight.remove(sid)
 
@@ -235,12 +226,11 @@ class TokenSimEngine:
         taken: list[str] = []
         for export in exports:
             tokens = export.spec.context_tokens
-            if not self._alloc_kv(paged(tokens)):
+            if not self._alloc_kv(tokens):
                 self.drop(taken)
                 return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=export.spec.seq_id)
-            self._order += 1
             q = _Seq(export.spec, SeqState.IMPORTING, export.spec.generated_tokens, tokens)
-            q.ready_at_s, q.order, q.pages = now_s + transfer_s, self._order, paged(tokens)
+            q.ready_at_s = now_s + transfer_s
             self._seqs[export.spec.seq_id] = q
             taken.append(export.spec.seq_id)
         return OpResult(True, now_s + transfer_s)
@@ -280,7 +270,7 @@ class TokenSimEngine:
 
     def kv_bytes(self) -> int:
         """KV bytes held across the replica."""
-        return sum(q.pages for q in self._seqs.values()) * self._kv_total_per_token
+        return sum(q.kv_tokens for q in self._seqs.values()) * self._kv_total_per_token
 
     # ---- iterations ----------------------------------------------------------------------------
 
@@ -292,18 +282,13 @@ class TokenSimEngine:
         clock = max(self._clock_s or now_s, self._comm_ready_at)
         acc = _Acc(failed=failed)
         for _ in range(MAX_ITERATIONS_PER_STEP):
-            # An iteration starts: running sequences get their next token's page first, and
-            # one that preempted takes no new prompt.
-            preempted = self._grow_running(clock, acc)
             if self._split:
-                self._prefill_stage(clock, acc, admit=not preempted)
+                self._prefill_stage(clock, acc)
                 prefill = []
             else:
-                prefill = [] if preempted else self._take_pages(self._pick_prefill(clock))
+                prefill = self._pick_prefill(clock)
             decode = [sid for sid, q in self._seqs.items() if q.state is SeqState.RUNNING]
             if not prefill and not decode:
-                if preempted:
-                    continue  # every running sequence was preempted: the queue goes next
                 arrival = self._wake_s(clock)
                 if arrival is not None and arrival <= now_s:
                     clock = arrival  # idle until this sequence was admitted
@@ -318,16 +303,15 @@ class TokenSimEngine:
         self._clock_s = clock
         return acc.output()
 
-    def _prefill_stage(self, clock_s: float, acc: _Acc, *, admit: bool) -> None:
+    def _prefill_stage(self, clock_s: float, acc: _Acc) -> None:
         """A split replica's prefill stage at a step boundary: finish its batch if done by
-        ``clock_s`` (first tokens at the batch's end), then start the next if prompts are due
-        (and ``admit``: the boundary preempted nothing)."""
+        ``clock_s`` (first tokens at the batch's end), then start the next if prompts are due."""
         if self._inflight and self._inflight_done_s <= clock_s:
             batch, self._inflight = self._inflight, []
             for sid in batch:
                 self._finish_prefill(sid, self._inflight_done_s, acc)
-        if not self._inflight and admit:
-            picked = self._take_pages(self._pick_prefill(clock_s))
+        if not self._inflight:
+            picked = self._pick_prefill(clock_s)
             if picked:
                 t = self.timing
                 self._inflight = picked
@@ -354,8 +338,7 @@ class TokenSimEngine:
     def _pick_prefill(self, clock_s: float) -> list[str]:
         picked: list[str] = []
         budget = self._max_prefill_tokens
-        for sid in self._line():
-            q = self._seqs[sid]
+        for sid, q in self._seqs.items():
             # NOTE: a sequence joins the first iteration that starts after its admission.
             due = q.state is SeqState.WAITING and q.ready_at_s <= clock_s
             if due and sid not in self._inflight:
@@ -365,48 +348,6 @@ class TokenSimEngine:
                 picked.append(sid)
                 budget -= tokens
         return picked
-
-    def _line(self) -> list[str]:
-        """Sequences in prefill order: the preempted first (latest first), then by admission."""
-        waiting = [sid for sid, q in self._seqs.items() if q.state is SeqState.WAITING]
-        first = [sid for sid in self._preempted if sid in waiting]
-        return first + [sid for sid in waiting if sid not in first]
-
-    def _take_pages(self, picked: list[str]) -> list[str]:
-        """Pages for the picked prompts in line; the first that does not fit holds the rest."""
-        taken: list[str] = []
-        for sid in picked:
-            q = self._seqs[sid]
-            need = admission_tokens(
-                KvAdmission.INCREMENTAL, q.spec.prompt_tokens, q.generated, q.spec.max_output_tokens
-            )
-            if need > q.pages:
-                if not self._alloc_kv(need - q.pages):
-                    break
-                q.pages = need
-            taken.append(sid)
-        return taken
-
-    def _grow_running(self, clock_s: float, acc: _Acc) -> bool:
-        """The page each running sequence's next token needs, preempting the youngest while
-        short; True when it preempted."""
-        preempted = False
-        while True:
-            running = [q for q in self._seqs.values() if q.state is SeqState.RUNNING]
-            need = sum(max(0, paged(q.kv_tokens + 1) - q.pages) for q in running)
-            if self._alloc_kv(need):
-                for q in running:
-                    q.pages = max(q.pages, paged(q.kv_tokens + 1))
-                return preempted
-            victim = preemption_victim(running, lambda r: r.order)
-            self._free_kv(victim.pages)
-            victim.pages = victim.kv_tokens = 0
-            victim.state, victim.ready_at_s = SeqState.WAITING, clock_s
-            sid = victim.spec.seq_id
-            self._preempted = [sid, *(s for s in self._preempted if s != sid)]  # resumes first
-            self.preemptions += 1
-            acc.preempted.append(sid)
-            preempted = True
 
     def _iteration_s(self, prefill: list[str], decode: list[str]) -> float:
         t = self.timing
@@ -423,6 +364,10 @@ class TokenSimEngine:
     ) -> None:
         for sid in decode:
             q = self._seqs[sid]
+            if not self._alloc_kv(1):
+                acc.failed.append(Failed(sid, EngineFault.OUT_OF_MEMORY, q.generated))
+                self.drop([sid])
+                continue
             q.kv_tokens += 1
             q.generated += 1
             acc.decode_tokens += 1
@@ -437,7 +382,11 @@ class TokenSimEngine:
 
     def _finish_prefill(self, sid: str, end_s: float, acc: _Acc) -> None:
         q = self._seqs[sid]
-        tokens = q.spec.prompt_tokens + q.generated  # its pages were taken when it was picked
+        tokens = q.spec.prompt_tokens + q.generated
+        if not self._alloc_kv(tokens):
+            acc.failed.append(Failed(sid, EngineFault.OUT_OF_MEMORY, q.generated))
+            del self._seqs[sid]
+            return
         q.kv_tokens = tokens
         acc.prefill_tokens += tokens
         if q.stage_after_prefill:
@@ -463,7 +412,6 @@ class _Acc:
         self.first_tokens: list[FirstToken] = []
         self.finished: list[Finished] = []
         self.decode_step_s: list[float] = []
-        self.preempted: list[str] = []
 
     def output(self) -> StepOutput:
         """The accumulated step output."""
@@ -475,5 +423,4 @@ class _Acc:
             tuple(self.finished),
             tuple(self.failed),
             tuple(self.decode_step_s),
-            tuple(self.preempted),
         )
