@@ -1,8 +1,8 @@
 """Unit: the fragmented-cluster benchmark is reproducible to the byte.
 
-Runs ``python -m bench.fragmented`` twice on the first 10 minutes of a scenario with a preemption (every
-system, separate interpreters, different hash seeds and worker counts) and compares the
-results files and PNGs byte for byte; the printed last line must be the file's summary.
+Runs ``python -m bench.fragmented`` twice on the first 10 minutes of a scenario with a
+preemption (every system, separate interpreters, different hash seeds and worker counts) and
+compares the results files and PNGs byte for byte; the printed last line must be the file's summary.
 """
 
 from __future__ import annotations
