@@ -29,6 +29,8 @@ def _latency_panel(
     ax: Any, systems: Mapping[str, Any], deployment: str, preemptions: Sequence[float]
 ) -> None:
     for key, colour in PLOTTED:
+        if key not in systems:  # the oracle, under --no-oracle
+            continue
         series = systems[key]["deployments"][deployment]["per_minute"]
         # NOTE: minutes without a completed request are gaps (NaN), not interpolated lines.
         values = [math.nan if v is None else v for v in series["ttft_p95_ms"]]
@@ -52,6 +54,8 @@ def _latency_panel(
 
 def _gpu_panel(ax: Any, systems: Mapping[str, Any]) -> None:
     for key, colour in (*PLOTTED, ("no_hysteresis", "tab:gray")):
+        if key not in systems:
+            continue
         gpus = systems[key]["gpus_by_minute"]
         points = [(m, g) for m, g in enumerate(gpus) if g is not None]
         if points:

@@ -210,3 +210,12 @@ def test_an_interval_after_a_release_can_load_onto_the_released_gpus() -> None:
     assert run.violations == []
     assert sum(run.metrics["chat-70b"].completions.values()) > 0
     assert not sum(run.metrics["chat-70b"].rejections.values())
+
+
+def test_no_oracle_runs_every_other_system_and_leaves_the_oracle_out() -> None:
+    from bench.fragmented import HEADLINE_SYSTEMS, jobs_for
+
+    with_oracle = jobs_for(Path("s.yaml"), [7, 8], 600.0, 0.3, all_systems=False)
+    without = jobs_for(Path("s.yaml"), [7, 8], 600.0, 0.3, all_systems=False, oracle=False)
+    assert [j for j in with_oracle if j[0] != "oracle"] == without
+    assert {j[0] for j in with_oracle if j[2] == 8} == set(HEADLINE_SYSTEMS)
