@@ -34,7 +34,13 @@ from flexpipe.kafka import bootstrap_servers, catalog_topics, client_kwargs, cre
 from flexpipe.topics import Topic, topic_name
 from streams.decider import Decider
 from streams.deployments import resolve_deployments
-from streams.health import FailureLog, FailureVerdict, InputWatch, wait_writable
+from streams.health import (
+    FailureLog,
+    FailureVerdict,
+    InputWatch,
+    stalled_inputs,
+    wait_writable,
+)
 from streams.intake import DeadLetterReason, Rejected, SourceTopic
 from streams.metrics import StreamsMetrics
 from streams.ports import Message, TableName
@@ -426,7 +432,12 @@ def _check_inputs(
         # NOTE: once per stretch: what each trailing partition shows, for whoever reads the log
         paused.behind_since = float("inf")
         by_tp = {(tp.topic, tp.partition): tp for tp in consumer.assignment()}
-        held = set(getattr(consumer, "_paused_partitions", ()))
+        held = stalled_inputs(
+            consumer.assignment(),
+            getattr(consumer, "_active_partitions", None),
+            set(getattr(consumer, "_paused_partitions", ())),
+            topics,
+        )
         now_ms = engine.now_ms()
         log.warning(
             "input behind the clock for %.0f s, not deciding: %s",
@@ -435,7 +446,7 @@ def _check_inputs(
                 f"{t}[{p}] next offset {engine.next_offset(t, p)}, highwater "
                 f"{consumer.highwater(by_tp[(t, p)])}, newest event "
                 f"{(now_ms - engine.newest_ms(t, p)) / 1000:.0f} s old"
-                f"{', paused' if by_tp[(t, p)] in held else ''}"
+                f"{', not fetched (paused or inactive)' if by_tp[(t, p)] in held else ''}"
                 for t, p in sorted(trailing)
             ),
         )
@@ -449,15 +460,22 @@ def _resume_paused(
     recovery: Any = getattr(app.tables, "recovery", None)  # faust's TableManager, not its ABC
     done = recovery is not None and recovery.completed.is_set()
     recovered = done and not getattr(app, "rebalancing", True)
-    # NOTE: faust's own record of the partitions it paused; nothing else here pauses any.
-    held: set[Any] = set(getattr(consumer, "_paused_partitions", ())) if recovered else set()
-    held = {tp for tp in held if tp.topic in topics}
+    # NOTE: faust's own records of what it fetches; nothing else here pauses any partition.
+    held: set[Any] = set()
+    if recovered:
+        held = stalled_inputs(
+            consumer.assignment(),
+            getattr(consumer, "_active_partitions", None),
+            set(getattr(consumer, "_paused_partitions", ())),
+            topics,
+        )
     due = set(watch.overdue({(tp.topic, tp.partition) for tp in held}, engine.wall()))
     if not due:
         return
     resume = {tp for tp in held if (tp.topic, tp.partition) in due}
     log.warning(
-        "input partitions %s stayed paused %.0f s after recovery completed: resuming them",
+        "input partitions %s stayed unfetched (paused or inactive) %.0f s after recovery"
+        " completed: resuming them",
         ", ".join(f"{t}[{p}]" for t, p in sorted(due)),
         watch.grace_s,
     )

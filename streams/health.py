@@ -12,14 +12,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
 from flexpipe.errors import FlexPipeError
 
-__all__ = ["FailureLog", "FailureVerdict", "InputWatch", "NotReadyError", "wait_writable"]
+__all__ = [
+    "FailureLog",
+    "FailureVerdict",
+    "InputWatch",
+    "NotReadyError",
+    "stalled_inputs",
+    "wait_writable",
+]
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 5.0
@@ -118,6 +126,23 @@ class FailureLog:
         return sum(self.counts.values())
 
 
+def stalled_inputs(
+    assigned: Iterable[Any], active: Set[Any] | None, paused: Set[Any], topics: Set[str]
+) -> set[Any]:
+    """Input partitions assigned to this worker that faust does not fetch: paused, or missing
+    from its active set (``None``: every assigned partition is active).
+
+    NOTE: besides partitions left paused by a stale recovery pass, a rebalance right after
+    start-up has left input partitions out of faust's active set without pausing them (seen
+    beside busy loops: assigned, never fetched, never decided on); both stall the worker alike.
+    """
+    return {
+        tp
+        for tp in assigned
+        if tp.topic in topics and (tp in paused or (active is not None and tp not in active))
+    }
+
+
 @dataclass(slots=True)
 class InputWatch:
     """How long the worker's input has trailed the clock, and which input partitions stay
@@ -126,8 +151,8 @@ class InputWatch:
     NOTE: faust pauses a worker's input partitions while its tables recover and resumes them
     when recovery completes. A rebalance that lands during recovery can leave some paused
     (a stale recovery pass pausing after the new one resumed); they are then never fetched, the
-    worker's input trails the clock for good and it never decides. A partition paused for
-    ``grace_s`` with recovery complete is due to be resumed.
+    worker's input trails the clock for good and it never decides. A partition not fetched
+    (:func:`stalled_inputs`) for ``grace_s`` with recovery complete is due to be resumed.
     """
 
     grace_s: float

@@ -57,11 +57,11 @@ def run_bench(out: Path, workers: int, hash_seed: str) -> str:
 def test_same_seed_gives_identical_bytes(tmp_path: Path) -> None:
     first = run_bench(tmp_path / "a", workers=2, hash_seed="1")
     second = run_bench(tmp_path / "b", workers=1, hash_seed="2")
-    json_a = (tmp_path / "a" / "fragmented-short.json").read_bytes()
-    json_b = (tmp_path / "b" / "fragmented-short.json").read_bytes()
+    json_a = (tmp_path / "a" / "fragmented-short-600s.json").read_bytes()
+    json_b = (tmp_path / "b" / "fragmented-short-600s.json").read_bytes()
     assert json_a == json_b
-    png_a = (tmp_path / "a" / "fragmented-short.png").read_bytes()
-    assert png_a == (tmp_path / "b" / "fragmented-short.png").read_bytes()
+    png_a = (tmp_path / "a" / "fragmented-short-600s.png").read_bytes()
+    assert png_a == (tmp_path / "b" / "fragmented-short-600s.png").read_bytes()
     results = json.loads(json_a)
     for stdout in (first, second):
         assert json.loads(stdout.strip().splitlines()[-1]) == results["summary"]
