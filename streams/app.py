@@ -415,8 +415,9 @@ def _check_inputs(
             continue
         highwater = consumer.highwater(tp)
         after = engine.next_offset(tp.topic, tp.partition)
-        if after is None:
-            after = committed.get(tp)
+        done = committed.get(tp)
+        if after is None or (done is not None and done > after):
+            after = done  # another owner read further while the partition was away
         if highwater is None or (highwater > 0 and (after is None or after < highwater)):
             behind.append((tp.topic, tp.partition))
     trailing = engine.trailing(behind)

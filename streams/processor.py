@@ -457,7 +457,10 @@ class StreamProcessor:
         self._load_written_ms.clear()
         self._cache.clear()
         self._newest_ms.clear()
-        self._next_offset.clear()
+        # NOTE: _next_offset stays: a partition this worker keeps through the rebalance was read
+        # up to there, and faust does not deliver its records again; forgetting it left a worker
+        # that kept a partition with no new records "behind" for good, never deciding. Only
+        # assigned partitions are asked about, and the input check prefers a newer commit.
 
 
 def _describe(ev: ClusterEvent) -> str:

@@ -341,3 +341,15 @@ async def test_a_trailing_input_partition_holds_decisions_until_it_is_current() 
     engine.input_current = True
     await engine.decider.tick()
     assert [d.trigger for d in broker.decisions()] == ["topology_change"]
+
+
+async def test_a_rebalance_keeps_how_far_each_partition_was_read() -> None:
+    # A partition kept through a rebalance is not delivered again: forgetting how far it was
+    # read made the input check count it behind for good when no new record came (a worker
+    # that kept a cluster-events partition never decided again).
+    engine, _, _, _ = await started()
+    src = SourceTopic.CLUSTER
+    read = engine.next_offset(src.value, 0)
+    assert read is not None and read > 0
+    engine.forget()
+    assert engine.next_offset(src.value, 0) == read
