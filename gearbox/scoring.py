@@ -37,6 +37,7 @@ __all__ = [
     "estimate_deployment",
     "observed_pressure",
     "request_profile",
+    "utility_tok_s",
 ]
 
 
@@ -91,11 +92,23 @@ def estimate_deployment(
         served += min(demand * share, cap.capacity_rps) * (prompt + output)
         ttft += share * replica.ttft_p95_ms
         tbt += share * replica.tbt_p95_ms
-    attainment = min(1.0, config.ttft_slo_ms / ttft) * min(1.0, config.tbt_slo_ms / tbt)
-    utility = (
-        served * (1 - config.slo_weight * (1 - attainment)) - config.idle_gpu_value_tok_s * num_gpus
-    )
+    utility = utility_tok_s(served, ttft, tbt, num_gpus, config)
     return DeploymentEstimate(True, capacity_tok_s, served, ttft, tbt, num_gpus, utility)
+
+
+def utility_tok_s(
+    served_tok_s: float,
+    ttft_p95_ms: float,
+    tbt_p95_ms: float,
+    num_gpus: int,
+    config: GearboxConfig,
+) -> float:
+    """Served tokens discounted by SLO attainment, minus the GPUs' value (module docstring)."""
+    attainment = min(1.0, config.ttft_slo_ms / ttft_p95_ms) * min(
+        1.0, config.tbt_slo_ms / tbt_p95_ms
+    )
+    discount = 1 - config.slo_weight * (1 - attainment)
+    return served_tok_s * discount - config.idle_gpu_value_tok_s * num_gpus
 
 
 def observed_pressure(
