@@ -95,6 +95,17 @@ class GearboxConfig(Serialisable):
     profile_step_tokens: int = 16
     idle_gpu_value_tok_s: float = 50.0  # value of a GPU handed back, so low load scales down
     max_latency_ms: float = 3_600_000.0  # saturated estimates are capped here
+    # --- online correction of the TTFT estimate (see gearbox.correction) ---
+    correction_gain: float = 0.3  # weight of a tick's observed/model ratio (0 = never learn)
+    correction_half_life_s: float = 1800.0  # a factor without new data halves its log this fast
+    correction_min_samples: int = 20  # ticks whose window holds fewer TTFT samples are ignored
+    # bounds of a learned factor; their ranges keep 1 (the model itself) inside, so a factor
+    # decaying toward 1 never leaves them
+    correction_min_factor: float = 0.25
+    correction_max_factor: float = 4.0
+    # NOTE: the load window (60 s) still holds the old plan's and the hand-over's requests
+    # for a while after a switch; learning from them would blame the new plan.
+    correction_settle_s: float = 90.0  # no learning this soon after a switch
     # --- switch cost (see gearbox.switch for sources) ---
     weight_load_gbps: float = 5.0  # per-GPU weight load rate from local NVMe/page cache
     kv_transfer_efficiency: float = 0.8  # achieved share of the path's bandwidth for KV
@@ -160,6 +171,12 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "backlog_drain_s": (1.0, 86_400.0),
     "idle_gpu_value_tok_s": (0.0, _INF),
     "max_latency_ms": (1.0, _INF),
+    "correction_gain": (0.0, 1.0),
+    "correction_half_life_s": (1.0, 7 * 86_400.0),
+    "correction_min_samples": (1, 1_000_000),
+    "correction_min_factor": (0.01, 1.0),
+    "correction_max_factor": (1.0, 100.0),
+    "correction_settle_s": (0.0, 86_400.0),
     "weight_load_gbps": (0.01, 10_000.0),
     "kv_transfer_efficiency": (0.01, 1.0),
     "comm_setup_s": (0.0, 600.0),

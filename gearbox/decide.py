@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 
 from gearbox.blocks import AtomicBlock, build_blocks
 from gearbox.config import GearboxConfig
+from gearbox.correction import Corrections, apply_correction, factor_for, observe, plan_shape
 from gearbox.decisions import (
     CandidateSummary,
     DecideResult,
@@ -82,6 +83,7 @@ class _Tick:
     available: Mapping[str, int]
     quarantined: frozenset[str]  # recently rolled-back targets, not proposed voluntarily
     pressure: tuple[str, ...]  # observed pressure (empty = none): no GPU credit, no downshift
+    corrections: Corrections  # this tick's learned TTFT factors (already updated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,15 @@ class _Scored:
     cost: SwitchCost
     raw_gain_tokens: float  # before the stability discount
     worthwhile: bool  # gain > cost × hysteresis, before the downshift guard
+
+
+@dataclass(frozen=True, slots=True)
+class _Estimate:
+    """A plan's estimate after the TTFT correction, with what it was made of."""
+
+    corrected: DeploymentEstimate
+    model_ttft_p95_ms: float  # the cost model's own figure
+    factor: float  # the learned factor applied to it
 
 
 def decide(
@@ -127,6 +138,7 @@ def decide(
         config = _without_gpu_credit(config)
     quarantined = quarantined_plan_ids(state, snapshot.now_s, config)
     failed = tuple(f for f in state.failed if f.plan_id in quarantined)
+    corrections = _learn(current, available, model, load, state, config)
     tick = _Tick(
         name,
         current,
@@ -136,10 +148,11 @@ def decide(
         model,
         trigger,
         blocks,
-        replace(state, blocks=blocks, history=history, failed=failed),
+        replace(state, blocks=blocks, history=history, failed=failed, corrections=corrections),
         available,
         quarantined,
         pressure,
+        corrections,
     )
     if overrides.emergency_downshift and overrides.baseline_plan is not None:
         return _override(tick, overrides.baseline_plan, DecisionReason.EMERGENCY_DOWNSHIFT)
@@ -172,6 +185,44 @@ def _pressure(
         return ()
     capacity = estimate_plan(current, available, model, load, config).capacity_tok_s
     return observed_pressure(load, config, capacity)
+
+
+def _learn(
+    current: DeploymentPlan | None,
+    available: Mapping[str, int],
+    model: ModelSpec,
+    load: LoadSnapshot,
+    state: GearState,
+    config: GearboxConfig,
+) -> Corrections:
+    """The TTFT factors with this tick's observation of the current plan folded in."""
+    if current is None or load.num_ttft_samples == 0:
+        return state.corrections
+    modelled = estimate_plan(current, available, model, load, config)
+    if not modelled.feasible:
+        return state.corrections
+    return observe(
+        state.corrections,
+        plan_shape(current),
+        modelled.ttft_p95_ms,
+        load.window_ttft_p95_ms,
+        load.num_ttft_samples,
+        load.now_s,
+        state.last_switch_s,
+        config,
+    )
+
+
+def _corrected(tick: _Tick, plan: DeploymentPlan, estimate: DeploymentEstimate) -> _Estimate:
+    """``estimate`` of ``plan`` with the learned TTFT factor applied (gearbox.correction)."""
+    factor = factor_for(tick.corrections, plan_shape(plan), tick.snapshot.now_s, tick.config)
+    return _Estimate(apply_correction(estimate, factor, tick.config), estimate.ttft_p95_ms, factor)
+
+
+def _estimate(tick: _Tick, plan: DeploymentPlan) -> _Estimate:
+    """The corrected estimate of an arbitrary plan (the current one, an override target)."""
+    args = (tick.available, tick.model, tick.load, tick.config)
+    return _corrected(tick, plan, estimate_plan(plan, *args))
 
 
 def _without_gpu_credit(config: GearboxConfig) -> GearboxConfig:
@@ -219,18 +270,19 @@ def _current_utility(tick: _Tick, problems: Sequence[str]) -> float:
         return 0.0
     args = (tick.available, tick.model, tick.load, tick.config)
     if not problems:
-        return estimate_plan(tick.current, *args).utility_tok_s
+        return _estimate(tick, tick.current).corrected.utility_tok_s
     units = current_units(tick.current, tick.blocks, *args)
     if not units:
         return 0.0
     gpus = sum(u.num_gpus for u in units)
     shapes = [u.shape for u in units]
-    return estimate_deployment(shapes, gpus, tick.model, tick.load, tick.config).utility_tok_s
+    surviving = estimate_deployment(shapes, gpus, tick.model, tick.load, tick.config)
+    # NOTE: the surviving replicas are the serving plan's: they keep its factor
+    return _corrected(tick, tick.current, surviving).corrected.utility_tok_s
 
 
-def _summary(
-    plan_id: str, strategy: str, estimate: DeploymentEstimate, stability: float
-) -> CandidateSummary:
+def _summary(plan_id: str, strategy: str, made: _Estimate, stability: float) -> CandidateSummary:
+    estimate = made.corrected
     return CandidateSummary(
         plan_id=plan_id,
         strategy=strategy,
@@ -243,6 +295,8 @@ def _summary(
         gain_tokens=0.0,
         cost_tokens=0.0,
         eligible=False,
+        model_ttft_p95_ms=made.model_ttft_p95_ms,
+        ttft_correction=made.factor,
     )
 
 
@@ -256,14 +310,13 @@ def _score(
     cost = switch_cost(
         tick.current, candidate.plan, tick.snapshot, tick.model, tick.load, config, tick.available
     )
-    raw = (candidate.estimate.utility_tok_s - base_utility) * config.gain_horizon_s
+    made = _corrected(tick, candidate.plan, candidate.estimate)
+    raw = (made.corrected.utility_tok_s - base_utility) * config.gain_horizon_s
     gain = raw * candidate.stability if raw > 0 else raw
     worthwhile = gain > cost.total_tokens * config.hysteresis
-    blocked = _downshift_block(tick, candidate.estimate, current)
+    blocked = _downshift_block(tick, made.corrected, current)
     summary = replace(
-        _summary(
-            candidate.plan.plan_id, candidate.strategy, candidate.estimate, candidate.stability
-        ),
+        _summary(candidate.plan.plan_id, candidate.strategy, made, candidate.stability),
         gain_tokens=gain,
         cost_tokens=cost.total_tokens,
         eligible=worthwhile and not blocked,
@@ -278,8 +331,7 @@ def _score_all(
     current_id = tick.current.plan_id if tick.current is not None else None
     current = None
     if tick.current is not None:
-        args = (tick.available, tick.model, tick.load, tick.config)
-        current = estimate_plan(tick.current, *args)
+        current = _estimate(tick, tick.current).corrected
     scored = [
         _score(tick, c, base_utility, current) for c in ranked if c.plan.plan_id != current_id
     ]
@@ -293,10 +345,10 @@ def _net_order(s: _Scored) -> tuple[float, str]:
 def _current_summary(tick: _Tick) -> CandidateSummary | None:
     if tick.current is None:
         return None
-    estimate = estimate_plan(tick.current, tick.available, tick.model, tick.load, tick.config)
-    if not estimate.feasible:
+    made = _estimate(tick, tick.current)
+    if not made.corrected.feasible:
         return None
-    return _summary(tick.current.plan_id, "current", estimate, 1.0)
+    return _summary(tick.current.plan_id, "current", made, 1.0)
 
 
 def _top(scored: Sequence[_Scored], k: int, chosen: _Scored | None) -> tuple[CandidateSummary, ...]:
@@ -362,9 +414,9 @@ def _override(tick: _Tick, plan: DeploymentPlan, reason: DecisionReason) -> Deci
     cost = switch_cost(
         tick.current, plan, tick.snapshot, tick.model, tick.load, tick.config, tick.available
     )
-    estimate = estimate_plan(plan, *args)
     summary = replace(
-        _summary(plan.plan_id, "override", estimate, 1.0), cost_tokens=cost.total_tokens
+        _summary(plan.plan_id, "override", _estimate(tick, plan), 1.0),
+        cost_tokens=cost.total_tokens,
     )
     chosen = _Scored(plan, summary, cost, 0.0, True)
     return _result(tick, reason, (chosen,), chosen=chosen, forced=True, problems=problems)
@@ -422,8 +474,21 @@ def _describe(summary: CandidateSummary) -> str:
         f"{summary.plan_id} on {summary.num_gpus} GPUs: "
         f"{summary.est_throughput_tok_s:,.0f} tok/s served "
         f"(capacity {summary.est_capacity_tok_s:,.0f}), "
-        f"TTFT p95 {summary.est_ttft_p95_ms:,.0f} ms, "
+        f"TTFT p95 est {summary.est_ttft_p95_ms:,.0f} ms "
+        f"(model {summary.model_ttft_p95_ms:,.0f} ms × correction {summary.ttft_correction:.2f}), "
         f"TBT p95 {summary.est_tbt_p95_ms:,.1f} ms"
+    )
+
+
+def _observed(load: LoadSnapshot) -> str:
+    """What the load window observed, for the current plan's line."""
+    if load.num_ttft_samples == 0:
+        ttft = "no TTFT samples"
+    else:
+        ttft = f"{load.window_ttft_p95_ms:,.0f} ms over {load.num_ttft_samples} requests"
+    return (
+        f"observed TTFT p95 {ttft} (highest report p95 {load.ttft_p95_ms:,.0f} ms), "
+        f"TBT p95 {load.tbt_p95_ms:,.1f} ms"
     )
 
 
@@ -439,11 +504,7 @@ def _explain(
     h = tick.config.hysteresis
     parts = [f"{tick.deployment}: {reason.value} (trigger {tick.trigger.value})."]
     if current is not None:
-        observed = tick.load
-        parts.append(
-            f"Current {_describe(current)} (observed TTFT p95 {observed.ttft_p95_ms:,.0f} ms, "
-            f"TBT p95 {observed.tbt_p95_ms:,.1f} ms)."
-        )
+        parts.append(f"Current {_describe(current)} vs {_observed(tick.load)}.")
     if problems:
         parts.append(f"Problems: {'; '.join(problems)}.")
     if chosen is not None:

@@ -76,13 +76,15 @@ class CandidateSummary(Serialisable):
     num_gpus: int
     est_throughput_tok_s: float  # tokens/s served at the current load
     est_capacity_tok_s: float  # tokens/s at saturation
-    est_ttft_p95_ms: float
+    est_ttft_p95_ms: float  # the model's figure × ttft_correction
     est_tbt_p95_ms: float
     stability: float  # discount applied to its gain (1 = stable blocks)
     gain_tokens: float  # (utility − current utility) × horizon × stability
     cost_tokens: float  # switch cost from the current plan
     eligible: bool  # gain > cost × hysteresis, and not blocked
     blocked: str = ""  # why a voluntary downshift to it may not be taken ("" = not blocked)
+    model_ttft_p95_ms: float = 0.0  # the cost model's TTFT p95, before the correction
+    ttft_correction: float = 1.0  # learned factor applied to it (gearbox.correction)
 
 
 @dataclass(frozen=True, slots=True)

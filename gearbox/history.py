@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gearbox.blocks import AtomicBlock
 from gearbox.config import GearboxConfig
+from gearbox.correction import Corrections
 from gearbox.serde import Serialisable
 
 __all__ = [
@@ -82,6 +83,7 @@ class GearState(Serialisable):
     last_from_plan_id: str | None = None  # plan left by the last switch (reverse detection)
     last_to_plan_id: str | None = None  # plan entered by the last switch
     failed: tuple[FailedTarget, ...] = ()  # recent rolled-back targets (quarantine), by plan id
+    corrections: Corrections = field(default_factory=Corrections)  # gearbox.correction
 
 
 def record_failed_target(

@@ -129,11 +129,20 @@ class LoadSnapshot(Serialisable):
     queue_len: int = 0  # requests waiting for admission
     active_sequences: int = 0  # sequences holding KV now
     active_kv_tokens: int = 0  # sum of their context lengths
-    ttft_p95_ms: float = 0.0  # observed, for the explanation only
-    tbt_p95_ms: float = 0.0  # observed, for the explanation only
+    ttft_p95_ms: float = 0.0  # observed: highest of the reports' own p95s (pressure, explanation)
+    tbt_p95_ms: float = 0.0  # observed: highest of the reports' own p95s (pressure, explanation)
+    # p95 over every TTFT sample of the window (0 = none), what gearbox.correction learns from:
+    # the highest of many small reports' p95s sits near the window's maximum instead
+    window_ttft_p95_ms: float = 0.0
+    num_ttft_samples: int = 0  # TTFT samples behind window_ttft_p95_ms
 
     def __post_init__(self) -> None:
-        if self.arrival_rate_rps < 0 or self.queue_len < 0 or self.active_sequences < 0:
+        if (
+            self.arrival_rate_rps < 0
+            or self.queue_len < 0
+            or self.active_sequences < 0
+            or self.num_ttft_samples < 0
+        ):
             raise ValueError("LoadSnapshot: rates and counts must be >= 0")
         if self.mean_prompt_tokens < 1 or self.mean_output_tokens < 1:
             raise ValueError("LoadSnapshot: mean prompt/output tokens must be >= 1")

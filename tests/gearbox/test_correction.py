@@ -1,0 +1,176 @@
+"""gearbox.correction: the learned TTFT factor converges, stays bounded, decays, and is used."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+
+from gearbox import DEFAULT_CONFIG, MODEL_70B_GQA, GearboxConfig, GearState, decide
+from gearbox.correction import (
+    DEPLOYMENT_WIDE,
+    Corrections,
+    apply_correction,
+    factor_for,
+    observe,
+    plan_shape,
+)
+from gearbox.ranking import available_memory, estimate_plan
+from gearbox.types import LoadSnapshot
+from tests.gearbox.builders import NOW_S, article_cluster, deployment, make_load, tp_plan
+
+pytestmark = pytest.mark.unit
+
+CONFIG = DEFAULT_CONFIG
+A4 = ("A-g00", "A-g01", "A-g02", "A-g03")
+A8 = tuple(f"A-g{i:02d}" for i in range(8))
+NONE = Corrections()
+
+
+def _feed(
+    ratio: float, ticks: int, corrections: Corrections = NONE, shape: str = "s"
+) -> Corrections:
+    """``ticks`` observations 15 s apart of a plan observed at ``ratio`` × its model."""
+    for i in range(ticks):
+        corrections = observe(corrections, shape, 100.0, 100.0 * ratio, 50, 15.0 * i, None, CONFIG)
+    return corrections
+
+
+def test_converges_toward_observed_over_modelled() -> None:
+    factors = [factor_for(_feed(2.5, n), "s", 15.0 * (n - 1), CONFIG) for n in range(1, 30)]
+    assert all(a < b for a, b in itertools.pairwise(factors))  # each tick moves it closer
+    assert factors[0] == pytest.approx(2.5**CONFIG.correction_gain)
+    assert factors[-1] == pytest.approx(2.5, rel=0.02)
+    low = _feed(0.5, 40)
+    assert factor_for(low, "s", 15.0 * 39, CONFIG) == pytest.approx(0.5, rel=0.02)
+
+
+def test_stays_within_its_bounds() -> None:
+    high, low = _feed(1000.0, 50), _feed(0.0001, 50)
+    assert factor_for(high, "s", 15.0 * 49, CONFIG) == CONFIG.correction_max_factor
+    assert factor_for(low, "s", 15.0 * 49, CONFIG) == CONFIG.correction_min_factor
+    tight = replace(CONFIG, correction_max_factor=1.5)
+    one = observe(Corrections(), "s", 100.0, 10_000.0, 50, 0.0, None, tight)
+    assert factor_for(one, "s", 0.0, tight) == 1.5
+
+
+def test_decays_toward_one_without_data() -> None:
+    learned = _feed(4.0, 60)
+    last_s = 15.0 * 59
+    now = factor_for(learned, "s", last_s, CONFIG)
+    half = factor_for(learned, "s", last_s + CONFIG.correction_half_life_s, CONFIG)
+    assert half == pytest.approx(math.sqrt(now))  # the log halves per half-life
+    assert factor_for(learned, "s", last_s + 20 * CONFIG.correction_half_life_s, CONFIG) == (
+        pytest.approx(1.0, abs=1e-4)
+    )
+
+
+def test_ignores_thin_settling_and_saturated_ticks() -> None:
+    base = _feed(2.0, 5)
+    t = 15.0 * 5
+    few = CONFIG.correction_min_samples - 1
+    assert observe(base, "s", 100.0, 900.0, few, t, None, CONFIG) == base
+    assert observe(base, "s", 100.0, 900.0, 50, t, t - 10.0, CONFIG) == base  # just switched
+    saturated = CONFIG.max_latency_ms
+    assert observe(base, "s", saturated, 900.0, 50, t, None, CONFIG) == base
+    off = replace(CONFIG, correction_gain=0.0)
+    assert observe(base, "s", 100.0, 900.0, 50, t, None, off) == base
+    later = t - CONFIG.correction_settle_s
+    assert observe(base, "s", 100.0, 900.0, 50, t, later, CONFIG) != base
+
+
+def test_unobserved_shapes_get_the_deployment_wide_factor() -> None:
+    learned = _feed(3.0, 10, shape="tp8")
+    learned = _feed(0.5, 3, learned, shape="tp4")
+    t = 15.0 * 9
+    wide = learned.get(DEPLOYMENT_WIDE)
+    assert wide is not None and wide.observations == 13
+    assert factor_for(learned, "tp8", t, CONFIG) > 2.0
+    assert factor_for(learned, "never-seen", t, CONFIG) == factor_for(
+        learned, DEPLOYMENT_WIDE, t, CONFIG
+    )
+    assert factor_for(Corrections(), "tp8", t, CONFIG) == 1.0
+
+
+def test_plan_shape_ignores_gpu_identity_and_replica_count() -> None:
+    one = deployment(tp_plan(A4, MODEL_70B_GQA))
+    other_gpus = deployment(tp_plan(A8[4:], MODEL_70B_GQA))
+    two = deployment(tp_plan(A4, MODEL_70B_GQA), tp_plan(A8[4:], MODEL_70B_GQA))
+    wider = deployment(tp_plan(A8, MODEL_70B_GQA))
+    assert plan_shape(one) == plan_shape(other_gpus) == plan_shape(two)
+    assert plan_shape(wider) != plan_shape(one)
+
+
+def test_apply_scales_ttft_and_rescores_utility() -> None:
+    current = deployment(tp_plan(A8, MODEL_70B_GQA))
+    snapshot = article_cluster()
+    load = make_load(3.0)
+    available = available_memory(snapshot, current.gpu_uuids)
+    raw = estimate_plan(current, available, MODEL_70B_GQA, load, CONFIG)
+    assert raw.ttft_p95_ms < CONFIG.ttft_slo_ms  # the model alone meets the SLO
+    factor = 2 * CONFIG.ttft_slo_ms / raw.ttft_p95_ms
+    worse = apply_correction(raw, factor, CONFIG)
+    assert worse.ttft_p95_ms == pytest.approx(raw.ttft_p95_ms * factor)
+    assert worse.utility_tok_s < raw.utility_tok_s  # over the SLO now: attainment halves
+    assert (worse.tbt_p95_ms, worse.capacity_tok_s) == (raw.tbt_p95_ms, raw.capacity_tok_s)
+    assert apply_correction(raw, 1.0, CONFIG) == raw
+
+
+def _observed_load(model_ms: float, ratio: float, samples: int = 200) -> LoadSnapshot:
+    return replace(make_load(3.0), window_ttft_p95_ms=model_ms * ratio, num_ttft_samples=samples)
+
+
+def test_decide_learns_applies_and_explains_per_deployment() -> None:
+    current = deployment(tp_plan(A8, MODEL_70B_GQA))
+    snapshot = article_cluster()
+    load = make_load(3.0)
+    available = available_memory(snapshot, current.gpu_uuids)
+    model_ms = estimate_plan(current, available, MODEL_70B_GQA, load, CONFIG).ttft_p95_ms
+
+    def tick(state: GearState, i: int, ratio: float, name: str = "chat") -> tuple[GearState, str]:
+        at = article_cluster(now_s=NOW_S + 15.0 * i)
+        seen = replace(_observed_load(model_ms, ratio), now_s=at.now_s)
+        plan = replace(current, deployment=name)
+        result = decide(plan, at, seen, state, CONFIG, model=MODEL_70B_GQA)
+        assert result.current is not None
+        summary = result.current
+        assert summary.model_ttft_p95_ms == pytest.approx(model_ms)
+        assert summary.est_ttft_p95_ms == pytest.approx(model_ms * summary.ttft_correction)
+        # candidates were never observed: the deployment-wide factor, the same as the current's
+        assert all(c.ttft_correction == summary.ttft_correction for c in result.candidates)
+        return result.state, result.explanation
+
+    state = GearState()
+    for i in range(30):
+        state, explanation = tick(state, i, 3.0)
+    factor = factor_for(state.corrections, plan_shape(current), NOW_S + 15.0 * 29, CONFIG)
+    assert factor == pytest.approx(3.0, rel=0.05)
+    assert f"× correction {factor:.2f})," in explanation
+    assert f"vs observed TTFT p95 {model_ms * 3:,.0f} ms over 200 requests" in explanation
+    # the state survives its serde (the gear_state table's format), factor included
+    assert GearState.from_dict(state.to_dict()) == state
+    # another deployment keeps its own state: nothing learned for chat leaks into it
+    other, _ = tick(GearState(), 0, 0.5, name="batch")
+    assert factor_for(other.corrections, plan_shape(current), NOW_S, CONFIG) < 1.0
+
+
+def test_corrected_ttft_can_block_a_downshift() -> None:
+    current = deployment(tp_plan(A8, MODEL_70B_GQA))
+    snapshot = article_cluster()
+    load = make_load(0.2)
+    # freed GPUs pay well and the SLO is tight: a downshift is wanted on the model's figures
+    config = GearboxConfig(idle_gpu_value_tok_s=500.0, ttft_slo_ms=400.0)
+    free = decide(current, snapshot, load, GearState(), config, model=MODEL_70B_GQA)
+    assert free.decision is not None and free.decision.to_plan.num_gpus < current.num_gpus
+    # the same tick after learning that this deployment's TTFT runs at 4× the model
+    learned = Corrections()
+    for i in range(40):
+        t = NOW_S - 600.0 + 15.0 * i
+        learned = observe(learned, plan_shape(current), 100.0, 400.0, 200, t, None, config)
+    state = GearState(corrections=learned)
+    slow = decide(current, snapshot, load, state, config, model=MODEL_70B_GQA)
+    assert slow.decision is None
+    smaller = [c for c in slow.candidates if c.num_gpus < current.num_gpus]
+    assert smaller and all("est TTFT p95" in c.blocked for c in smaller)
