@@ -16,11 +16,12 @@ from gearbox import (
     cache,
     enumerate_options,
 )
+from gearbox.candidates import OptionKind, ReplicaOption
 from gearbox.scoring import request_profile
 from gearbox.types import TopologySnapshot
 
 
-def _options(snapshot: TopologySnapshot) -> tuple[object, ...]:
+def _options(snapshot: TopologySnapshot) -> tuple[ReplicaOption, ...]:
     config = GearboxConfig()
     blocks = build_blocks(snapshot, config)
     prompt, output = request_profile(make_load(16), config)
@@ -49,7 +50,7 @@ def test_a_hit_returns_what_enumerating_again_returns() -> None:
     assert cache.OPTIONS.stats.hits > 0
     cache.clear()
     assert second == first == _options(snapshot)
-    kinds = {o.kind.value for o in first}  # type: ignore[attr-defined]
+    kinds = {o.kind.value for o in first}
     assert kinds == {"tp", "pp", "pd"}, "the hard case: every kind of option is enumerated"
 
 
@@ -61,9 +62,15 @@ def test_only_the_touched_block_is_enumerated_again() -> None:
     touched = _with_free(snapshot, gpu.uuid, gpu.free_memory_bytes // 2)
     after_touch = _options(touched)
     after = cache.OPTIONS.stats
-    blocks = len({g.domain for g in snapshot.gpus})
     misses = after.misses - before.misses
-    assert 1 <= misses < blocks, "the touched block (and its PD pairings), not the cluster"
+    hosts = {o.block_ids[0] for o in after_touch if o.kind is OptionKind.TP}
+    block = next(b for b in hosts if b.startswith("d004"))
+    pairings = [o for o in after_touch if o.kind is OptionKind.PD and block in o.block_ids]
+    # d004 is one of the two fastest prefill blocks (max_pd_prefill_blocks): its TP options, its
+    # pairing as prefill with each of the 7 other TP hosts, and as decode for the other fastest.
+    assert len(hosts) == 8 and GearboxConfig().max_pd_prefill_blocks == 2
+    assert len(pairings) == 7 + 1, "every pairing of the touched block is feasible here"
+    assert misses == 1 + 7 + 1, "the touched block and its PD pairings, nothing else"
     cache.clear()
     assert after_touch == _options(touched), "the touched block's options are fresh"
 
