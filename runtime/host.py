@@ -22,6 +22,7 @@ from flexpipe.schemas import (
     ClusterEvent,
     ClusterEventType,
     GearDecision,
+    GearTransition,
     GpuSample,
     ServingLoad,
     TransitionPhase,
@@ -32,8 +33,10 @@ from gearbox.presets import MODELS
 from runtime.deployment import DeploymentRuntime, EngineFactory, RuntimeSettings, sim_engine
 from runtime.engine.simgpu import SimGpuPool
 from runtime.inventory import GpuInventory
+from runtime.journal import unfinished
 from runtime.router import Router
 from runtime.stats import ServingWindow
+from runtime.types import Request
 from runtime.vmm.manager import ReservationManager
 
 _RESTORES = {ClusterEventType.RELEASE, ClusterEventType.GPU_RESTORED}
@@ -118,6 +121,27 @@ class RuntimeHost:
             return DecisionOutcome.HELD
         rt.on_decision(decision, now_s, ref)
         return DecisionOutcome.FED
+
+    def recover(
+        self,
+        records: Sequence[GearTransition],
+        journal: Sequence[tuple[bytes | None, bytes | None]],
+        now_s: float,
+    ) -> dict[str, int]:
+        """Rebuild every deployment from the transitions log's records and the ownership
+        journal's (key, value) pairs after a (re)start; the sequences replayed per deployment.
+
+        Recovered requests restart their clock: latency counts from the recovery.
+        """
+        out = {}
+        for deployment, rt in self.runtimes.items():
+            pending = [
+                Request(r.request_id, r.prompt_tokens, r.max_output_tokens, now_s, r.kind)
+                for r in unfinished(journal, deployment)
+            ]
+            rt.recover(records, pending, now_s)
+            out[deployment] = len(pending)
+        return out
 
     def adopt(self, plans: Mapping[str, DeploymentPlan], now_s: float) -> list[str]:
         """Load each deployment's starting plan as transition 0 where nothing serves yet; the

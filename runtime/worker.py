@@ -52,7 +52,6 @@ from runtime.journal import (
     ownership_topic,
     read_to_end,
 )
-from runtime.journal import unfinished as journal_unfinished
 from runtime.metrics import RuntimeMetrics
 from runtime.offsets import OffsetTracker
 from runtime.transition import TransitionPolicy
@@ -281,13 +280,8 @@ class RuntimeWorker:
         records = [r for _, v in raw if (r := _payload(v, GearTransition)) is not None]
         journal = await read_to_end(self.cfg, ownership_topic(self.cfg))
         now = self.clock.now_s()
+        replayed = self.host.recover(records, journal, now)
         for deployment, rt in self.runtimes.items():
-            # Recovered requests restart their clock: latency counts from the recovery.
-            pending = [
-                Request(r.request_id, r.prompt_tokens, r.max_output_tokens, now, r.kind)
-                for r in journal_unfinished(journal, deployment)
-            ]
-            rt.recover(records, pending, now)
             start = self._start_plans.get(deployment)
             if start is not None and rt.adopt(start, now):
                 log.info("%s: loading starting plan %s (transition 0)", deployment, start.plan_id)
@@ -295,7 +289,7 @@ class RuntimeWorker:
                 "recovered %s: plan %s, %d sequences replayed",
                 deployment,
                 rt.state.serving_plan_id,
-                len(pending),
+                replayed[deployment],
             )
         await self._flush()
 

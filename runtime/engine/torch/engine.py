@@ -281,7 +281,8 @@ class TorchEngine:
         return self._dead is None and self._admitting and len(self._seqs) < self.settings.max_batch
 
     def admit(self, seq: SeqSpec, now_s: float, *, staged: bool = False) -> EngineFault | None:
-        """Queue a prompt (or a replay: prompt + ``generated_tokens`` outputs from the ledger)."""
+        """Queue a prompt, or a replay: prompt + every output the ledger holds (at least
+        ``generated_tokens``; a restarted runtime passes 0 and the durable ledger knows more)."""
         if self.health() is not None:
             return self._dead
         if not self._admitting and not staged:
@@ -289,7 +290,7 @@ class TorchEngine:
         if len(self._seqs) >= self.settings.max_batch:
             return EngineFault.BATCH_FULL
         prompt = self.ledger.prompt(seq.seq_id, seq.prompt_tokens)
-        out = self.ledger.truncate(seq.seq_id, seq.generated_tokens)
+        out = self.ledger.resume(seq.seq_id, seq.generated_tokens)
         self._seqs[seq.seq_id] = _Seq(seq, SeqState.WAITING, prompt, out, hold=staged)
         return None
 
@@ -365,7 +366,7 @@ class TorchEngine:
                 export.spec,
                 SeqState.STAGED,
                 self.ledger.prompt(sid, export.spec.prompt_tokens),
-                self.ledger.truncate(sid, export.spec.generated_tokens),
+                self.ledger.resume(sid, export.spec.generated_tokens),
                 blocks=blocks,
                 kv_tokens=export.kv_tokens,
             )
@@ -456,6 +457,7 @@ class TorchEngine:
                 self._after_prefill(sid, token, now_s, acc)
             else:
                 self._after_decode(sid, token, now_s, acc)
+        self.ledger.flush()  # the step's tokens are durable before the runtime hears of them
         return StepOutput(
             iterations=1,
             prefill_tokens=acc.prefill_tokens,
@@ -556,6 +558,9 @@ class TorchEngine:
         q.state = SeqState.STAGED if q.hold else SeqState.RUNNING
         if q.out:  # a replay: the re-prefill predicts the last emitted token again
             self.replay_mismatches += int(token != q.out[-1])
+            if len(q.out) >= q.spec.max_output_tokens and not q.hold:
+                # emitted in full before a restart whose journal still held it: done, no token
+                self._finish(sid, now_s, acc)
             return
         self._emit(sid, token, now_s, acc)
         acc.first.append(FirstToken(sid, now_s))
@@ -595,5 +600,9 @@ class TorchEngine:
         q.out.append(token)
         self.ledger.append(sid, token)
         if len(q.out) >= q.spec.max_output_tokens:
-            acc.finished.append(Finished(sid, now_s, len(q.out)))
-            self.drop([sid])
+            self._finish(sid, now_s, acc)
+
+    def _finish(self, sid: str, now_s: float, acc: _Acc) -> None:
+        acc.finished.append(Finished(sid, now_s, len(self._seqs[sid].out)))
+        self.ledger.finish(sid)
+        self.drop([sid])
