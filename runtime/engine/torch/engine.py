@@ -3,7 +3,8 @@
 The driver (this object, in the runtime's process) owns scheduling and block tables; each GPU
 of the plan is one rank process (:mod:`runtime.engine.torch.rank`) holding its weight shard and
 KV pool. One ``step`` is one real iteration (continuous batching): waiting prompts are prefilled
-and running sequences decode one token, packed into one forward per pipeline; with a PD split the
+and running sequences decode one token, packed into one forward per pipeline (cut into
+micro-batches that overlap across the stages of a pipeline); with a PD split the
 prefill and decode pipelines run concurrently and finished prompts' KV is handed to the decode
 pipeline, re-partitioned for its layout. ``export_kv``/``import_kv`` move KV between two engines
 the same way (gear-shift migration); ``admit(staged=True)`` replays from the ledger's tokens.
@@ -14,6 +15,7 @@ Time: ``now_s`` only stamps events; ``step`` runs exactly one iteration and bloc
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 import time
@@ -41,6 +43,7 @@ from runtime.engine.torch.config import F32_BYTES, LlamaConfig
 from runtime.engine.torch.kvmove import copy_kv, map_pages, place_blocks
 from runtime.engine.torch.kvpool import BlockAllocator
 from runtime.engine.torch.layout import Pipeline, RankSpec, kv_holders, plan_ranks, repartition
+from runtime.engine.torch.microbatch import micro_batches, pipelined_s
 from runtime.engine.torch.model import SeqChunk
 from runtime.engine.torch.rank import RankBoot
 from runtime.engine.torch.tokens import TokenLedger
@@ -58,6 +61,9 @@ class TorchEngineConfig:
     block_size: int = 16  # tokens per block (equal across engines that exchange KV)
     max_batch: int = 32  # sequences held at once
     max_prefill_tokens: int = 2048  # prompt tokens per iteration
+    # micro-batches per pass of a pipeline of several stages (0: one per stage, as gearbox's
+    # cost model assumes; 1: one packed batch passes the stages in turn)
+    pp_microbatches: int = 0
     device: str = "cpu"  # "cpu", "cuda:<n>" (all ranks share GPU n) or "cuda" (rank r on GPU r)
     backend: str = "gloo"  # torch.distributed backend ("nccl" on GPUs)
     capacity_bytes_per_gpu: int = 64 * _GIB  # VMM ledger capacity when the engine reserves
@@ -128,9 +134,11 @@ class TorchEngine:
         self._alloc = self._allocator(self._kv_pipe)
         self._prefill_alloc = self._allocator(Pipeline.PREFILL) if plan.is_disaggregated else None
         self.last_iteration_s = 0.0  # wall time of the last step's forward(s)
-        # the same step's device time: per pipeline, the stages' busiest rank's CPU time summed
-        # (one packed batch passes the stages in turn); concurrent pipelines, the longest
+        # the same step's device time: per pipeline, the stages' busiest rank's CPU time per
+        # micro-batch, overlapped as the stages pipeline them (``microbatch.pipelined_s``);
+        # concurrent pipelines, the longest
         self.last_device_s = 0.0
+        self.last_micro_batches = 0  # micro-batches of the last step's longest pipeline pass
         self.last_handoff_bytes = 0
         self.replay_mismatches = 0  # replays whose re-prefill predicted another last token
 
@@ -436,6 +444,7 @@ class TorchEngine:
         if not prefill and not decode:
             return StepOutput(failed=tuple(acc.failed))
         t0 = time.perf_counter()
+        self.last_micro_batches = 0
         try:
             if self._prefill_alloc is not None:
                 launched = [
@@ -509,45 +518,50 @@ class TorchEngine:
         return True
 
     def _launch(self, pipeline: Pipeline, sids: list[str]) -> tuple[list[procs.RankProc], int]:
-        """Send one packed forward to a pipeline's ranks (nothing when ``sids`` is empty)."""
+        """Send one forward per micro-batch to a pipeline's ranks (nothing when ``sids`` is
+        empty); the ranks and the number of micro-batches."""
         if not sids:
             return [], 0
-        tokens: list[int] = []
-        chunks: list[SeqChunk] = []
+        feeds: list[tuple[list[int], SeqChunk]] = []
         for sid in sids:
             q = self._seqs[sid]
             if q.state is SeqState.WAITING:
                 fed = q.prefill_tokens()
                 blocks = q.prefill_blocks if pipeline is Pipeline.PREFILL else q.blocks
-                chunks.append(SeqChunk(0, len(fed), tuple(blocks)))
+                feeds.append((fed, SeqChunk(0, len(fed), tuple(blocks))))
             else:
-                fed = [q.out[-1]]
-                chunks.append(SeqChunk(q.kv_tokens, 1, tuple(q.blocks)))
-            tokens.extend(fed)
-        rows, at = [], 0
-        for c in chunks:
-            at += c.n
-            rows.append(at - 1)
+                feeds.append(([q.out[-1]], SeqChunk(q.kv_tokens, 1, tuple(q.blocks))))
         ranks = kv_holders(self.ranks, pipeline)
         targets = [self._procs[r.rank] for r in ranks]
-        for r, rp in zip(ranks, targets, strict=True):
-            procs.send(
-                rp, ("forward", tokens if r.is_first else [], chunks, rows if r.is_last else [])
-            )
-        return targets, len(sids)
+        stages = ranks[0].num_stages
+        parts = 1 if stages == 1 else self.settings.pp_microbatches or stages
+        cuts = micro_batches([c.n for _, c in feeds], parts)
+        # NOTE: micro-batch-major: every rank holds micro-batch m before any is sent m + 1, so
+        # a rank blocked handing activations on never waits for a message not yet sent
+        for a, b in cuts:
+            tokens = [t for fed, _ in feeds[a:b] for t in fed]
+            chunks = [c for _, c in feeds[a:b]]
+            rows = [end - 1 for end in itertools.accumulate(c.n for c in chunks)]
+            for r, rp in zip(ranks, targets, strict=True):
+                msg = ("forward", tokens if r.is_first else [], chunks, rows if r.is_last else [])
+                procs.send(rp, msg)
+        self.last_micro_batches = max(self.last_micro_batches, len(cuts))
+        return targets, len(cuts)
 
     def _collect(self, launched: tuple[list[procs.RankProc], int]) -> tuple[list[int], float]:
         """The sampled tokens and the pipeline's device time (see ``last_device_s``)."""
-        targets, _ = launched
-        sampled: list[int] = []
-        stage_busy: dict[int, float] = {}
+        targets, num_micro = launched
+        sampled: dict[int, list[int]] = {}
+        busy: list[dict[int, float]] = [{} for _ in range(num_micro)]
         for rp in targets:
-            msg = procs.receive(rp, procs.STEP_TIMEOUT_S)
-            if msg[1] is not None:
-                sampled = list(msg[1])
             pos = rp.boot.spec.stage_pos
-            stage_busy[pos] = max(stage_busy.get(pos, 0.0), msg[3])
-        return sampled, sum(stage_busy.values())
+            for m in range(num_micro):  # a rank replies to its micro-batches in order
+                msg = procs.receive(rp, procs.STEP_TIMEOUT_S)
+                if msg[1] is not None:
+                    sampled[m] = list(msg[1])
+                busy[m][pos] = max(busy[m].get(pos, 0.0), msg[3])
+        tokens = [t for m in range(num_micro) for t in sampled.get(m, [])]
+        return tokens, pipelined_s([[b[s] for s in sorted(b)] for b in busy])
 
     def _after_prefill(self, sid: str, token: int, now_s: float, acc: _Acc) -> None:
         q = self._seqs[sid]

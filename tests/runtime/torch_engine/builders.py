@@ -40,10 +40,15 @@ def specs(prompts: dict[str, list[int]], max_new: int) -> list[SeqSpec]:
     return [SeqSpec(sid, len(p), max_new) for sid, p in prompts.items()]
 
 
-def start_engine(kind: str, ledger: TokenLedger, prefix: str | None = None) -> TorchEngine:
+def start_engine(
+    kind: str,
+    ledger: TokenLedger,
+    prefix: str | None = None,
+    settings: TorchEngineConfig = SETTINGS,
+) -> TorchEngine:
     """A loaded, connected engine for plan ``kind`` (see ``make_plan``)."""
     plan = make_plan(kind, CFG.num_layers, prefix or kind, model_name=CFG.name)
-    engine = TorchEngine(plan, CFG, SOURCE, ledger, settings=SETTINGS)
+    engine = TorchEngine(plan, CFG, SOURCE, ledger, settings=settings)
     for index in range(len(plan.stages)):
         result = engine.load_shard(index, 0.0)
         assert result.ok, result

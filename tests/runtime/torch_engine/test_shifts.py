@@ -9,6 +9,7 @@ test starts from drained engines.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +21,7 @@ from runtime.engine.torch.shift import admit_all, run_to_completion, shift
 from runtime.engine.torch.tokens import TokenLedger
 from tests.runtime.torch_engine.builders import (
     CFG,
+    SETTINGS,
     SOURCE,
     make_prompts,
     mixed_handover,
@@ -116,6 +118,27 @@ def test_plans_without_shift_match_the_single_process_reference(engines: Engines
         # the step runs (each rank at most the step's wall time, plus the pipe's scheduling)
         assert engine.last_device_s > 0.0
         assert engine.last_device_s <= len(engine.ranks) * engine.last_iteration_s + 0.05, kind
+
+
+def test_pp_micro_batches_are_token_exact_with_one_packed_batch(engines: Engines) -> None:
+    prompts = make_prompts("micro", 6)
+    unsplit = start_engine(
+        "pp2", engines.ledger, "pp2-mb1", dataclasses.replace(SETTINGS, pp_microbatches=1)
+    )
+    try:
+        for engine, tag in ((engines["pp2"], "split"), (unsplit, "unsplit")):
+            sub = {f"{sid}-{tag}": p for sid, p in prompts.items()}
+            for sid, prompt in sub.items():
+                engines.ledger.register(sid, prompt)
+            admit_all(engine, specs(sub, MAX_NEW))
+            engine.step(0.0)  # every prompt prefilled in this one step
+            assert engine.last_micro_batches == (2 if tag == "split" else 1)
+            run_to_completion([engine])
+    finally:
+        unsplit.close()
+    for sid in prompts:
+        assert engines.ledger.outputs(f"{sid}-split") == engines.ledger.outputs(f"{sid}-unsplit")
+        assert len(engines.ledger.outputs(f"{sid}-split")) == MAX_NEW
 
 
 def test_dead_rank_fails_sequences_as_values() -> None:
