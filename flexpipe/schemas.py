@@ -170,6 +170,7 @@ class ServingLoad:
     kv_bytes: int = 0
     rejected: int = 0
     plan_id: str | None = None
+    ttft_histogram: tuple[tuple[int, int], ...] = ()  # the window's TTFTs, flexpipe.latency
 
 
 # XID codes after which NVIDIA says the GPU needs a reset or replacement: double-bit ECC (48),

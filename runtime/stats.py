@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from flexpipe.latency import histogram
 from flexpipe.schemas import ServingLoad
 from runtime.types import Completion, Reason, Request
 
@@ -93,4 +94,5 @@ class ServingWindow:
             kv_bytes=kv_bytes,
             rejected=self.rejected,
             plan_id=plan_id,
+            ttft_histogram=histogram(self.ttft_ms),
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from flexpipe.latency import Histogram, merge, quantile_ms, total
 from flexpipe.schemas import KernelLaunches, ServingLoad
 from streams.state import Dedupe, is_duplicate
 from streams.windows import HoppingWindow, Panes, add, aggregate
@@ -96,6 +97,7 @@ class LoadSums:
     queue_len: int = 0
     active_sequences: int = 0
     kv_bytes: int = 0
+    ttft_histogram: Histogram = ()  # every TTFT sample of the reports (flexpipe.latency)
 
 
 class _LoadMonoid:
@@ -118,6 +120,7 @@ class _LoadMonoid:
             queue_len=latest.queue_len,
             active_sequences=latest.active_sequences,
             kv_bytes=latest.kv_bytes,
+            ttft_histogram=merge(a.ttft_histogram, b.ttft_histogram),
         )
 
 
@@ -141,6 +144,7 @@ def _sums(report: ServingLoad, event_time_ms: int) -> LoadSums:
         queue_len=max(0, report.queue_len),
         active_sequences=max(0, report.active_sequences),
         kv_bytes=max(0, report.kv_bytes),
+        ttft_histogram=merge((), report.ttft_histogram),
     )
 
 
@@ -203,8 +207,10 @@ class ServingAggregate:
     queue_len: int
     active_sequences: int
     kv_bytes: int
-    ttft_p95_ms: float
+    ttft_p95_ms: float  # highest of the reports' own p95s
     tbt_p95_ms: float
+    window_ttft_p95_ms: float  # p95 of every TTFT sample in the window (0 without samples)
+    num_ttft_samples: int
 
 
 def serving_aggregate(
@@ -214,6 +220,9 @@ def serving_aggregate(
     parts = [aggregate(window, s.panes, now_s, LOADS) for s in state.sources]
     parts = [p for p in parts if p.reports]
     arrivals = sum(p.arrivals for p in parts)
+    ttfts: Histogram = ()
+    for p in parts:
+        ttfts = merge(ttfts, p.ttft_histogram)
 
     def rate(value: float, covered_s: float) -> float:
         return value / covered_s if covered_s > 0 else 0.0
@@ -230,4 +239,6 @@ def serving_aggregate(
         kv_bytes=sum(p.kv_bytes for p in parts),
         ttft_p95_ms=max((p.ttft_p95_ms for p in parts), default=0.0),
         tbt_p95_ms=max((p.tbt_p95_ms for p in parts), default=0.0),
+        window_ttft_p95_ms=quantile_ms(ttfts, 0.95) or 0.0,
+        num_ttft_samples=total(ttfts),
     )

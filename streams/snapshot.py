@@ -132,6 +132,8 @@ def build_load(
             active_kv_tokens=int(kv_tokens),
             ttft_p95_ms=agg.ttft_p95_ms,
             tbt_p95_ms=agg.tbt_p95_ms,
+            window_ttft_p95_ms=agg.window_ttft_p95_ms,
+            num_ttft_samples=agg.num_ttft_samples,
         ),
         LoadSource.WINDOW,
     )

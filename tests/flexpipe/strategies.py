@@ -63,6 +63,8 @@ def for_type(hint: Any) -> st.SearchStrategy[Any]:
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return st.one_of([for_type(a) for a in args])
+    if origin is tuple and args[-1] is not Ellipsis:  # fixed length, e.g. (bucket, count)
+        return st.tuples(*(for_type(a) for a in args))
     if origin is tuple:
         return st.lists(for_type(args[0]), max_size=3).map(tuple)
     if origin is dict:

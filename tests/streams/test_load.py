@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from flexpipe.latency import histogram
 from streams.load import (
     LaunchWindow,
     ServingWindows,
@@ -68,3 +69,22 @@ def test_late_report_is_counted_not_folded() -> None:
     state, _ = fold_serving(ServingWindows(), LOAD_WINDOW, make_load(), "w", 5, 1_000_000)
     late, applied = fold_serving(state, LOAD_WINDOW, make_load(), "w", 6, 1000)
     assert not applied and late.late == 1
+
+
+def test_window_ttft_p95_is_over_every_sample_not_the_highest_report() -> None:
+    # Twelve 5-s reports of four requests each: 46 fast (100 ms) and 2 slow (2 s) in all.
+    # Each report's own p95 of four samples is its maximum, so the highest of them is 2 s;
+    # the window's 48 samples have their p95 (rank 46) at 100 ms.
+    state = ServingWindows()
+    for i in range(12):
+        ttfts = [100.0] * 4 if i % 6 else [2000.0, 100.0, 100.0, 100.0]
+        report = make_load(arrivals=4, ttft_p95_ms=max(ttfts), ttft_histogram=histogram(ttfts))
+        state, _ = fold_serving(state, LOAD_WINDOW, report, "w1", i + 1, 5_000 * i)
+    agg = serving_aggregate(state, LOAD_WINDOW, 59.0)
+    assert agg.ttft_p95_ms == 2000.0
+    assert agg.num_ttft_samples == 48
+    assert agg.window_ttft_p95_ms == pytest.approx(100.0, rel=0.05)
+    # a malformed report's negative counts are dropped, not subtracted
+    bad = make_load(arrivals=1, ttft_histogram=((10, -5),))
+    state, _ = fold_serving(state, LOAD_WINDOW, bad, "w1", 13, 59_000)
+    assert serving_aggregate(state, LOAD_WINDOW, 59.0).num_ttft_samples == 48

@@ -1,0 +1,25 @@
+"""flexpipe.latency: wire histograms merge by adding counts and give quantiles within a bucket."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flexpipe.latency import histogram, merge, quantile_ms, total
+
+pytestmark = pytest.mark.unit
+
+
+def test_quantiles_within_half_a_bucket_and_merging_is_exact() -> None:
+    rng = random.Random(5)
+    values = [rng.lognormvariate(5.0, 1.2) for _ in range(5000)]
+    ordered = sorted(values)
+    exact_p95 = ordered[int(0.95 * len(ordered)) - 1]
+    h = histogram(values)
+    assert total(h) == len(values)
+    assert quantile_ms(h, 0.95) == pytest.approx(exact_p95, rel=0.05)
+    halves = merge(histogram(values[:1234]), histogram(values[1234:]))
+    assert halves == h  # merging is adding counts: the order and split do not matter
+    assert quantile_ms((), 0.95) is None
+    assert histogram([0.0, -3.0]) == histogram([0.0005, 0.001])  # at or below the floor: one bucket

@@ -1,0 +1,24 @@
+"""runtime.stats: a serving report carries its window's TTFTs as a mergeable histogram."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexpipe.latency import quantile_ms, total
+from runtime.stats import ServingWindow
+from runtime.types import Completion
+
+pytestmark = pytest.mark.unit
+
+
+def test_report_carries_every_ttft_sample() -> None:
+    window = ServingWindow(start_s=0.0)
+    for i in range(20):
+        ttft_s = 2.0 if i == 0 else 0.1
+        window.on_completion(Completion(f"r{i}", "rep", None, 100, 10, 0.0, ttft_s, 3.0))
+    report = window.report(
+        "chat", "m", 5.0, queue_len=0, active_sequences=0, kv_bytes=0, plan_id=None
+    )
+    assert report.ttft_p95_ms == 100.0  # rank 19 of 20
+    assert total(report.ttft_histogram) == 20
+    assert quantile_ms(report.ttft_histogram, 1.0) == pytest.approx(2000.0, rel=0.05)
