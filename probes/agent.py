@@ -66,6 +66,15 @@ class AgentMetrics:
         self.backend_up = Gauge(
             "backend_up", "1 while a telemetry backend works", ["backend"], registry=registry
         )
+        self._events_of: dict[str, Counter] = {}
+
+    def events_of(self, kind: str) -> Counter:
+        """The events counter's child for ``kind``, looked up once (``labels()`` takes a lock and
+        builds a key on every call, once per event otherwise)."""
+        child = self._events_of.get(kind)
+        if child is None:
+            child = self._events_of[kind] = self.events.labels(kind)
+        return child
 
 
 class Agent:
@@ -113,7 +122,7 @@ class Agent:
         )
         topic, key = telemetry_route(self._cfg, payload)
         self._publisher.put(topic, key, envelope.encode(env))
-        self._metrics.events.labels(env.kind.value).inc()
+        self._metrics.events_of(env.kind.value).inc()
 
     def sample_once(self) -> None:
         """Take one GPU sample round and queue what changed plus due heartbeats and events."""

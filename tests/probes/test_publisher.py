@@ -128,6 +128,34 @@ async def test_partly_acknowledged_batch_is_neither_resent_nor_counted_as_droppe
     assert delivered == {0, 1, 2} | set(range(40 - 20, 40)), "the newest 20 survive"
 
 
+async def test_metrics_count_per_topic_and_read_the_buffer_as_it_is() -> None:
+    broker = FakeBroker()
+    broker.up = False
+    registry = CollectorRegistry()
+    pub = BufferedPublisher(
+        lambda: FakeProducer(broker),
+        PublisherMetrics(registry),
+        batch_size=7,
+        backoff_s=(1e-3, 2e-3),
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(pub.run(stop))
+    for i in range(10):
+        pub.put("a" if i % 3 else "b", b"k", str(i).encode())
+    await until(lambda: broker.starts >= 2)  # a batch failed and went back to the buffer
+    assert registry.get_sample_value("flexpipe_agent_buffered") == 10
+    broker.up = True
+    await until(lambda: len(pub) == 0)
+    assert registry.get_sample_value("flexpipe_agent_buffered") == 0
+    stop.set()
+    await task
+    published = {
+        t: registry.get_sample_value("flexpipe_agent_published_total", {"topic": t}) for t in "ab"
+    }
+    assert published == {"a": 6, "b": 4}
+    assert registry.get_sample_value("flexpipe_agent_publish_latency_seconds_count") == 10
+
+
 async def test_shutdown_with_broker_down_does_not_hang() -> None:
     broker = FakeBroker()
     broker.up = False
