@@ -144,3 +144,42 @@ def step_times(
         Sample(kind, phase, batch, tokens, min(d for d, _ in ts), min(w for _, w in ts))
         for (kind, phase, batch, tokens), ts in times.items()
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class MicroGain:
+    """One step of a PP plan, one packed batch against micro-batches (fastest of rounds)."""
+
+    phase: str  # "prefill" (``batch`` prompts in one step) or "decode"
+    batch: int
+    device_s: tuple[float, float]  # (one packed batch, micro-batched), see Sample.step_s
+    wall_s: tuple[float, float]  # the driver's wall time of the same steps
+
+
+def microbatch_times(
+    unsplit: TorchEngine, split: TorchEngine, batch: int, prompt: int, rounds: int
+) -> list[MicroGain]:
+    """Prefill of ``batch`` prompts of ``prompt`` tokens in one step, then one decode step of
+    them, on the same plan without and with micro-batches, in interleaved rounds."""
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in range(rounds + 1):  # round 0 warms up and is not kept
+        for index in (1, 0) if r % 2 else (0, 1):  # alternate which runs first
+            engine = (unsplit, split)[index]
+            tag = f"mb{index}-{r}"
+            admit_all(engine, [SeqSpec(f"{tag}-{k}", prompt, 2) for k in range(batch)])
+            for phase in ("prefill", "decode"):
+                engine.step(0.0)
+                if r:
+                    times.setdefault((phase, index), []).append(
+                        (engine.last_device_s, engine.last_iteration_s)
+                    )
+            run_to_completion([engine])
+    return [
+        MicroGain(
+            phase,
+            batch,
+            (min(d for d, _ in times[(phase, 0)]), min(d for d, _ in times[(phase, 1)])),
+            (min(w for _, w in times[(phase, 0)]), min(w for _, w in times[(phase, 1)])),
+        )
+        for phase in ("prefill", "decode")
+    ]

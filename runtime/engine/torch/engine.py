@@ -64,6 +64,10 @@ class TorchEngineConfig:
     # micro-batches per pass of a pipeline of several stages (0: one per stage, as gearbox's
     # cost model assumes; 1: one packed batch passes the stages in turn)
     pp_microbatches: int = 0
+    # fewest tokens a micro-batch carries: each costs the stages a message and a hop, which a
+    # small decode pass does not win back (bench.engine: PP2 decoding 8 sequences took 20 ms
+    # packed, 24 ms in two micro-batches; a prefill of 8×64 tokens 180 → 139 ms device time)
+    pp_microbatch_min_tokens: int = 64
     device: str = "cpu"  # "cpu", "cuda:<n>" (all ranks share GPU n) or "cuda" (rank r on GPU r)
     backend: str = "gloo"  # torch.distributed backend ("nccl" on GPUs)
     capacity_bytes_per_gpu: int = 64 * _GIB  # VMM ledger capacity when the engine reserves
@@ -534,8 +538,10 @@ class TorchEngine:
         ranks = kv_holders(self.ranks, pipeline)
         targets = [self._procs[r.rank] for r in ranks]
         stages = ranks[0].num_stages
+        sizes = [c.n for _, c in feeds]
         parts = 1 if stages == 1 else self.settings.pp_microbatches or stages
-        cuts = micro_batches([c.n for _, c in feeds], parts)
+        parts = min(parts, max(1, sum(sizes) // max(1, self.settings.pp_microbatch_min_tokens)))
+        cuts = micro_batches(sizes, parts)
         # NOTE: micro-batch-major: every rank holds micro-batch m before any is sent m + 1, so
         # a rank blocked handing activations on never waits for a message not yet sent
         for a, b in cuts:

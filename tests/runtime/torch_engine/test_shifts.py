@@ -125,17 +125,23 @@ def test_pp_micro_batches_are_token_exact_with_one_packed_batch(engines: Engines
     unsplit = start_engine(
         "pp2", engines.ledger, "pp2-mb1", dataclasses.replace(SETTINGS, pp_microbatches=1)
     )
+    # every pass split, decode steps of a few tokens included
+    split = start_engine(
+        "pp2", engines.ledger, "pp2-mb2", dataclasses.replace(SETTINGS, pp_microbatch_min_tokens=1)
+    )
     try:
-        for engine, tag in ((engines["pp2"], "split"), (unsplit, "unsplit")):
+        for engine, tag in ((split, "split"), (unsplit, "unsplit")):
             sub = {f"{sid}-{tag}": p for sid, p in prompts.items()}
             for sid, prompt in sub.items():
                 engines.ledger.register(sid, prompt)
             admit_all(engine, specs(sub, MAX_NEW))
             engine.step(0.0)  # every prompt prefilled in this one step
+            engine.step(0.0)  # one decode step of six tokens
             assert engine.last_micro_batches == (2 if tag == "split" else 1)
             run_to_completion([engine])
     finally:
         unsplit.close()
+        split.close()
     for sid in prompts:
         assert engines.ledger.outputs(f"{sid}-split") == engines.ledger.outputs(f"{sid}-unsplit")
         assert len(engines.ledger.outputs(f"{sid}-split")) == MAX_NEW
