@@ -462,6 +462,7 @@ class Decider:
         e.metrics.decision_latency.labels(kind).observe(max(0.0, wall_s - trigger.time_ms / 1000))
         e.metrics.decision_processing.labels(kind).observe(max(0.0, wall_s - received_wall_s))
         e.metrics.set_blocks([(b.block_id, b.domain_id, b.num_gpus) for b in out.gear.blocks])
+        e.metrics.set_ttft(name, out.result.current, out.decision.context.load.window_ttft_p95_ms)
         self.show_plan(name, out.plan)
         d = out.decision
         log.info("%s %s: %s", d.decision_id, d.reason, d.to_plan_id)

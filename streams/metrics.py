@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gearbox.decisions import CandidateSummary
+
 __all__ = ["StreamsMetrics"]
 
 _LATENCY_BUCKETS_S = (
@@ -109,6 +111,24 @@ class StreamsMetrics:
             ["table"],
             registry=registry,
         )
+        self.ttft_correction = Gauge(
+            "flexpipe_streams_ttft_correction",
+            "Learned factor on the modelled TTFT p95 of each deployment's current plan (1 = model)",
+            ["deployment"],
+            registry=registry,
+        )
+        self.ttft_estimate = Gauge(
+            "flexpipe_streams_ttft_p95_estimate_seconds",
+            "Gearbox's TTFT p95 estimate for each deployment's current plan (model × correction)",
+            ["deployment"],
+            registry=registry,
+        )
+        self.ttft_observed = Gauge(
+            "flexpipe_streams_ttft_p95_observed_seconds",
+            "TTFT p95 over every sample of the load window (0 = no samples)",
+            ["deployment"],
+            registry=registry,
+        )
         self.clock = Gauge(
             "flexpipe_streams_clock_seconds", "The stream's event-time clock", registry=registry
         )
@@ -129,6 +149,16 @@ class StreamsMetrics:
         self.current_plan.labels(*labels).set(1)
         self._plan_labels[deployment] = labels
         self.current_plan_gpus.labels(deployment).set(num_gpus)
+
+    def set_ttft(
+        self, deployment: str, current: CandidateSummary | None, observed_ms: float
+    ) -> None:
+        """Show the current plan's TTFT estimate and correction beside the observed p95; without
+        a current plan only the observation."""
+        self.ttft_observed.labels(deployment).set(observed_ms / 1000.0)
+        if current is not None:
+            self.ttft_correction.labels(deployment).set(current.ttft_correction)
+            self.ttft_estimate.labels(deployment).set(current.est_ttft_p95_ms / 1000.0)
 
     def set_blocks(self, blocks: list[tuple[str, str, int]]) -> None:
         """Replace the per-block gauges with (block id, domain, GPUs) rows."""

@@ -208,6 +208,15 @@ async def test_ticks_decide_once_per_boundary_after_the_ack() -> None:
     decisions = broker.decisions()
     assert [d.decision_id for d in decisions] == ["chat:1"]
     assert tables.writes[TableName.CURSORS] == 1
+    # the TTFT gauges: nothing observed yet, so the estimate is the model's (factor 1)
+    current = decisions[0].context.current
+    assert current is not None and current.ttft_correction == 1.0
+    metrics = engine.metrics
+    assert metrics.ttft_correction.labels("chat")._value.get() == 1.0
+    assert metrics.ttft_estimate.labels("chat")._value.get() == pytest.approx(
+        current.est_ttft_p95_ms / 1000
+    )
+    assert metrics.ttft_observed.labels("chat")._value.get() == 0.0
     await feed(engine, heartbeats(T0_MS + 15_000, 400), wall)
     await engine.decider.tick()
     assert [d.decision_id for d in broker.decisions()] == ["chat:1", "chat:2"]
