@@ -3,6 +3,8 @@ and one short run per baseline/FlexPipe through a preemption, on the product's o
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from functools import cache
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 from bench.sim.baselines import RoundRobinRouter, static_layout
 from bench.sim.des import RunResult, Simulation
 from bench.sim.metrics import bucket_of, bucket_value_ms, quantile_ms
-from bench.sim.summary import event_response, flap_counts, system_summary
+from bench.sim.summary import estimator_errors, event_response, flap_counts, system_summary
 from bench.sim.systems import SYSTEMS, permissive
 from flexpipe.config import FlexPipeConfig
 from gearbox import DEFAULT_CONFIG, MODEL_7B_MHA
@@ -145,6 +147,24 @@ def test_flexpipe_reacts_to_the_preemption_and_the_fixed_plan_stalls() -> None:
         flex["deployments"]["chat-70b"]["completions"]
         > fixed["deployments"]["chat-70b"]["completions"]
     )
+
+
+def test_the_ttft_correction_learns_from_the_world_it_replays() -> None:
+    """The same run with learning off (correction_gain 0) is the model alone: the learned
+    estimates of the serving plan must be closer to what the next minutes observe."""
+    flexpipe = next(s for s in SYSTEMS if s.key == "flexpipe")
+    off = dataclasses.replace(
+        flexpipe, key="model_only", config=dataclasses.replace(DEFAULT_CONFIG, correction_gain=0.0)
+    )
+    scenario = short()
+    trace = scenario_trace(scenario, 600.0, seed=1)
+    model_only = Simulation(off, scenario, trace, seed=1, duration_s=600.0).run()
+    learned = run("flexpipe")
+    assert any("× correction 1.00)" not in d.explanation for d in learned.decisions)
+    assert all("× correction 1.00)" in d.explanation for d in model_only.decisions)
+    errors, baseline = estimator_errors(learned), estimator_errors(model_only)
+    assert len(errors) > 20
+    assert statistics.median(errors) < 0.8 * statistics.median(baseline)
 
 
 def test_runs_keep_the_ownership_invariant() -> None:
