@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "switch_cost_error_wall": round(abs(mig.shift_s - mig.predicted_s) / mig.shift_s, 4),
         "token_exact_shifts": exact,
         "token_mismatches": mismatches,
-        **{f"fit_{k}": round(v, 4) for k, v in fitted.items()},
+        **{f"fit_{k}": float(f"{v:.4g}") for k, v in fitted.items()},  # the overheads are us
         "fit_link_latency_us": round(link.latency_us, 1),
     }
     missed = _missed(result)

@@ -47,23 +47,31 @@ def migration_run(
     machine: Machine,
     num_seqs: int = 16,
     prompt: int = 384,
+    repeats: int = 5,
 ) -> Migration:
-    """Shift TP2 → TP1 with ``num_seqs`` active sequences, every one migrated."""
+    """Shift TP2 → TP1 with ``num_seqs`` active sequences, every one migrated; ``repeats``
+    shifts of fresh sequences, each figure the fastest.
+
+    NOTE: the fastest, as the step times are: a neighbour's load only slows a shift (one
+    shift beside two busy loops took 8.5 ms CPU where a quieter one took 6.9 ms)."""
     ledger = TokenLedger(cfg.vocab_size)
     old = start("tp2", cfg, source, ledger, settings, prefix="mig-old")
     new = start("tp1", cfg, source, ledger, settings, prefix="mig-new")
+    kv_link = LinkClass("host-memcpy", machine.memcpy_gbps, 0.0)
+    reports = []
     try:
-        admit_all(old, [SeqSpec(f"m{i}", prompt, 64) for i in range(num_seqs)])
-        old.step(0.0)
-        old.step(0.0)
-        kv_link = LinkClass("host-memcpy", machine.memcpy_gbps, 0.0)
-        plan = handover_plan(old, new, kv_link, config)
-        handover = tuple(
-            KvHandover(h.seq_id, KvAction.MIGRATE, h.num_tokens, h.transfer_bytes, h.est_s)
-            for h in plan
-        )
-        contexts = [p.context_tokens for p in old.progress() if p.state is SeqState.RUNNING]
-        report, _ = shift(old, new, handover)
+        for r in range(repeats):
+            admit_all(old, [SeqSpec(f"m{r}-{i}", prompt, 64) for i in range(num_seqs)])
+            old.step(0.0)
+            old.step(0.0)
+            plan = handover_plan(old, new, kv_link, config)
+            handover = tuple(
+                KvHandover(h.seq_id, KvAction.MIGRATE, h.num_tokens, h.transfer_bytes, h.est_s)
+                for h in plan
+            )
+            contexts = [p.context_tokens for p in old.progress() if p.state is SeqState.RUNNING]
+            reports.append(shift(old, new, handover)[0])
+            new.drop([h.seq_id for h in handover])
         current = DeploymentPlan("bench", cfg.name, (old.plan,))
         target = DeploymentPlan("bench", cfg.name, (new.plan,))
         snapshot = link_snapshot((old.plan, new.plan), kv_link)
@@ -73,14 +81,15 @@ def migration_run(
     finally:
         old.close()
         new.close()
-    bw = report.migrate_bytes / report.migrate_s / 1e9
+    moved = reports[0].migrate_bytes
+    migrate_s = min(r.migrate_s for r in reports)
     return Migration(
-        report.migrate_bytes,
-        report.migrate_s,
-        bw,
-        memcpy_gbps(report.migrate_bytes),
-        report.shift_s,
-        report.shift_cpu_s,
+        moved,
+        migrate_s,
+        moved / migrate_s / 1e9,
+        memcpy_gbps(moved),
+        min(r.shift_s for r in reports),
+        min(r.shift_cpu_s for r in reports),
         cost.duration_s,
     )
 
