@@ -37,7 +37,7 @@ class TableName(StrEnum):
     SERVING = "serving"  # deployment → ServingWindows: serving load over hopping windows
     PLANS = "plans"  # deployment → PlanState: current plan (transitions topic, own decisions)
     OVERRIDES = "overrides"  # deployment → OverrideState: pins and emergency downshifts
-    GEAR_STATE = "gear_state"  # deployment → GearState: atomic blocks and block-size history
+    GEAR_STATE = "gear_state"  # deployment → GearState: blocks, block history, TTFT corrections
     CURSORS = "cursors"  # deployment → Cursor: last decision's sequence and trigger time
 
 
