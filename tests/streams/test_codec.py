@@ -5,6 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from flexpipe.latency import histogram
+from gearbox.config import DEFAULT_CONFIG
+from gearbox.correction import Corrections, observe
 from gearbox.history import BlockHistory, BlockSample, BlockSeries, GearState
 from gearbox.serde import to_plain
 from streams.codec import dumps, loads
@@ -26,8 +29,11 @@ def test_format_is_gearbox_serde() -> None:
 def test_round_trips() -> None:
     w = HoppingWindow(10.0, 2.0)
     launches, _ = fold_launches(LaunchWindow(), w, make_launches(), "s", 1, 1000)
-    serving, _ = fold_serving(ServingWindows(), w, make_load(), "s", 1, 1000)
+    timed = make_load(ttft_histogram=histogram([80.0, 120.0, 2500.0]))
+    serving, _ = fold_serving(ServingWindows(), w, timed, "s", 1, 1000)
     node, _ = fold_cluster_event(None, node_up("n", "A", "nvlink", 1.5), "s", 1, 0)
+    # a restarted worker gets back what gearbox learned, not only blocks and history
+    learned = observe(Corrections(), "h100/tp8", 200.0, 500.0, 60, 30.0, None, DEFAULT_CONFIG)
     for value in (
         launches,
         serving,
@@ -36,6 +42,7 @@ def test_round_trips() -> None:
         PlanState(),
         OverrideState(),
         GearState(),
+        GearState(corrections=learned),
     ):
         assert loads(type(value), dumps(value)) == value
 
