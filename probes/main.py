@@ -23,7 +23,7 @@ from flexpipe.errors import FlexPipeError
 from flexpipe.kafka import make_producer
 from probes.agent import Agent, AgentClock, AgentMetrics
 from probes.base import GpuSampler, LaunchCounter
-from probes.publisher import BufferedPublisher, PublisherMetrics
+from probes.publisher import BufferedPublisher, PublisherMetrics, cached_partitioner
 
 log = logging.getLogger(__name__)
 BACKENDS = {"nvml", "ebpf", "sim"}
@@ -89,7 +89,9 @@ async def run_agent(
     metrics = AgentMetrics(registry)
     backends = build_backends(args, metrics, open_sim)
     publisher = BufferedPublisher(
-        lambda: make_producer(cfg), PublisherMetrics(registry), max_buffer=args.max_buffer
+        lambda: make_producer(cfg, partitioner=cached_partitioner),
+        PublisherMetrics(registry),
+        max_buffer=args.max_buffer,
     )
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_addr, registry=registry)

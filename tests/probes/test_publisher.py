@@ -8,9 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from aiokafka.partitioner import DefaultPartitioner
 from prometheus_client import CollectorRegistry
 
-from probes.publisher import BufferedPublisher, PublisherMetrics
+from probes.publisher import BufferedPublisher, PublisherMetrics, cached_partitioner
 
 pytestmark = pytest.mark.unit
 
@@ -174,3 +175,13 @@ def test_rejects_nonsense_sizes() -> None:
         BufferedPublisher(
             lambda: FakeProducer(FakeBroker()), PublisherMetrics(CollectorRegistry()), 0
         )
+
+
+def test_cached_partitioner_picks_what_kafkas_default_picks() -> None:
+    keys = [f"GPU-{i:08d}-0000".encode() for i in range(200)] + [b"node-a1", b""]
+    for n in (1, 2, 3, 7, 12):
+        partitions = list(range(n))
+        for key in keys * 2:  # the second pass answers from the cache
+            expected = DefaultPartitioner()(key, partitions, partitions)
+            assert cached_partitioner(key, partitions, partitions) == expected
+    assert cached_partitioner(None, [0, 1, 2], [2]) == 2, "no key: an available partition"
