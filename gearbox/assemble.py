@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gearbox.candidates import ReplicaOption
 from gearbox.cost import ReplicaCapacity, ReplicaShape
@@ -110,31 +111,44 @@ def _trim(kept: Sequence[Unit], demand_rps: float) -> tuple[Unit, ...]:
     return tuple(units)
 
 
+class _Row(NamedTuple):
+    option: ReplicaOption
+    label: str
+    per_gpu: float  # requests per second per GPU of the best copy
+    latency_s: float  # unloaded request latency of the best copy
+    steadiness: float  # the weakest block's stability factor
+    total_rps: float  # capacity of all copies
+
+
 def _orders(
-    stability: Mapping[str, float], output_tokens: int
-) -> dict[str, Callable[[ReplicaOption], tuple[float, ...]]]:
-    def per_gpu(o: ReplicaOption) -> float:
-        return o.copies[0].capacity.capacity_rps / o.gpus_per_copy
+    options: Sequence[ReplicaOption], stability: Mapping[str, float], output_tokens: int
+) -> dict[str, list[ReplicaOption]]:
+    """Each strategy's preference order over the options, ties broken by label.
 
-    def steadiness(o: ReplicaOption) -> float:
-        return min(stability.get(b, 1.0) for b in o.block_ids)
-
-    def latency(o: ReplicaOption) -> float:
+    NOTE: each option's figures are computed once, not inside the sort keys: four strategies
+    (five with ``incremental``) sort every option, and the keys called properties that add up
+    the option's GPUs and copies each time.
+    """
+    rows = []
+    for o in options:
         best = o.copies[0].capacity
-        return best.prefill_latency_s + output_tokens * best.unloaded_tbt_s
-
-    return {
-        "latency": lambda o: (latency(o), -per_gpu(o)),
-        "efficiency": lambda o: (-per_gpu(o), latency(o)),
-        "stability": lambda o: (-steadiness(o), -per_gpu(o)),
-        "capacity": lambda o: (-sum(c.capacity.capacity_rps for c in o.copies), latency(o)),
+        rows.append(
+            _Row(
+                o,
+                o.label,
+                best.capacity_rps / o.gpus_per_copy,
+                best.prefill_latency_s + output_tokens * best.unloaded_tbt_s,
+                min(stability.get(b, 1.0) for b in o.block_ids),
+                sum(c.capacity.capacity_rps for c in o.copies),
+            )
+        )
+    keys: dict[str, Callable[[_Row], tuple[float | str, ...]]] = {
+        "latency": lambda r: (r.latency_s, -r.per_gpu, r.label),
+        "efficiency": lambda r: (-r.per_gpu, r.latency_s, r.label),
+        "stability": lambda r: (-r.steadiness, -r.per_gpu, r.label),
+        "capacity": lambda r: (-r.total_rps, r.latency_s, r.label),
     }
-
-
-def _ordered(
-    options: Sequence[ReplicaOption], key: Callable[[ReplicaOption], tuple[float, ...]]
-) -> list[ReplicaOption]:
-    return sorted(options, key=lambda o: (*key(o), o.label))
+    return {name: [r.option for r in sorted(rows, key=key)] for name, key in keys.items()}
 
 
 def assemble(
@@ -149,17 +163,14 @@ def assemble(
     ``demand_rps`` should already include the headroom. ``kept`` are the current deployment's
     feasible replicas (empty for a first placement).
     """
-    orders = _orders(stability, output_tokens)
-    by_strategy: list[Assembly] = []
-    for name, key in orders.items():
-        by_strategy.append(Assembly(name, _fill(_ordered(options, key), demand_rps)))
+    orders = _orders(options, stability, output_tokens)
+    by_strategy = [Assembly(name, _fill(order, demand_rps)) for name, order in orders.items()]
     if kept:
         capacity = sum(u.capacity.capacity_rps for u in kept)
         if capacity >= demand_rps:
             units = _trim(kept, demand_rps)
         else:
-            efficiency = _ordered(options, orders["efficiency"])
-            units = _fill(efficiency, demand_rps, seed=kept)
+            units = _fill(orders["efficiency"], demand_rps, seed=kept)
         by_strategy.append(Assembly("incremental", units))
     unique: dict[frozenset[str], Assembly] = {}
     for assembly in by_strategy:
