@@ -17,12 +17,14 @@ topology or load trigger takes in the stream. Two series per size:
 * ``cold`` — every cache cleared before each call (``gearbox.clear_caches``): a worker's first
   decision.
 
-``decide_cpu_median_ms`` is the cached calls' CPU time (this process's): what a call costs when
-the machine is shared and the wall time also counts other processes' turns.
+``decide_cpu_median_ms`` is the cached calls' CPU time (this process's, ``time.process_time``):
+what a call costs when the machine is shared and the wall time also counts other processes' turns.
 ``growth_64_to_128`` is the median at 128 blocks over the median at 64 (goal ≤ 2.2, i.e. close to
-linear in blocks). ``calibration_ms`` times a fixed pure-Python workload (:mod:`bench.calibrate`)
-so figures compare across machines. Prints a table, then LAST one JSON line; exits 1 naming the
-goal missed.
+linear in blocks: the load, and so the replicas to place, grow with the cluster too);
+``cpu_growth_64_to_128`` is the same ratio of CPU-time medians, the figure to judge growth by on a
+busy machine. The goal is judged on the wall figure; a miss names the CPU growth beside it.
+``calibration_ms`` times a fixed pure-Python workload (:mod:`bench.calibrate`) so figures compare
+across machines. Prints a table, then LAST one JSON line; exits 1 naming the goal missed.
 
 Run: ``python -m bench.planner`` (``--repeats N`` to change the sample count).
 """
@@ -194,6 +196,7 @@ def main() -> int:
     by_size = {int(r["blocks"]): r for r in rows}
     ref = by_size[64]
     growth = float(by_size[128]["decide_median_ms"]) / float(ref["decide_median_ms"])
+    cpu_growth = float(by_size[128]["cpu_median_ms"]) / float(ref["cpu_median_ms"])
     summary = {
         "bench": "planner",
         "blocks": ref["blocks"],
@@ -212,7 +215,11 @@ def main() -> int:
         "cold_median_ms_by_blocks": {
             str(s): round(float(by_size[s]["cold_median_ms"]), 3) for s in SIZES
         },
+        "decide_cpu_median_ms_by_blocks": {
+            str(s): round(float(by_size[s]["cpu_median_ms"]), 3) for s in SIZES
+        },
         "growth_64_to_128": round(growth, 3),
+        "cpu_growth_64_to_128": round(cpu_growth, 3),
         "repeats": args.repeats,
         "calibration_ms": calibration_ms(),
         "goal_ms": GOAL_MS,
@@ -222,7 +229,10 @@ def main() -> int:
     if summary["decide_median_ms"] > GOAL_MS:
         missed.append(f"decide_median_ms {summary['decide_median_ms']} > {GOAL_MS:g}")
     if growth > GOAL_GROWTH:
-        missed.append(f"growth_64_to_128 {summary['growth_64_to_128']} > {GOAL_GROWTH:g}")
+        missed.append(
+            f"growth_64_to_128 {summary['growth_64_to_128']} > {GOAL_GROWTH:g} "
+            f"(CPU-time growth {summary['cpu_growth_64_to_128']})"
+        )
     if not (ref["pp_options"] and ref["pd_options"]):
         missed.append("no pipeline-parallel or PD-split option at 64 blocks: not the hard case")
     summary["missed"] = missed
