@@ -312,9 +312,13 @@ class NvmlSampler:
             dev.nvlink_links = tuple(answered)
         if not dev.nvlink_links:
             return None
-        states = [
-            self._try(dev, nv.nvmlDeviceGetNvLinkState, dev.handle, i) for i in dev.nvlink_links
-        ]
+        get_state, handle = nv.nvmlDeviceGetNvLinkState, dev.handle
+        try:
+            # NOTE: one guard for the whole round, not one _try per link: up to 18 links per GPU
+            # every second; when a link refuses, the round is read again link by link below.
+            states: list[int | None] = [get_state(handle, i) for i in dev.nvlink_links]
+        except self._errors:
+            states = [self._try(dev, get_state, handle, i) for i in dev.nvlink_links]
         known = [s for s in states if s is not None]
         return sum(1 for s in known if s == nv.NVML_FEATURE_ENABLED) if known else None
 

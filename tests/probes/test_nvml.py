@@ -154,6 +154,23 @@ def test_nvlink_links_are_probed_once_then_only_known_indices() -> None:
     assert fake.calls.count("nvmlDeviceGetNvLinkState") == 2
 
 
+@pytest.mark.parametrize(
+    ("code", "healthy"), [(pynvml.NVML_ERROR_UNKNOWN, True), (pynvml.NVML_ERROR_GPU_IS_LOST, False)]
+)
+def test_known_links_that_start_failing_null_the_count_or_mark_the_gpu_lost(
+    code: int, healthy: bool
+) -> None:
+    gpu = make_gpu(nvlink_states=[1, 1, 0])
+    sampler, _ = make_sampler(gpu)
+    assert sampler.sample(1.0)[0].nvlink_active_links == 2  # links learnt
+    gpu.fail["nvmlDeviceGetNvLinkState"] = code
+    [s] = sampler.sample(2.0)
+    assert s.healthy is healthy and s.nvlink_active_links is None
+    assert [e.type for e in sampler.poll_events(2.0)] == (
+        [] if healthy else [ClusterEventType.GPU_ISOLATED]
+    )
+
+
 def test_gpu_without_nvlink_is_in_the_pcie_domain_and_not_probed_again() -> None:
     sampler, fake = make_sampler(make_gpu(name="NVIDIA L40S", nvlink_states=[]))
     [s] = sampler.sample(1.0)
