@@ -96,7 +96,7 @@ class GearboxConfig(Serialisable):
     idle_gpu_value_tok_s: float = 50.0  # value of a GPU handed back, so low load scales down
     max_latency_ms: float = 3_600_000.0  # saturated estimates are capped here
     # --- online correction of the TTFT estimate (see gearbox.correction) ---
-    correction_gain: float = 0.15  # weight of a tick's observed/model ratio (0 = never learn)
+    correction_gain: float = 0.1  # weight of a tick's observed/model ratio (0 = never learn)
     correction_half_life_s: float = 1800.0  # a factor without new data halves its log this fast
     correction_min_samples: int = 20  # ticks whose window holds fewer TTFT samples are ignored
     # bounds of a learned factor; their ranges keep 1 (the model itself) inside, so a factor

@@ -5,9 +5,13 @@ plans for is not (other kernels, heavy-tailed lengths, jitter). Each tick, the d
 observed TTFT p95 over the load window is compared with the model's figure for the plan that
 served it, and a multiplicative factor is learned from the ratio:
 
-* update — in log space, ``log f ← (1 − gain) · log f + gain · log(observed / model)``
-  (an exponentially weighted geometric mean, so a 2× over- and a 2× under-estimate weigh the
-  same), then clamped to ``[correction_min_factor, correction_max_factor]``;
+* update — in log space, ``log f ← (1 − g) · log f + g · log(observed / model)`` (an
+  exponentially weighted geometric mean, so a 2× over- and a 2× under-estimate weigh the same),
+  then clamped to ``[correction_min_factor, correction_max_factor]``. ``g`` is
+  ``max(correction_gain, 1 / n)`` for a factor's n-th observation: a plain running mean until
+  it has ``1 / correction_gain`` observations, so the first ticks do not drag the factor from an
+  uninformed 1 (half of the estimates that stayed > 50 % off in bench.fragmented were those);
+  an exponential mean after that, so it keeps following the world;
 * ignored ticks — fewer than ``correction_min_samples`` TTFT samples in the window, no model
   figure, or less than ``correction_settle_s`` since the last switch (the window still holds
   the old plan's requests and the hand-over's);
@@ -127,13 +131,13 @@ def observe(
     ):
         return corrections
     target = math.log(observed_ttft_p95_ms / model_ttft_p95_ms)
-    gain = config.correction_gain
     kept = {e.shape: e for e in corrections.entries}
     for key in (shape, DEPLOYMENT_WIDE):
         old = kept.get(key)
         prior = 0.0 if old is None else math.log(_decayed(old, now_s, config))
-        factor = _clamp(math.exp((1 - gain) * prior + gain * target), config)
         seen = 0 if old is None else old.observations
+        gain = max(config.correction_gain, 1.0 / (seen + 1))
+        factor = _clamp(math.exp((1 - gain) * prior + gain * target), config)
         kept[key] = Correction(key, factor, now_s, seen + 1)
     shaped = sorted(
         (e for e in kept.values() if e.shape != DEPLOYMENT_WIDE),

@@ -41,10 +41,18 @@ def _feed(
 
 
 def test_converges_toward_observed_over_modelled() -> None:
-    factors = [factor_for(_feed(2.5, n), "s", 15.0 * (n - 1), CONFIG) for n in range(1, 30)]
-    assert all(a < b for a, b in itertools.pairwise(factors))  # each tick moves it closer
-    assert factors[0] == pytest.approx(2.5**CONFIG.correction_gain)
-    assert factors[-1] == pytest.approx(2.5, rel=0.02)
+    # the first observations are averaged (geometric mean): 2× then 0.5× the model is the model
+    both = observe(_feed(2.0, 1), "s", 100.0, 50.0, 50, 15.0, None, CONFIG)
+    assert factor_for(both, "s", 15.0, CONFIG) == pytest.approx(1.0, rel=1e-4)
+    assert factor_for(_feed(2.5, 30), "s", 15.0 * 29, CONFIG) == pytest.approx(2.5, rel=1e-3)
+    # then the world changes: the factor follows it step by step to the new ratio
+    moved = _feed(2.5, 30)
+    factors = []
+    for i in range(30, 90):
+        moved = observe(moved, "s", 100.0, 125.0, 50, 15.0 * i, None, CONFIG)
+        factors.append(factor_for(moved, "s", 15.0 * i, CONFIG))
+    assert all(a > b for a, b in itertools.pairwise(factors))  # each tick moves it closer
+    assert factors[0] < 2.5 and factors[-1] == pytest.approx(1.25, rel=0.02)
     low = _feed(0.5, 40)
     assert factor_for(low, "s", 15.0 * 39, CONFIG) == pytest.approx(0.5, rel=0.02)
 
