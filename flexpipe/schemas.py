@@ -171,6 +171,7 @@ class ServingLoad:
     rejected: int = 0
     plan_id: str | None = None
     ttft_histogram: tuple[tuple[int, int], ...] = ()  # the window's TTFTs, flexpipe.latency
+    prompt_histogram: tuple[tuple[int, int], ...] = ()  # arrivals' prompt tokens, same buckets
 
 
 # XID codes after which NVIDIA says the GPU needs a reset or replacement: double-bit ECC (48),

@@ -135,6 +135,11 @@ class LoadSnapshot(Serialisable):
     # the highest of many small reports' p95s sits near the window's maximum instead
     window_ttft_p95_ms: float = 0.0
     num_ttft_samples: int = 0  # TTFT samples behind window_ttft_p95_ms
+    # Prompt-length distribution of the window's arrivals (0 = unknown: the estimate then takes
+    # every prompt as the mean one, with exponential service times). Heavy-tailed prompts set
+    # the TTFT p95, not the mean one (gearbox.cost, M/G/c wait).
+    p95_prompt_tokens: float = 0.0
+    prompt_tokens_scv: float = 0.0  # squared coefficient of variation of prompt tokens
 
     def __post_init__(self) -> None:
         if (
@@ -142,6 +147,8 @@ class LoadSnapshot(Serialisable):
             or self.queue_len < 0
             or self.active_sequences < 0
             or self.num_ttft_samples < 0
+            or self.p95_prompt_tokens < 0
+            or self.prompt_tokens_scv < 0
         ):
             raise ValueError("LoadSnapshot: rates and counts must be >= 0")
         if self.mean_prompt_tokens < 1 or self.mean_output_tokens < 1:

@@ -39,11 +39,14 @@ class ServingWindow:
     rejections: dict[Reason, int] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)
     tbt_ms: list[float] = field(default_factory=list)
+    prompt_lengths: list[int] = field(default_factory=list)  # tokens, for the length histogram
 
     def on_arrival(self, request: Request, reason: Reason) -> None:
         """Count an arrival and, when refused, its reason."""
         self.arrivals += 1
         self.prompt_tokens += request.prompt_tokens
+        if len(self.prompt_lengths) < MAX_SAMPLES:
+            self.prompt_lengths.append(request.prompt_tokens)
         if reason is not Reason.ADMITTED:
             self.rejected += 1
             self.rejections[reason] = self.rejections.get(reason, 0) + 1
@@ -95,4 +98,5 @@ class ServingWindow:
             rejected=self.rejected,
             plan_id=plan_id,
             ttft_histogram=histogram(self.ttft_ms),
+            prompt_histogram=histogram(self.prompt_lengths),
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from flexpipe.latency import Histogram, merge, quantile_ms, total
+from flexpipe.latency import Histogram, merge, moments, quantile_ms, total
 from flexpipe.schemas import KernelLaunches, ServingLoad
 from streams.state import Dedupe, is_duplicate
 from streams.windows import HoppingWindow, Panes, add, aggregate
@@ -98,6 +98,7 @@ class LoadSums:
     active_sequences: int = 0
     kv_bytes: int = 0
     ttft_histogram: Histogram = ()  # every TTFT sample of the reports (flexpipe.latency)
+    prompt_histogram: Histogram = ()  # every arrival's prompt tokens, same buckets
 
 
 class _LoadMonoid:
@@ -121,6 +122,7 @@ class _LoadMonoid:
             active_sequences=latest.active_sequences,
             kv_bytes=latest.kv_bytes,
             ttft_histogram=merge(a.ttft_histogram, b.ttft_histogram),
+            prompt_histogram=merge(a.prompt_histogram, b.prompt_histogram),
         )
 
 
@@ -145,6 +147,7 @@ def _sums(report: ServingLoad, event_time_ms: int) -> LoadSums:
         active_sequences=max(0, report.active_sequences),
         kv_bytes=max(0, report.kv_bytes),
         ttft_histogram=merge((), report.ttft_histogram),
+        prompt_histogram=merge((), report.prompt_histogram),
     )
 
 
@@ -211,6 +214,10 @@ class ServingAggregate:
     tbt_p95_ms: float
     window_ttft_p95_ms: float  # p95 of every TTFT sample in the window (0 without samples)
     num_ttft_samples: int
+    # prompt tokens over every arrival of the window (0 = no histogram reported): the tail and
+    # the spread gearbox's TTFT estimate needs (gearbox.cost, M/G/c wait)
+    p95_prompt_tokens: float = 0.0
+    prompt_tokens_scv: float = 0.0  # squared coefficient of variation, Var / mean²
 
 
 def serving_aggregate(
@@ -221,8 +228,11 @@ def serving_aggregate(
     parts = [p for p in parts if p.reports]
     arrivals = sum(p.arrivals for p in parts)
     ttfts: Histogram = ()
+    prompts: Histogram = ()
     for p in parts:
         ttfts = merge(ttfts, p.ttft_histogram)
+        prompts = merge(prompts, p.prompt_histogram)
+    spread = moments(prompts)
 
     def rate(value: float, covered_s: float) -> float:
         return value / covered_s if covered_s > 0 else 0.0
@@ -241,4 +251,6 @@ def serving_aggregate(
         tbt_p95_ms=max((p.tbt_p95_ms for p in parts), default=0.0),
         window_ttft_p95_ms=quantile_ms(ttfts, 0.95) or 0.0,
         num_ttft_samples=total(ttfts),
+        p95_prompt_tokens=quantile_ms(prompts, 0.95) or 0.0,
+        prompt_tokens_scv=spread[1] if spread is not None else 0.0,
     )

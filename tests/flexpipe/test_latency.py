@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from flexpipe.latency import histogram, merge, quantile_ms, total
+from flexpipe.latency import histogram, merge, moments, quantile_ms, total
 
 pytestmark = pytest.mark.unit
 
@@ -23,3 +23,16 @@ def test_quantiles_within_half_a_bucket_and_merging_is_exact() -> None:
     assert halves == h  # merging is adding counts: the order and split do not matter
     assert quantile_ms((), 0.95) is None
     assert histogram([0.0, -3.0]) == histogram([0.0005, 0.001])  # at or below the floor: one bucket
+
+
+def test_moments_give_mean_and_squared_variation_within_the_bucket_width() -> None:
+    rng = random.Random(6)
+    values = [rng.lognormvariate(6.5, 0.8) for _ in range(20_000)]
+    mean = sum(values) / len(values)
+    scv = sum((v - mean) ** 2 for v in values) / len(values) / mean**2
+    got = moments(histogram(values))
+    assert got is not None
+    assert got[0] == pytest.approx(mean, rel=0.01)
+    assert got[1] == pytest.approx(scv, rel=0.02)
+    assert moments(histogram([500.0] * 10)) == (pytest.approx(500.0, rel=0.05), 0.0)
+    assert moments(()) is None

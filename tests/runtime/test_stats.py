@@ -6,7 +6,7 @@ import pytest
 
 from flexpipe.latency import quantile_ms, total
 from runtime.stats import ServingWindow
-from runtime.types import Completion
+from runtime.types import Completion, Reason, Request, RequestKind
 
 pytestmark = pytest.mark.unit
 
@@ -22,3 +22,17 @@ def test_report_carries_every_ttft_sample() -> None:
     assert report.ttft_p95_ms == 100.0  # rank 19 of 20
     assert total(report.ttft_histogram) == 20
     assert quantile_ms(report.ttft_histogram, 1.0) == pytest.approx(2000.0, rel=0.05)
+
+
+def test_report_carries_every_arrivals_prompt_length() -> None:
+    window = ServingWindow(start_s=0.0)
+    for i in range(20):
+        prompt = 6000 if i == 0 else 500
+        window.on_arrival(Request(f"r{i}", prompt, 10, 0.0, RequestKind.CHAT), Reason.ADMITTED)
+    window.on_arrival(Request("x", 500, 10, 0.0, RequestKind.CHAT), Reason.QUEUE_FULL)
+    report = window.report(
+        "chat", "m", 5.0, queue_len=0, active_sequences=0, kv_bytes=0, plan_id=None
+    )
+    assert total(report.prompt_histogram) == 21  # refused arrivals too, like the mean
+    assert quantile_ms(report.prompt_histogram, 1.0) == pytest.approx(6000.0, rel=0.05)
+    assert quantile_ms(report.prompt_histogram, 0.9) == pytest.approx(500.0, rel=0.05)

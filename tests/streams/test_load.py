@@ -88,3 +88,20 @@ def test_window_ttft_p95_is_over_every_sample_not_the_highest_report() -> None:
     bad = make_load(arrivals=1, ttft_histogram=((10, -5),))
     state, _ = fold_serving(state, LOAD_WINDOW, bad, "w1", 13, 59_000)
     assert serving_aggregate(state, LOAD_WINDOW, 59.0).num_ttft_samples == 48
+
+
+def test_prompt_lengths_merge_across_sources_into_p95_and_spread() -> None:
+    # Two workers: one sees only short prompts, the other one long prompt in ten. Over the
+    # window, 1 prompt in 20 is long: the p95 (rank 38 of 40) is short, the maximum long.
+    short, mixed = [500.0] * 20, [500.0] * 18 + [6000.0] * 2
+    state = ServingWindows()
+    for source, prompts in (("w1", short), ("w2", mixed)):
+        report = make_load(arrivals=20, prompt_histogram=histogram(prompts))
+        state, _ = fold_serving(state, LOAD_WINDOW, report, source, 1, 5_000)
+    agg = serving_aggregate(state, LOAD_WINDOW, 9.0)
+    lengths = short + mixed
+    mean = sum(lengths) / len(lengths)
+    scv = sum((x - mean) ** 2 for x in lengths) / len(lengths) / mean**2
+    assert agg.p95_prompt_tokens == pytest.approx(500.0, rel=0.05)
+    assert agg.prompt_tokens_scv == pytest.approx(scv, rel=0.1)
+    assert serving_aggregate(ServingWindows(), LOAD_WINDOW, 9.0).p95_prompt_tokens == 0.0
