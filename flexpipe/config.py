@@ -274,6 +274,19 @@ class RuntimeConfig(_Section):
     tick_s: float = Field(0.02, gt=0.0, le=1.0)
     serving_publish_s: float = Field(5.0, gt=0.0)
     request_timeout_s: float = Field(300.0, gt=0.0)
+    engine: Literal["sim", "torch"] = Field(
+        "sim",
+        description="sim: SimEngine (default); torch: the torch reference engine (a small "
+        "stand-in model on this host's CPU, runtime/engine/torch) over durable token ledgers",
+    )
+    ledger_dir: Path | None = Field(
+        None,
+        description="engine torch: one token ledger file per deployment here; a restarted "
+        "worker resumes every unfinished sequence after its last emitted token",
+    )
+    ledger_fsync: bool = Field(
+        False, description="fsync the ledger once per engine step (survives a host crash)"
+    )
 
     @field_validator("deployments", mode="before")
     @classmethod
@@ -288,6 +301,20 @@ class RuntimeConfig(_Section):
             raise ValueError(
                 "drain_timeout_s must be below cleanup_timeout_s, or every slow drain turns "
                 "into a failed cleanup instead of a forced one"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ledger_with_torch(self) -> RuntimeConfig:
+        if self.engine == "torch" and self.ledger_dir is None:
+            raise ValueError(
+                "ledger_dir: required with engine torch: without the emitted tokens on disk a "
+                "restarted worker generates every recovered sequence again from its prompt"
+            )
+        if self.engine == "sim" and self.ledger_dir is not None:
+            raise ValueError(
+                "ledger_dir: only engine torch keeps a token ledger (SimEngine "
+                "generates counts, not token ids)"
             )
         return self
 
@@ -338,6 +365,17 @@ def load_config(
         raise ConfigError(_describe(exc)) from None
 
 
+def with_runtime(cfg: FlexPipeConfig, **overrides: object) -> FlexPipeConfig:
+    """``cfg`` with ``runtime`` fields replaced (a process's flags over its config file),
+    validated as a whole section: an error names the ``runtime.<key>`` at fault."""
+    data = {**cfg.runtime.model_dump(), **overrides}
+    try:
+        runtime = RuntimeConfig.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(_describe(exc, ("runtime",))) from None
+    return cfg.model_copy(update={"runtime": runtime})
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         loaded = yaml.safe_load(path.read_text())
@@ -365,9 +403,9 @@ def _set_path(data: dict[str, Any], parts: list[str], value: str, env_key: str) 
     node[parts[-1]] = value
 
 
-def _describe(exc: pydantic.ValidationError) -> str:
+def _describe(exc: pydantic.ValidationError, section: tuple[str, ...] = ()) -> str:
     err = exc.errors(include_url=False)[0]
-    loc = [str(p) for p in err["loc"]]
+    loc = [*section, *(str(p) for p in err["loc"])]
     msg = err["msg"]
     if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
         return f"config key {'.'.join(loc)}: unknown key"

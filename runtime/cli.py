@@ -11,7 +11,7 @@ import logging
 import signal
 from collections.abc import Sequence
 
-from flexpipe.config import FlexPipeConfig, load_config
+from flexpipe.config import FlexPipeConfig, load_config, with_runtime
 from flexpipe.errors import FlexPipeError
 from flexpipe.schemas import TransitionPhase
 from runtime.worker import RuntimeWorker
@@ -33,13 +33,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pause-from-seq", type=int, default=0, help="TEST HOOK: hold only from this transition"
     )
+    parser.add_argument(
+        "--engine",
+        choices=["sim", "torch"],
+        default=None,
+        help="sets runtime.engine: sim (SimEngine, the default) or torch (the torch reference "
+        "engine on this host's CPU, a small stand-in model; needs --ledger-dir)",
+    )
+    parser.add_argument(
+        "--ledger-dir",
+        default=None,
+        help="sets runtime.ledger_dir: the torch engine's token ledgers, one file per "
+        "deployment; a restarted worker resumes its sequences from them",
+    )
+
+
+def with_flags(cfg: FlexPipeConfig, args: argparse.Namespace) -> FlexPipeConfig:
+    """``cfg`` with the runtime keys that ``--engine`` / ``--ledger-dir`` set, validated."""
+    # NOTE: getattr: `flexpipe runtime` builds its own parser, which may lack these flags
+    flags = {
+        "engine": getattr(args, "engine", None),
+        "ledger_dir": getattr(args, "ledger_dir", None),
+    }
+    overrides = {key: value for key, value in flags.items() if value is not None}
+    return with_runtime(cfg, **overrides) if overrides else cfg
 
 
 async def run_worker(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
-    """Run a worker until SIGINT/SIGTERM; prints one ``ready`` line with the HTTP URL."""
+    """Run a worker until SIGINT/SIGTERM; prints one ``ready`` line with the HTTP URL.
+
+    The engine flags override the config's runtime keys; an invalid combination (torch without
+    a ledger directory, one that cannot be written) stops the start, naming the key.
+    """
     pause = TransitionPhase(args.pause_in) if args.pause_in else None
     worker = RuntimeWorker(
-        cfg,
+        with_flags(cfg, args),
         deployments=args.deployment,
         pause_in=pause,
         pause_from_seq=args.pause_from_seq,

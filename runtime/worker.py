@@ -43,6 +43,7 @@ from gearbox.plans import DeploymentPlan
 from gearbox.presets import LINK_CLASSES
 from runtime.clock import SimClock
 from runtime.deployment import DeploymentRuntime, EngineFactory, Outbox, RuntimeSettings
+from runtime.engines import WorkerEngines, worker_engines
 from runtime.executor import ExecutorSettings
 from runtime.host import DecisionOutcome, RuntimeHost
 from runtime.http import build_app
@@ -124,6 +125,10 @@ class RuntimeWorker:
         self._event_epoch_ms = event_epoch_ms
         # Each deployment's configured starting plan (the stream's hint), adopted on a fresh log.
         self._start_plans = dict(start_plans or {})
+        # runtime.engine; factories passed in (a benchmark's) take precedence
+        self._engines = (
+            WorkerEngines() if engine_factories else worker_engines(self.rc, self.deployments)
+        )
         self.host = RuntimeHost(
             self.deployments,
             runtime_settings(self.rc),
@@ -131,7 +136,7 @@ class RuntimeWorker:
             models=models,
             pause_in=pause_in,
             pause_from_seq=pause_from_seq,
-            engine_factories=engine_factories,  # by deployment; default SimEngine
+            engine_factories=engine_factories or self._engines.factories,  # default SimEngine
         )
         self.pool = self.host.pool
         self.inventory = self.host.inventory
@@ -252,6 +257,9 @@ class RuntimeWorker:
             if producer is not None:
                 await producer.stop()
         self._producer_ = self._control_ = None
+        self._engines.close(
+            rt.core.engine(rid) for rt in self.runtimes.values() for rid in rt.core.replica_ids()
+        )
 
     async def _start_http(self) -> None:
         app = build_app(self, self.rc.control_token, request_timeout_s=self.rc.request_timeout_s)
@@ -459,7 +467,8 @@ class RuntimeWorker:
         now = self.clock.now_s()
         return {
             "worker_id": self.rc.worker_id,
-            "simulated": True,
+            "simulated": True,  # the cluster; the engine is runtime.engine's
+            "engine": self.rc.engine,
             "now_s": now,
             "paused": any(rt.executor.paused for rt in self.runtimes.values()),
             "deployments": {
