@@ -14,6 +14,7 @@ import functools
 import types
 import typing
 import zlib
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -61,70 +62,128 @@ def _field_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def from_plain(hint: Any, data: object, bindings: tuple[tuple[Any, Any], ...] = ()) -> Any:
+Bindings = tuple[tuple[Any, Any], ...]
+Decoder = Callable[[object], Any]
+
+
+def from_plain(hint: Any, data: object, bindings: Bindings = ()) -> Any:
     """Rebuild a value of type ``hint`` from plain JSON data (``ValueError`` when it does not
     fit). ``bindings`` maps type variables of an enclosing generic dataclass to their types."""
-    if isinstance(hint, TypeVar):
-        hint = dict(bindings).get(hint, Any)
-    if hint is Any:
-        return data
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is types.UnionType or origin is typing.Union:
-        if data is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return from_plain(arg, data, bindings)
-            except (TypeError, ValueError) as exc:
-                errors.append(str(exc))
-        raise ValueError(f"no member of {hint!r} fits: {'; '.join(errors)}")
-    if origin is tuple:
-        if not isinstance(data, list | tuple):
-            raise ValueError(f"expected a list for {hint!r}, got {type(data).__name__}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(from_plain(args[0], item, bindings) for item in data)
-        if len(args) != len(data):
-            raise ValueError(f"expected {len(args)} items for {hint!r}, got {len(data)}")
-        return tuple(from_plain(a, item, bindings) for a, item in zip(args, data, strict=True))
-    if origin is not None and dataclasses.is_dataclass(origin):
-        params = getattr(origin, "__parameters__", ())
-        resolved = tuple(from_plain_hint(a, bindings) for a in args)
-        return _dataclass(
-            typing.cast(type, origin), data, tuple(zip(params, resolved, strict=False))
-        )
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _dataclass(hint, data, ())
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return hint(data)
-    return _scalar(hint, data)
+    return _decoder(hint, bindings)(data)
 
 
-def from_plain_hint(hint: Any, bindings: tuple[tuple[Any, Any], ...]) -> Any:
+def from_plain_hint(hint: Any, bindings: Bindings) -> Any:
     """``hint`` with bound type variables substituted."""
     return dict(bindings).get(hint, hint) if isinstance(hint, TypeVar) else hint
 
 
-def _dataclass(cls: type, data: object, bindings: tuple[tuple[Any, Any], ...]) -> object:
-    if not isinstance(data, dict):
-        raise ValueError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+# NOTE: a decoder per (type hint, bindings), built once: resolving hints with typing's
+# introspection for every field of every value was most of a table read (the view reader
+# decodes every GPU record of the cluster), and the checks and messages are the same.
+@functools.cache
+def _decoder(hint: Any, bindings: Bindings) -> Decoder:
+    if isinstance(hint, TypeVar):
+        hint = dict(bindings).get(hint, Any)
+    if hint is Any:
+        return _identity
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is types.UnionType or origin is typing.Union:
+        return _union_decoder(hint, args, bindings)
+    if origin is tuple:
+        return _tuple_decoder(hint, args, bindings)
+    if origin is not None and dataclasses.is_dataclass(origin):
+        params = getattr(origin, "__parameters__", ())
+        resolved = tuple(from_plain_hint(a, bindings) for a in args)
+        inner = tuple(zip(params, resolved, strict=False))
+        return _dataclass_decoder(typing.cast(type, origin), inner)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _dataclass_decoder(hint, ())
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return typing.cast(Decoder, hint)
+    return functools.partial(_scalar, hint)
+
+
+def _identity(data: object) -> object:
+    return data
+
+
+def _union_decoder(hint: Any, args: tuple[Any, ...], bindings: Bindings) -> Decoder:
+    optional = type(None) in args
+    members = [_decoder(a, bindings) for a in args if a is not type(None)]
+
+    def decode(data: object) -> object:
+        if data is None and optional:
+            return None
+        errors = []
+        for member in members:
+            try:
+                return member(data)
+            except (TypeError, ValueError) as exc:
+                errors.append(str(exc))
+        raise ValueError(f"no member of {hint!r} fits: {'; '.join(errors)}")
+
+    return decode
+
+
+def _tuple_decoder(hint: Any, args: tuple[Any, ...], bindings: Bindings) -> Decoder:
+    if len(args) == 2 and args[1] is Ellipsis:
+        item = _decoder(args[0], bindings)
+
+        def decode_items(data: object) -> tuple[object, ...]:
+            if not isinstance(data, list | tuple):
+                raise ValueError(f"expected a list for {hint!r}, got {type(data).__name__}")
+            return tuple(map(item, data))
+
+        return decode_items
+    items = tuple(_decoder(a, bindings) for a in args)
+
+    def decode_fixed(data: object) -> tuple[object, ...]:
+        if not isinstance(data, list | tuple):
+            raise ValueError(f"expected a list for {hint!r}, got {type(data).__name__}")
+        if len(items) != len(data):
+            raise ValueError(f"expected {len(items)} items for {hint!r}, got {len(data)}")
+        return tuple(d(v) for d, v in zip(items, data, strict=True))
+
+    return decode_fixed
+
+
+def _dataclass_decoder(cls: type, bindings: Bindings) -> Decoder:
+    # NOTE: fields are resolved on the first call, not here: a dataclass may (indirectly) hold
+    # itself, and its decoder must exist before its fields' decoders can refer to it.
+    table: list[tuple[str, Decoder, bool]] = []
+
+    def decode(data: object) -> object:
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+        if not table:
+            table.extend(_fields(cls, bindings))
+        kwargs: dict[str, object] = {}
+        for name, field_decoder, required in table:
+            if name in data:
+                try:
+                    kwargs[name] = field_decoder(data[name])
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{cls.__name__}.{name}: {exc}") from exc
+            elif required:
+                raise ValueError(f"{cls.__name__}.{name}: missing")
+        return cls(**kwargs)
+
+    return decode
+
+
+def _fields(cls: type, bindings: Bindings) -> list[tuple[str, Decoder, bool]]:
+    """(name, decoder, required) of each ``__init__`` field of ``cls``."""
     hints = _field_hints(cls)
-    kwargs: dict[str, object] = {}
-    for f in dataclasses.fields(cls):
-        if not f.init or f.name not in data:
-            if (
-                f.init
-                and f.default is dataclasses.MISSING
-                and f.default_factory is dataclasses.MISSING
-            ):
-                raise ValueError(f"{cls.__name__}.{f.name}: missing")
-            continue
-        try:
-            kwargs[f.name] = from_plain(hints[f.name], data[f.name], bindings)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{cls.__name__}.{f.name}: {exc}") from exc
-    return cls(**kwargs)
+    return [
+        (
+            f.name,
+            _decoder(hints[f.name], bindings),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+        if f.init
+    ]
 
 
 def _scalar(hint: Any, data: object) -> object:
