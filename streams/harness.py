@@ -75,8 +75,9 @@ class WorkerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
-    def start(self) -> WorkerProcess:
-        """Start the child (returns at once; see :meth:`wait_ready`)."""
+    def start(self, *extra_args: str) -> WorkerProcess:
+        """Start the child (returns at once; see :meth:`wait_ready`); ``extra_args`` go to
+        ``python -m streams.worker`` after the config and worker id."""
         self._log = self.log_path.open("ab")
         env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
         env = {k: v for k, v in env.items() if not k.startswith("FLEXPIPE_")}
@@ -89,6 +90,7 @@ class WorkerProcess:
                 str(self.config_path),
                 "--worker-id",
                 self.worker_id,
+                *extra_args,
             ],
             cwd=PROJECT_ROOT,
             env=env,
