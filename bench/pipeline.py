@@ -34,6 +34,10 @@ first saw the preemption, a lower bound of that loop's decision latency since it
 nothing), and a bare aiokafka consumer that only decodes the telemetry (the client + broker ceiling
 on this machine). ``calibration_ms`` times a fixed pure-Python workload (:mod:`bench.calibrate`).
 
+``--profile-worker`` runs the worker under cProfile (:mod:`bench.worker_profile`) and prints its
+CPU split by package and its top functions before the JSON; the profiler slows the worker, so a
+profiled run's figures are not comparable with an unprofiled one's.
+
 Goals: ≥ 10,000 events/s per worker, p99 ≤ 200 ms over ≥ 1,000 forced-switch triggers. The last
 line printed is the JSON result; the exit status is 1 (after the JSON) when a goal was missed or
 the backlog did not drain, and the miss is named on stderr.
@@ -57,6 +61,7 @@ import orjson
 
 from bench.calibrate import calibration_ms
 from bench.common import bench_broker, print_result
+from bench.worker_profile import profile_lines
 from flexpipe import envelope
 from flexpipe.config import DeploymentConfig, FlexPipeConfig
 from flexpipe.kafka import make_consumer, make_producer
@@ -580,7 +585,9 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
     runtime = Runtime()
     stop = asyncio.Event()
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
-        worker = WorkerProcess(cfg, Path(tmp), "bench-worker").start()
+        profile = Path(tmp) / "worker.pstats"
+        extra = ("--profile", str(profile)) if args.profile_worker else ()
+        worker = WorkerProcess(cfg, Path(tmp), "bench-worker").start(*extra)
         backlog = Backlog(worker)
         tasks = [
             asyncio.create_task(backlog.run(stop)),
@@ -608,6 +615,8 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             worker.stop()
+            if args.profile_worker and profile.exists():
+                print("\n".join(profile_lines(profile)), file=sys.stderr)
     raw_rate = await raw_consumer_rate(cfg, 100_000)
     latencies, unanswered = triggers.latencies()
     # NOTE: an unanswered trigger is a miss: it counts as slower than any answered one
@@ -714,6 +723,11 @@ def main() -> int:
         dest="batched",
         action="store_false",
         help="one message per GPU sample or launch report (default: one per node, NodeSamples)",
+    )
+    parser.add_argument(
+        "--profile-worker",
+        action="store_true",
+        help="run the worker under cProfile and print where its CPU went (slows it)",
     )
     args = parser.parse_args()
     with bench_broker("pipeline") as cfg:

@@ -3,14 +3,21 @@
 Creates the topics it needs, serves Prometheus metrics when ``streams.metrics_port`` is set,
 and runs the Faust worker until SIGINT/SIGTERM. Start several (same config, same app id) to
 share partitions; each deployment is decided by the worker owning its partition.
+
+``--profile PATH`` runs the worker under cProfile (process CPU time, the event-loop thread, where
+faust, aiokafka and the folds all run) and writes pstats to PATH when it stops: what
+``python -m bench.pipeline --profile-worker`` reads to split a worker's CPU by package.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -58,12 +65,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m streams.worker", description=__doc__)
     parser.add_argument("--config", help="YAML config file (default $FLEXPIPE_CONFIG)")
     parser.add_argument("--worker-id", help="names this worker in decisions (default host-pid)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="PATH",
+        help="run under cProfile (process CPU time) and write pstats to PATH on exit",
+    )
     args = parser.parse_args(argv)
+    profile = cProfile.Profile(time.process_time) if args.profile else None
     try:
+        if profile is not None:
+            profile.enable()
         return run_worker(load_config(args.config), args.worker_id)
     except FlexPipeError as exc:
         print(f"streams worker: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(args.profile)
 
 
 if __name__ == "__main__":
