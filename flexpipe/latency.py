@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-__all__ = ["Histogram", "histogram", "merge", "moments", "quantile_ms", "total"]
+__all__ = ["Histogram", "histogram", "merge", "moments", "points", "quantile_ms", "total"]
 
 _PER_DOUBLING = 8
 _FLOOR_MS = 1e-3  # values at or below it share the lowest bucket (0 ms would have no log)
@@ -67,6 +67,12 @@ def quantile_ms(h: Histogram, q: float) -> float | None:
         if seen >= rank:
             return _middle(bucket)
     return None
+
+
+def points(h: Histogram) -> tuple[tuple[float, int], ...]:
+    """``h`` as (value at the bucket's geometric middle, count) pairs, ascending: a form a
+    reader can use without knowing the bucket scheme (gearbox's snapshot)."""
+    return tuple((_middle(b), c) for b, c in h)
 
 
 def moments(h: Histogram) -> tuple[float, float] | None:

@@ -23,6 +23,17 @@ served it, and a multiplicative factor is learned from the ratio:
   factor learned from every observation. The state lives in each deployment's
   :class:`gearbox.history.GearState`, so nothing crosses deployments.
 
+Prompt lengths are learned the same way (:func:`observe_prompts`): a load window holds a few
+dozen prompts, so its p95 prompt — the 2nd or 3rd longest — swings several-fold tick to tick
+(and jumps between the chat and summarisation modes when the long class is near 5 % of
+arrivals), while the TTFT p95 it drives over the next minutes does not. The window's length
+distribution (shares per length bucket) is folded into a running then exponential mean of
+distributions, with the same gain and warm-up as the factors and the prior's weight decaying
+with the same half-life; the p95 and spread are read from the smoothed distribution, not
+averaged from each window's (a mean of two modes' p95s is neither). :func:`with_prompt_tail`
+puts them into the tick's load, so every estimate of the tick (serving plan, candidates, the
+factor's own model figure) uses them; a window without lengths leaves the load as it is.
+
 Applied (:func:`factor_for`): a plan whose shape has a factor gets it; any other plan gets the
 deployment-wide factor — a plan never observed is assumed to err like the deployment's plans
 so far, which keeps the comparison with the serving plan neutral instead of favouring the
@@ -38,19 +49,26 @@ from gearbox.config import GearboxConfig
 from gearbox.plans import DeploymentPlan, ExecutionPlan
 from gearbox.scoring import DeploymentEstimate, utility_tok_s
 from gearbox.serde import Serialisable
+from gearbox.types import LoadSnapshot
 
 __all__ = [
     "DEPLOYMENT_WIDE",
     "Correction",
     "Corrections",
+    "PromptLengths",
     "apply_correction",
     "factor_for",
     "observe",
+    "observe_prompts",
     "plan_shape",
+    "prompt_tail",
+    "with_prompt_tail",
 ]
 
 DEPLOYMENT_WIDE = ""  # the shape key of the factor learned from every observation
 _MAX_SHAPES = 16  # per deployment, besides the deployment-wide one; the stalest are dropped
+_MIN_LENGTH_SHARE = 1e-6  # smoothed prompt-length shares below it are dropped
+_P95 = 0.95
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +82,20 @@ class Correction(Serialisable):
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLengths(Serialisable):
+    """The load windows' prompt lengths, smoothed over ticks (module docstring)."""
+
+    shares: tuple[tuple[float, float], ...]  # (tokens, share of prompts), ascending; sum 1
+    updated_s: float  # event time of the last window folded in
+    observations: int  # windows folded in so far
+
+
+@dataclass(frozen=True, slots=True)
 class Corrections(Serialisable):
-    """A deployment's learned factors, sorted by shape."""
+    """A deployment's learned factors, sorted by shape, and its smoothed prompt tail."""
 
     entries: tuple[Correction, ...] = ()
+    prompt_lengths: PromptLengths | None = None
 
     def get(self, shape: str) -> Correction | None:
         """The entry for ``shape`` (None when never observed)."""
@@ -144,7 +172,72 @@ def observe(
         key=lambda e: (-e.updated_s, e.shape),
     )[:_MAX_SHAPES]
     entries = sorted([kept[DEPLOYMENT_WIDE], *shaped], key=lambda e: e.shape)
-    return Corrections(tuple(entries))
+    return replace(corrections, entries=tuple(entries))
+
+
+def _prior_weight(seen: int, updated_s: float, now_s: float, config: GearboxConfig) -> float:
+    """Weight of the running figure against a new observation: the gain's complement (a plain
+    mean for the first 1 / gain observations), shrunk by the half-life since its last update."""
+    gain = max(config.correction_gain, 1.0 / (seen + 1))
+    return (1 - gain) * 0.5 ** (max(0.0, now_s - updated_s) / config.correction_half_life_s)
+
+
+def _shares(lengths: tuple[tuple[float, int], ...]) -> dict[float, float]:
+    total = sum(count for _, count in lengths if count > 0)
+    return {tokens: count / total for tokens, count in lengths if count > 0}
+
+
+def observe_prompts(
+    corrections: Corrections, load: LoadSnapshot, config: GearboxConfig
+) -> Corrections:
+    """Fold the load window's prompt lengths into the smoothed distribution (module docstring).
+
+    Unchanged when the window reported no lengths, learning is off (``correction_gain`` 0) or
+    the estimate does not use the tail (``ttft_prompt_tail`` off).
+    """
+    if (
+        not config.ttft_prompt_tail
+        or config.correction_gain <= 0
+        or not any(count > 0 for _, count in load.prompt_lengths)
+    ):
+        return corrections
+    shares = _shares(load.prompt_lengths)
+    old = corrections.prompt_lengths
+    seen = 0 if old is None else old.observations
+    if old is not None:
+        keep = _prior_weight(seen, old.updated_s, load.now_s, config)
+        mixed = {tokens: (1 - keep) * share for tokens, share in shares.items()}
+        for tokens, share in old.shares:
+            mixed[tokens] = mixed.get(tokens, 0.0) + keep * share
+        # NOTE: lengths unseen for long fade below the floor and leave: the state stays small
+        kept = {t: w for t, w in mixed.items() if w >= _MIN_LENGTH_SHARE}
+        total = sum(kept.values())
+        shares = {t: w / total for t, w in kept.items()}
+    lengths = PromptLengths(tuple(sorted(shares.items())), load.now_s, seen + 1)
+    return replace(corrections, prompt_lengths=lengths)
+
+
+def prompt_tail(lengths: PromptLengths) -> tuple[float, float]:
+    """(p95 prompt tokens by nearest rank, squared coefficient of variation) of ``lengths``."""
+    p95, cumulative = lengths.shares[-1][0], 0.0
+    for tokens, share in lengths.shares:
+        cumulative += share
+        if cumulative >= _P95 - 1e-9:
+            p95 = tokens
+            break
+    mean = sum(t * w for t, w in lengths.shares)
+    mean_sq = sum(t * t * w for t, w in lengths.shares)
+    return p95, max(0.0, mean_sq / (mean * mean) - 1.0)
+
+
+def with_prompt_tail(load: LoadSnapshot, corrections: Corrections) -> LoadSnapshot:
+    """``load`` with the smoothed lengths' p95 and spread in place of its window's (as is when
+    the window has no lengths or nothing was learned)."""
+    lengths = corrections.prompt_lengths
+    if lengths is None or not load.prompt_lengths:
+        return load
+    p95, scv = prompt_tail(lengths)
+    return replace(load, p95_prompt_tokens=p95, prompt_tokens_scv=scv)
 
 
 def apply_correction(

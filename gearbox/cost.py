@@ -37,11 +37,22 @@ Relative accuracy is the goal — decisions compare plans on the same formulas. 
   servers"; exact ρ for c = 1), and the M/M/c wait tail P(W > t) = P(wait)·e^(−(μ−λ)t). A new
   prompt then queues for the prefill pipeline, an M/M/1 server busy λ × occupancy of the time,
   P(W > t) = ρ·e^(−(μ−λ)t) (Kleinrock 1975, Queueing Systems I, §3.4). TTFT p95 = prefill latency
-  (+ KV hand-off) + both p95 waits (a conservative sum). TBT p95 = the decode step at the
-  Little's-law batch, plus one prefill stall when at least 5 % of steps carry a new prompt
-  (continuous batching stalls decode on prefill — Sarathi-Serve; disaggregated decode does not —
-  Zhong et al. 2024, DistServe). Utilisation is capped at 0.99, so saturated estimates stay
-  finite (and ``max_latency_ms`` caps them).
+  (+ KV hand-off) + both p95 waits (a conservative sum).
+* Heavy-tailed prompts (when the load gives their p95 and spread): the TTFT p95 is set by the
+  long prompts, not the mean one, so the latency term is the prefill of the window's p95 prompt;
+  and a queue of uneven prefills waits longer than an exponential one of the same mean. The
+  prefill queue is then M/G/1 with the Allen–Cunneen correction (Allen 1990, Probability,
+  Statistics and Queueing Theory, §6; exact for M/G/1's mean wait by Pollaczek–Khinchine): the
+  conditional wait scales by (1 + c²)/2, c² the squared coefficient of variation of the prefill
+  time — the prompts' c² × (slope × mean / prefill time of the mean)², the slope read between the
+  mean and the p95 prompt (fixed costs do not vary with length). Engines here prefill each
+  prompt whole (no chunking): a long prompt holds the prefill server for its whole prefill.
+  The decode-slot queue keeps exponential service (the output spread is not reported).
+* TBT p95 = the decode step at the Little's-law batch, plus one prefill stall when at least 5 %
+  of steps carry a new prompt (continuous batching stalls decode on prefill — Sarathi-Serve;
+  disaggregated decode does not — Zhong et al. 2024, DistServe).
+* Utilisation is capped at 0.99, so saturated estimates stay finite (and ``max_latency_ms``
+  caps them).
 """
 
 from __future__ import annotations
@@ -70,6 +81,8 @@ __all__ = [
     "min_tp_for_memory",
     "pipeline_decode_cycle_s",
     "pipeline_prefill_s",
+    "prefill_latency_s",
+    "prefill_scv",
     "replica_capacity",
     "replica_shape",
     "stage_decode_s",
@@ -309,6 +322,49 @@ def pipeline_decode_cycle_s(
     return max(full_pass, num_micro * max(*times, hop))
 
 
+def _handoff_s(
+    link: LinkClass, model: ModelSpec, prompt_tokens: int, config: GearboxConfig
+) -> float:
+    return (
+        prompt_tokens
+        * model.kv_bytes_per_token
+        / (link.bandwidth_gbps * _GB * config.kv_transfer_efficiency)
+        + link.latency_us * _US
+    )
+
+
+@functools.lru_cache(maxsize=65_536)
+def prefill_latency_s(
+    shape: ReplicaShape, model: ModelSpec, prompt_tokens: int, config: GearboxConfig
+) -> tuple[float, float]:
+    """(latency, bottleneck occupancy) of one ``prompt_tokens`` prompt through the replica's
+    prefill pipeline, the KV hand-off included in the latency (memoised)."""
+    latency, occupancy = pipeline_prefill_s(
+        shape.prefill, shape.pp_link, model, prompt_tokens, config
+    )
+    if shape.handoff_link is not None:
+        latency += _handoff_s(shape.handoff_link, model, prompt_tokens, config)
+    return latency, occupancy
+
+
+def prefill_scv(
+    shape: ReplicaShape,
+    model: ModelSpec,
+    prompt_tokens: int,
+    tail_prompt_tokens: int,
+    prompt_scv: float,
+    config: GearboxConfig,
+) -> float:
+    """Squared coefficient of variation of the prefill server's occupancy, from the prompts'
+    (module notes): prompts' c² × (slope × mean / occupancy of the mean)²."""
+    if tail_prompt_tokens <= prompt_tokens:
+        return prompt_scv
+    _, mean_s = prefill_latency_s(shape, model, prompt_tokens, config)
+    _, tail_s = prefill_latency_s(shape, model, tail_prompt_tokens, config)
+    slope = (tail_s - mean_s) / (tail_prompt_tokens - prompt_tokens)
+    return prompt_scv * (slope * prompt_tokens / mean_s) ** 2 if mean_s > 0 else prompt_scv
+
+
 @functools.lru_cache(maxsize=65_536)
 def replica_capacity(
     shape: ReplicaShape,
@@ -334,20 +390,16 @@ def replica_capacity(
     if shape.handoff_link is None:
         capacity = 1.0 / (occupancy + decode_s_per_request)
     else:
-        handoff = (
-            prompt_tokens
-            * model.kv_bytes_per_token
-            / (shape.handoff_link.bandwidth_gbps * _GB * config.kv_transfer_efficiency)
-            + shape.handoff_link.latency_us * _US
-        )
+        handoff = _handoff_s(shape.handoff_link, model, prompt_tokens, config)
         latency += handoff
         capacity = min(1.0 / occupancy, 1.0 / decode_s_per_request, 1.0 / handoff)
     unloaded = pipeline_decode_cycle_s(decode_stages, shape.pp_link, model, 1, context, config)
     return ReplicaCapacity(True, max_batch, capacity, latency, occupancy, unloaded)
 
 
-def _wait_p95_s(arrival_rps: float, service_rps: float, servers: int) -> float:
-    """p95 wait of an M/M/c queue (total service rate ``service_rps``), Halfin–Whitt P(wait)."""
+def _wait_p95_s(arrival_rps: float, service_rps: float, servers: int, scv: float = 1.0) -> float:
+    """p95 wait of an M/G/c queue (total service rate ``service_rps``, service times' squared
+    coefficient of variation ``scv``; 1 = M/M/c): Halfin–Whitt P(wait), Allen–Cunneen tail."""
     rho = min(arrival_rps / service_rps, _MAX_UTILISATION)
     if rho <= 0:
         return 0.0
@@ -357,7 +409,7 @@ def _wait_p95_s(arrival_rps: float, service_rps: float, servers: int) -> float:
     p_wait = 1.0 / (1.0 + beta * cumulative / density)
     if p_wait <= _P95_TAIL:
         return 0.0
-    return math.log(p_wait / _P95_TAIL) / (service_rps * (1 - rho))
+    return math.log(p_wait / _P95_TAIL) * (1 + scv) / 2 / (service_rps * (1 - rho))
 
 
 def estimate_replica(
@@ -367,15 +419,27 @@ def estimate_replica(
     output_tokens: int,
     arrival_rps: float,
     config: GearboxConfig,
+    *,
+    tail_prompt_tokens: int | None = None,
+    prompt_scv: float = 1.0,
 ) -> ReplicaEstimate:
-    """Throughput and TTFT/TBT p95 of a replica receiving ``arrival_rps`` (see module notes)."""
+    """Throughput and TTFT/TBT p95 of a replica receiving ``arrival_rps`` (see module notes).
+
+    ``tail_prompt_tokens`` (the prompts' p95) and ``prompt_scv`` (their squared coefficient of
+    variation) describe heavy-tailed lengths; by default every prompt is the mean one and
+    prefill times are exponential. Capacity and TBT always use the mean.
+    """
     cap = replica_capacity(shape, model, prompt_tokens, output_tokens, config)
     tokens_per_request = prompt_tokens + output_tokens
     if not cap.feasible:
         return ReplicaEstimate(0.0, 0.0, 0.0, config.max_latency_ms, config.max_latency_ms)
     mu, lam = cap.capacity_rps, min(arrival_rps, cap.capacity_rps)
+    prefill_s, scv = cap.prefill_latency_s, prompt_scv
+    if tail_prompt_tokens is not None:
+        prefill_s, _ = prefill_latency_s(shape, model, tail_prompt_tokens, config)
+        scv = prefill_scv(shape, model, prompt_tokens, tail_prompt_tokens, prompt_scv, config)
     wait_s = _wait_p95_s(lam, mu, cap.max_batch) + _wait_p95_s(
-        lam, 1.0 / cap.prefill_occupancy_s, 1
+        lam, 1.0 / cap.prefill_occupancy_s, 1, scv
     )
     context = prompt_tokens + output_tokens / 2
     stages = shape.decode_pipeline
@@ -391,7 +455,7 @@ def estimate_replica(
         capacity_rps=mu,
         capacity_tok_s=mu * tokens_per_request,
         served_tok_s=lam * tokens_per_request,
-        ttft_p95_ms=min(config.max_latency_ms, (cap.prefill_latency_s + wait_s) * 1e3),
+        ttft_p95_ms=min(config.max_latency_ms, (prefill_s + wait_s) * 1e3),
         tbt_p95_ms=min(config.max_latency_ms, (cycle + stall) * 1e3),
     )
 
@@ -419,4 +483,5 @@ def replica_shape(plan: ExecutionPlan, available: Mapping[str, int]) -> ReplicaS
 def clear_caches() -> None:
     """Drop the cost memos (they are pure; clearing only costs time). Used by benchmarks."""
     pipeline_decode_cycle_s.cache_clear()
+    prefill_latency_s.cache_clear()
     replica_capacity.cache_clear()

@@ -40,7 +40,15 @@ from dataclasses import dataclass, replace
 
 from gearbox.blocks import AtomicBlock, build_blocks
 from gearbox.config import GearboxConfig
-from gearbox.correction import Corrections, apply_correction, factor_for, observe, plan_shape
+from gearbox.correction import (
+    Corrections,
+    apply_correction,
+    factor_for,
+    observe,
+    observe_prompts,
+    plan_shape,
+    with_prompt_tail,
+)
 from gearbox.decisions import (
     CandidateSummary,
     DecideResult,
@@ -129,6 +137,9 @@ def decide(
         raise ValueError(
             f"model: {model.name} does not match the current plan's {current.model_name}"
         )
+    # NOTE: every estimate of the tick uses the smoothed prompt tail (gearbox.correction)
+    learned = observe_prompts(state.corrections, load, config)
+    load = with_prompt_tail(load, learned)
     blocks = build_blocks(snapshot, config, state.blocks)
     history = record_blocks(state.history, blocks, snapshot.now_s, config)
     own = current.gpu_uuids if current is not None else frozenset()
@@ -138,7 +149,9 @@ def decide(
         config = _without_gpu_credit(config)
     quarantined = quarantined_plan_ids(state, snapshot.now_s, config)
     failed = tuple(f for f in state.failed if f.plan_id in quarantined)
-    corrections = _learn(current, available, model, load, state, config)
+    corrections = _learn(
+        current, available, model, load, replace(state, corrections=learned), config
+    )
     tick = _Tick(
         name,
         current,

@@ -63,6 +63,15 @@ def request_profile(load: LoadSnapshot, config: GearboxConfig) -> tuple[int, int
     return prompt, output
 
 
+def _tail_prompt(load: LoadSnapshot, prompt: int, config: GearboxConfig) -> int | None:
+    """The load's p95 prompt, rounded like the profile (None when the load has no lengths or
+    ``ttft_prompt_tail`` is off)."""
+    if not config.ttft_prompt_tail or load.p95_prompt_tokens <= 0:
+        return None
+    step = config.profile_step_tokens
+    return max(prompt, round(load.p95_prompt_tokens / step) * step)
+
+
 def demand_rps(load: LoadSnapshot, config: GearboxConfig) -> float:
     """Arrivals plus the queued backlog spread over ``backlog_drain_s``."""
     return load.arrival_rate_rps + load.queue_len / config.backlog_drain_s
@@ -85,9 +94,20 @@ def estimate_deployment(
     demand = demand_rps(load, config)
     capacity_tok_s = served = ttft = tbt = 0.0
     design = demand * config.noise_margin
+    tail = _tail_prompt(load, prompt, config)
+    scv = load.prompt_tokens_scv if tail is not None else 1.0
     for shape, cap in zip(shapes, capacities, strict=True):
         share = cap.capacity_rps / total_rps
-        replica = estimate_replica(shape, model, prompt, output, design * share, config)
+        replica = estimate_replica(
+            shape,
+            model,
+            prompt,
+            output,
+            design * share,
+            config,
+            tail_prompt_tokens=tail,
+            prompt_scv=scv,
+        )
         capacity_tok_s += replica.capacity_tok_s
         served += min(demand * share, cap.capacity_rps) * (prompt + output)
         ttft += share * replica.ttft_p95_ms

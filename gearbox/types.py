@@ -135,11 +135,14 @@ class LoadSnapshot(Serialisable):
     # the highest of many small reports' p95s sits near the window's maximum instead
     window_ttft_p95_ms: float = 0.0
     num_ttft_samples: int = 0  # TTFT samples behind window_ttft_p95_ms
-    # Prompt-length distribution of the window's arrivals (0 = unknown: the estimate then takes
-    # every prompt as the mean one, with exponential service times). Heavy-tailed prompts set
-    # the TTFT p95, not the mean one (gearbox.cost, M/G/c wait).
+    # The prompt tail the TTFT estimate uses (gearbox.cost, M/G/c wait): heavy-tailed prompts
+    # set the TTFT p95, not the mean one. The streams give the window's; decide replaces them
+    # with the ones of its smoothed lengths (gearbox.correction). p95 0 = unknown: every prompt
+    # is then taken as the mean one, with exponential service times.
     p95_prompt_tokens: float = 0.0
     prompt_tokens_scv: float = 0.0  # squared coefficient of variation of prompt tokens
+    # the window's prompt lengths as (tokens, count), ascending (empty = not reported)
+    prompt_lengths: tuple[tuple[float, int], ...] = ()
 
     def __post_init__(self) -> None:
         if (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from flexpipe.latency import Histogram, merge, moments, quantile_ms, total
+from flexpipe.latency import Histogram, merge, moments, points, quantile_ms, total
 from flexpipe.schemas import KernelLaunches, ServingLoad
 from streams.state import Dedupe, is_duplicate
 from streams.windows import HoppingWindow, Panes, add, aggregate
@@ -218,6 +218,7 @@ class ServingAggregate:
     # the spread gearbox's TTFT estimate needs (gearbox.cost, M/G/c wait)
     p95_prompt_tokens: float = 0.0
     prompt_tokens_scv: float = 0.0  # squared coefficient of variation, Var / mean²
+    prompt_lengths: tuple[tuple[float, int], ...] = ()  # (tokens, count), ascending
 
 
 def serving_aggregate(
@@ -253,4 +254,5 @@ def serving_aggregate(
         num_ttft_samples=total(ttfts),
         p95_prompt_tokens=quantile_ms(prompts, 0.95) or 0.0,
         prompt_tokens_scv=spread[1] if spread is not None else 0.0,
+        prompt_lengths=points(prompts),
     )

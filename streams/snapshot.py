@@ -136,6 +136,7 @@ def build_load(
             num_ttft_samples=agg.num_ttft_samples,
             p95_prompt_tokens=agg.p95_prompt_tokens,
             prompt_tokens_scv=agg.prompt_tokens_scv,
+            prompt_lengths=agg.prompt_lengths,
         ),
         LoadSource.WINDOW,
     )

@@ -15,7 +15,10 @@ from gearbox.correction import (
     apply_correction,
     factor_for,
     observe,
+    observe_prompts,
     plan_shape,
+    prompt_tail,
+    with_prompt_tail,
 )
 from gearbox.ranking import available_memory, estimate_plan
 from gearbox.types import LoadSnapshot
@@ -184,3 +187,49 @@ def test_corrected_ttft_can_block_a_downshift() -> None:
     assert slow.decision is None
     smaller = [c for c in slow.candidates if c.num_gpus < current.num_gpus]
     assert smaller and all("est TTFT p95" in c.blocked for c in smaller)
+
+
+TAIL = replace(CONFIG, ttft_prompt_tail=True)
+CHAT, LONG = (500.0, 90), (6000.0, 10)  # (tokens, count): one prompt in ten is long
+
+
+def _with_lengths(*lengths: tuple[float, int], now_s: float = NOW_S) -> LoadSnapshot:
+    return replace(make_load(3.0), now_s=now_s, prompt_lengths=lengths)
+
+
+def test_prompt_tail_is_read_from_the_smoothed_distribution() -> None:
+    learned = NONE
+    # Alternating windows: one with long prompts at 10 %, one with none. Each window's own p95
+    # jumps between 6000 and 500; the smoothed distribution holds them at ~5 %, its p95 long
+    # only while their share stays above 5 %.
+    for i in range(40):
+        window = (CHAT, LONG) if i % 2 else (CHAT,)
+        learned = observe_prompts(learned, _with_lengths(*window, now_s=15.0 * i), TAIL)
+    assert learned.prompt_lengths is not None and learned.prompt_lengths.observations == 40
+    shares = dict(learned.prompt_lengths.shares)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares[6000.0] == pytest.approx(0.05, abs=0.005)
+    p95, scv = prompt_tail(learned.prompt_lengths)
+    mean = 0.95 * 500 + 0.05 * 6000
+    exact_scv = (0.95 * 500**2 + 0.05 * 6000**2) / mean**2 - 1
+    assert p95 in (500.0, 6000.0)
+    assert scv == pytest.approx(exact_scv, rel=0.1)
+    # applied to a load with lengths; loads without lengths and the default config keep theirs
+    load = with_prompt_tail(_with_lengths(LONG), learned)
+    assert (load.p95_prompt_tokens, load.prompt_tokens_scv) == (p95, scv)
+    assert with_prompt_tail(make_load(3.0), learned) == make_load(3.0)
+    assert observe_prompts(NONE, _with_lengths(CHAT, LONG), CONFIG) == NONE
+    assert observe_prompts(NONE, make_load(3.0), TAIL) == NONE
+
+
+def test_decide_uses_the_prompt_tail_only_when_asked() -> None:
+    current = deployment(tp_plan(A8, MODEL_70B_GQA))
+    load = replace(_with_lengths(CHAT, LONG), p95_prompt_tokens=6000.0, prompt_tokens_scv=2.0)
+    off = decide(current, article_cluster(), load, GearState(), CONFIG, model=MODEL_70B_GQA)
+    on = decide(current, article_cluster(), load, GearState(), TAIL, model=MODEL_70B_GQA)
+    assert off.current is not None and on.current is not None
+    # the long prompts' prefill sets the p95, not the mean prompt's
+    assert on.current.model_ttft_p95_ms > 2 * off.current.model_ttft_p95_ms
+    assert off.state.corrections.prompt_lengths is None
+    assert on.state.corrections.prompt_lengths is not None
+    assert GearState.from_dict(on.state.to_dict()) == on.state

@@ -12,6 +12,8 @@ from gearbox.cost import (
     estimate_replica,
     min_tp_for_memory,
     pipeline_decode_cycle_s,
+    prefill_latency_s,
+    prefill_scv,
     replica_capacity,
     stage_decode_s,
     stage_kv_capacity_tokens,
@@ -111,3 +113,38 @@ def test_disaggregated_decode_has_no_prefill_stall() -> None:
     tbt_unified = estimate_replica(unified, MODEL_70B_GQA, 4000, 100, rate, DEFAULT_CONFIG)
     tbt_split = estimate_replica(split, MODEL_70B_GQA, 4000, 100, rate, DEFAULT_CONFIG)
     assert tbt_split.tbt_p95_ms < tbt_unified.tbt_p95_ms
+
+
+@pytest.mark.unit
+def test_heavy_tailed_prompts_lengthen_the_ttft_p95_not_the_capacity() -> None:
+    shape = _unified(_stage(1, 32, A100))
+    cap = replica_capacity(shape, MODEL_7B_MHA, 800, 200, DEFAULT_CONFIG)
+    rate = 0.5 * cap.capacity_rps
+    even = estimate_replica(shape, MODEL_7B_MHA, 800, 200, rate, DEFAULT_CONFIG)
+    same = estimate_replica(
+        shape, MODEL_7B_MHA, 800, 200, rate, DEFAULT_CONFIG, tail_prompt_tokens=800
+    )
+    tailed = estimate_replica(
+        shape,
+        MODEL_7B_MHA,
+        800,
+        200,
+        rate,
+        DEFAULT_CONFIG,
+        tail_prompt_tokens=4000,
+        prompt_scv=1.5,
+    )
+    # A tail equal to the mean with exponential-like spread is the old estimate
+    assert same.ttft_p95_ms == pytest.approx(even.ttft_p95_ms)
+    longest, _ = prefill_latency_s(shape, MODEL_7B_MHA, 4000, DEFAULT_CONFIG)
+    assert tailed.ttft_p95_ms > longest * 1e3 > even.ttft_p95_ms
+    assert (tailed.capacity_rps, tailed.tbt_p95_ms) == (even.capacity_rps, even.tbt_p95_ms)
+
+
+@pytest.mark.unit
+def test_prefill_variation_follows_the_prompts_through_the_length_slope() -> None:
+    shape = _unified(_stage(1, 32, A100))
+    scv = prefill_scv(shape, MODEL_7B_MHA, 800, 4000, 1.5, DEFAULT_CONFIG)
+    # Prefill is near-linear in tokens with a small fixed part (quadratic attention on top)
+    assert 0.5 * 1.5 < scv < 2 * 1.5
+    assert prefill_scv(shape, MODEL_7B_MHA, 800, 800, 1.5, DEFAULT_CONFIG) == 1.5
