@@ -93,15 +93,15 @@ def add(
     window: HoppingWindow, state: Panes[V], t_s: float, value: V, monoid: Monoid[V]
 ) -> AddResult[V]:
     """Fold ``value`` observed at event time ``t_s`` into ``state``."""
-    pane = window.pane_of(t_s)
-    newest = state.newest_pane
+    pane = math.floor(t_s / window.step_s)  # NOTE: pane_of inlined: this runs per event
+    panes = state.panes
+    newest = panes[-1][0] if panes else None
     if pane == newest:  # NOTE: the common case, kept cheap: only the newest pane changes
-        last = state.panes[-1][1]
-        return AddResult(Panes((*state.panes[:-1], (pane, monoid.combine(last, value)))), False)
+        return AddResult(Panes((*panes[:-1], (pane, monoid.combine(panes[-1][1], value)))), False)
     horizon = max(pane, newest if newest is not None else pane) - window.num_panes + 1
     if pane < horizon:
         return AddResult(state, late=True)
-    merged: dict[int, V] = {i: v for i, v in state.panes if i >= horizon}
+    merged: dict[int, V] = {i: v for i, v in panes if i >= horizon}
     merged[pane] = monoid.combine(merged[pane], value) if pane in merged else value
     return AddResult(Panes(tuple(sorted(merged.items(), key=lambda kv: kv[0]))), late=False)
 
