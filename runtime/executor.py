@@ -7,8 +7,10 @@ loaded and only removed ones drained. Each phase is a small job advanced by :met
   replicas, build their groups. Nothing is routable yet.
 * switch — canary (new replicas take ``canary_share`` of new requests for ``canary_s``), then
   freeze the old replicas' entry, hand over their long sequences (gearbox picks migrate or replay
-  per sequence, longest first; short ones finish where they are), and swap the route table at
-  once: ownership of every staged sequence flips in one step.
+  per sequence, longest first; short ones finish where they are; those still prefilling at the
+  freeze are handed over once they decode, before the swap; prompts not prefilled by then are
+  re-routed with the queued ones), and swap the route table at once: ownership of every staged
+  sequence flips in one step.
 * cleanup — drain the old replicas to an iteration boundary (forcing replays after
   ``drain_timeout_s``), release their memory and return their GPUs.
 
@@ -82,6 +84,7 @@ class _Job:
     link_free_s: dict[tuple[str, str], float] = field(default_factory=dict)
     tally: HandoverTally = field(default_factory=HandoverTally)
     paused: bool = False
+    handed: set[str] = field(default_factory=set)  # sequences queued for hand-over so far
 
 
 def replica_diff(
@@ -213,6 +216,12 @@ class TransitionExecutor:
                 return None
             self._freeze(job)
         self._start_handovers(job, now_s)
+        if not job.queue:
+            # NOTE: a sequence still prefilling at the freeze starts decoding later; left on
+            # its old replica it would hold the cleanup for its whole output (5 s of a 7B's
+            # 7.3-s shift in bench.fragmented), so late starters are handed over before the swap.
+            job.queue = self._handover_queue(job)
+            self._start_handovers(job, now_s)
         if job.queue or not self.core.staged_ready(now_s) or self._hold(job):
             return None
         return self._swap(job, now_s)
@@ -238,7 +247,9 @@ class TransitionExecutor:
                 (p.seq_id, p.context_tokens)
                 for p in self.core.running_progress(replica.plan_id)
                 if p.remaining_tokens > self.settings.short_sequence_tokens
+                and p.seq_id not in job.handed
             ]
+            job.handed.update(seq_id for seq_id, _ in moving)
             by_target: dict[str, list[tuple[str, int]]] = {}
             for seq in sorted(moving, key=lambda s: (-s[1], s[0])):  # longest first
                 target = min(targets, key=lambda t: (load[t], t))
@@ -290,7 +301,9 @@ class TransitionExecutor:
         for replica in job.removed:
             self.core.set_role(replica.plan_id, ReplicaRole.DRAINING)
             self.core.close_admission(replica.plan_id)
-            self.core.move_queued(replica.plan_id, now_s)
+            # NOTE: prompts the old engine has not prefilled yet go to the new plan like queued
+            # ones; kept, each would hold the cleanup for its whole output on the old replica
+            self.core.requeue_prefilling(replica.plan_id, now_s)
         self.core.serving_plan_id = job.effect.to_plan.plan_id
         t = job.tally
         return self._done(

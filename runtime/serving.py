@@ -448,6 +448,24 @@ class ServingCore:
                 moved += 1
         return moved
 
+    def requeue_prefilling(self, source: str, now_s: float) -> int:
+        """Re-route the replica's sequences that are inside its engine but not yet decoding
+        (and not being handed over), as queued ones; returns the count moved."""
+        slot = self._slots.get(source)
+        if slot is None:
+            return 0
+        waiting = {
+            p.seq_id: p
+            for p in slot.engine.progress()
+            if p.state is SeqState.WAITING and p.seq_id not in self._staged
+        }
+        for seq_id in sorted(self.router.running(source) & waiting.keys()):
+            live = self._live[seq_id]
+            live.generated = max(live.generated, waiting[seq_id].generated_tokens)
+            slot.engine.drop([seq_id])
+            self.router.mark_waiting(seq_id, self._ctx(live))
+        return self.move_queued(source, now_s)
+
     def evacuate(self, source: str, now_s: float) -> int:
         """Move everything the replica owns elsewhere, running sequences as replays."""
         slot = self._slots.get(source)

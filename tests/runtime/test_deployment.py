@@ -277,3 +277,28 @@ def test_a_runtime_adopts_its_starting_plan_and_serves_before_any_decision() -> 
     h.until(lambda: h.rt.state.active is None, 60)
     assert h.rt.state.serving_plan_id == make_plan(B0).plan_id
     assert validate_log(h.outputs.records) == []
+
+
+def test_sequences_still_prefilling_at_the_freeze_are_handed_over_not_drained() -> None:
+    # Long prompts keep arriving through the canary: at the freeze one is still prefilling on
+    # the old replica, and it starts decoding while the others' KV moves. It is handed over
+    # before the swap, so the old replica drains at once instead of after its whole output
+    # (the drain timeout here).
+    h = Harness(make_runtime())
+    _placed(h, make_plan(A0))
+    admitted = _load(h, 6)
+    h.decide(2, make_plan(A1), make_plan(A0).plan_id)
+    h.until(lambda: any(r.transition_seq == 2 and r.phase is S for r in h.outputs.records), 60)
+    for i in range(10):  # through the canary (0.5 s)
+        admitted |= _load(h, 1, prompt=2000, prefix=f"late{i}-")
+        h.advance(0.05)
+    h.until(lambda: h.rt.state.active is None, 60)
+    assert "left to finish on old 0" in _switch_record(h, 2).detail
+    cleanup = next(
+        r
+        for r in h.outputs.records
+        if r.transition_seq == 2 and r.phase is C and r.status is PhaseStatus.COMPLETED
+    )
+    assert cleanup.duration_ms is not None and cleanup.duration_ms < 1000, cleanup.duration_ms
+    _finish_all(h, admitted)
+    assert validate_log(h.outputs.records) == []
