@@ -6,7 +6,8 @@ deployment given a starting plan that the log knows nothing of loads it as trans
 :meth:`DeploymentRuntime.adopt`). Then it consumes decisions for its deployments, ticks every
 runtime, persists each transition record (waiting for the broker's ack before the machine moves
 on), journals sequence ownership, publishes serving load, and serves the HTTP API. All policy
-lives in the runtimes.
+lives in the runtimes. Engines: ``runtime.engine`` (:mod:`runtime.engines`; SimEngine, or the
+torch reference engine whose token ledgers are read back before the recovery).
 
 Run it in-process (``async with RuntimeWorker(cfg) as w``) or as a process:
 ``python -m runtime.cli --deployment NAME`` / ``flexpipe runtime --deployment NAME``.
