@@ -65,6 +65,12 @@ BEHIND_WARN_S = 30.0  # input trailing the clock this long is logged with each p
 STREAM_BUFFER = 512
 MAX_POLL_RECORDS = 500
 TRIGGER_BATCH = 512
+# NOTE: table writes queue in Faust's producer buffer, and while it holds more than this Faust
+# stops handing any input to agents (cluster events too) until it drained. Its default (100) is
+# below one flush of a 1,000-GPU worker (a GPU record and a launch window per GPU every
+# view_refresh_s, all GPUs at once on the first samples): a worker driven by bench.pipeline
+# logged "producer buffer full" (intake paused) flush after flush. Real overload still pauses.
+PRODUCER_BUFFER_MESSAGES = 4096
 
 _SOURCES: dict[SourceTopic, Topic] = {
     SourceTopic.GPU: Topic.GPU,
@@ -84,7 +90,12 @@ class FatalDecisionPath(FlexPipeError):
 class DurableProducer(faust_aiokafka.Producer):
     """Faust's producer with ``acks=all`` and idempotence (Faust enables them only inside
     transactions; aiokafka's defaults are ``acks=1`` without idempotence), which starts only once
-    its metadata lists every topic the worker writes (:func:`streams.health.wait_writable`)."""
+    its metadata lists every topic the worker writes (:func:`streams.health.wait_writable`), and
+    whose buffer of table writes holds ``PRODUCER_BUFFER_MESSAGES`` before it pauses intake."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.buffer.max_messages = PRODUCER_BUFFER_MESSAGES
 
     def _settings_extra(self) -> Mapping[str, Any]:
         return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
@@ -327,13 +338,15 @@ def _agents(app: StreamsApp, cfg: FlexPipeConfig, engine: StreamProcessor) -> No
                 bad = Rejected(DeadLetterReason.INTERNAL_ERROR, "", detail)
                 await engine.reject(bad, msg, src.value)
 
-    # NOTE: one agent over the high-volume telemetry topics and one over the rest: fewer
-    # agents means less per-event scheduling in Faust, and control events never queue behind
-    # a telemetry backlog inside one agent's buffer.
+    # NOTE: one agent over the high-volume telemetry topics, one over cluster events (the
+    # topology triggers) and one over the rest: a trigger never queues behind a telemetry
+    # backlog inside an agent's buffer, nor behind a transition that waits for the decider's
+    # lock while a decision is being published (the runtime answers every decision with one).
     hot = (SourceTopic.GPU, SourceTopic.LAUNCHES, SourceTopic.NODE)
     for name, sources in (
         ("telemetry", hot),
-        ("control", tuple(s for s in _SOURCES if s not in hot)),
+        ("cluster", (SourceTopic.CLUSTER,)),
+        ("control", tuple(s for s in _SOURCES if s not in (*hot, SourceTopic.CLUSTER))),
     ):
         names = [topic_name(cfg, _SOURCES[s]) for s in sources]
         channel = app.topic(
