@@ -65,3 +65,12 @@ def test_malformed_bytes_raise_value_error() -> None:
         loads(Cursor, b'{"seq": "one"}')
     with pytest.raises(ValueError, match="compressed"):
         loads(Cursor, b"\x00not zlib")
+
+
+def test_a_bad_nested_field_is_named_through_generic_windows() -> None:
+    # Panes[LaunchSums] inside a LaunchWindow: the decoder built for the bound type variable
+    # still checks the innermost field and names the path to it
+    raw = b'{"panes": {"panes": [[3, {"launches": "many", "covered_s": 0.2}]]}}'
+    with pytest.raises(ValueError, match=r"LaunchWindow\.panes: .*LaunchSums\.launches"):
+        loads(LaunchWindow, raw)
+    assert loads(LaunchWindow, raw.replace(b'"many"', b"7")).panes.panes[0][1].launches == 7
