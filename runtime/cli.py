@@ -12,7 +12,7 @@ import signal
 from collections.abc import Sequence
 
 from flexpipe.config import FlexPipeConfig, load_config, with_runtime
-from flexpipe.errors import FlexPipeError
+from flexpipe.errors import ConfigError, FlexPipeError
 from flexpipe.schemas import TransitionPhase
 from runtime.worker import RuntimeWorker
 
@@ -56,7 +56,13 @@ def with_flags(cfg: FlexPipeConfig, args: argparse.Namespace) -> FlexPipeConfig:
         "ledger_dir": getattr(args, "ledger_dir", None),
     }
     overrides = {key: value for key, value in flags.items() if value is not None}
-    return with_runtime(cfg, **overrides) if overrides else cfg
+    if not overrides:
+        return cfg
+    try:
+        return with_runtime(cfg, **overrides)
+    except ConfigError as exc:
+        given = ", ".join("--" + key.replace("_", "-") for key in overrides)
+        raise ConfigError(f"{exc} (flags given: {given})") from None
 
 
 async def run_worker(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:

@@ -47,6 +47,11 @@ def test_a_bad_engine_setting_names_its_key(argv: list[str], env: dict[str, str]
         with_flags(load_config(env=env), _args(*argv))
 
 
+def test_an_error_from_flags_names_the_flags_given() -> None:
+    with pytest.raises(ConfigError, match=r"\(flags given: --engine\)$"):
+        with_flags(load_config(env={}), _args("--engine", "torch"))
+
+
 def test_an_unwritable_ledger_dir_is_refused_at_start_up(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
