@@ -33,7 +33,7 @@ from gearbox.presets import MODELS
 from runtime.deployment import DeploymentRuntime, EngineFactory, RuntimeSettings, sim_engine
 from runtime.engine.simgpu import SimGpuPool
 from runtime.inventory import GpuInventory
-from runtime.journal import unfinished
+from runtime.ownership import unfinished
 from runtime.router import Router
 from runtime.stats import ServingWindow
 from runtime.types import Request

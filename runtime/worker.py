@@ -48,14 +48,10 @@ from runtime.engines import WorkerEngines, worker_engines
 from runtime.executor import ExecutorSettings
 from runtime.host import DecisionOutcome, RuntimeHost
 from runtime.http import build_app
-from runtime.journal import (
-    catch_up,
-    encode_event,
-    ownership_topic,
-    read_to_end,
-)
+from runtime.journal import catch_up, ownership_topic, read_to_end
 from runtime.metrics import RuntimeMetrics
 from runtime.offsets import OffsetTracker
+from runtime.ownership import encode_event
 from runtime.transition import TransitionPolicy
 from runtime.types import Admission, Completion, Request, ServingSettings
 from runtime.vmm.cuda import local_gpu_ordinals

@@ -13,7 +13,8 @@ from flexpipe.errors import ValidationError
 from flexpipe.kafka import make_producer
 from flexpipe.schemas import GearTransition
 from flexpipe.topics import Topic, topic_name
-from runtime.journal import ownership_topic, read_to_end, unfinished
+from runtime.journal import ownership_topic, read_to_end
+from runtime.ownership import unfinished
 from runtime.types import Request
 
 

@@ -9,7 +9,7 @@ holding the shift inside PHASE. It writes ``WORKDIR/pids`` (every rank process) 
 
 :class:`FileLogs` stands in for the broker: the transitions log (each record fsynced before the
 machine hears it was persisted, as the worker waits for the broker's ack) and the ownership
-journal (the worker's ``(key, value)`` pairs, :func:`runtime.journal.encode_event`), one line
+journal (the worker's ``(key, value)`` pairs, :func:`runtime.ownership.encode_event`), one line
 per record, read back by the recovering side into :meth:`RuntimeHost.recover` — the worker's
 recovery path without Kafka.
 """
@@ -32,7 +32,7 @@ from runtime.engine.torch.factory import DEMO_MODEL, torch_engine_factory, warm_
 from runtime.engine.torch.tokens import TokenLedger
 from runtime.executor import ExecutorSettings
 from runtime.host import RuntimeHost
-from runtime.journal import encode_event
+from runtime.ownership import encode_event
 from runtime.types import Completion
 from tests.runtime.builders import DEPLOYMENT, FAST_POLICY, make_decision, make_plan, make_replica
 from tests.runtime.builders import make_request as _request
