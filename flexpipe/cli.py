@@ -147,18 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=_up)
 
+    from runtime.flags import add_arguments as add_runtime_arguments
+
     p = sub.add_parser("runtime", help="a runtime worker: transitions, routing, HTTP API")
-    p.add_argument("--deployment", action="append", default=None, help="repeatable")
-    p.add_argument("--port", type=int, default=None, help="HTTP port (0 = pick one)")
-    p.add_argument(
-        "--pause-in",
-        choices=["prepare", "switch", "cleanup"],
-        default=None,
-        help="TEST HOOK: hold transitions just before this phase would finish",
-    )
-    p.add_argument(
-        "--pause-from-seq", type=int, default=0, help="TEST HOOK: hold only from this transition"
-    )
+    add_runtime_arguments(p)
     p.set_defaults(handler=_runtime)
 
     p = sub.add_parser("streams", help="run a stream-processing worker (telemetry → decisions)")

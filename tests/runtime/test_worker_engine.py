@@ -10,8 +10,8 @@ import pytest
 
 from flexpipe.config import load_config
 from flexpipe.errors import ConfigError
-from runtime.cli import add_arguments, with_flags
 from runtime.engines import ledger_path, worker_engines
+from runtime.flags import add_arguments, with_flags
 
 pytestmark = pytest.mark.unit
 
@@ -63,3 +63,13 @@ def test_an_unwritable_ledger_dir_is_refused_at_start_up(tmp_path: Path) -> None
 def test_one_ledger_file_per_deployment_whatever_its_name(tmp_path: Path) -> None:
     assert ledger_path(tmp_path, "chat-7b") == tmp_path / "chat-7b.ledger"
     assert ledger_path(tmp_path, "a/b").parent == tmp_path
+
+
+def test_flexpipe_runtime_takes_the_engine_flags(tmp_path: Path) -> None:
+    from flexpipe.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["runtime", "--engine", "torch", "--ledger-dir", str(tmp_path)]
+    )
+    cfg = with_flags(load_config(env={}), args)
+    assert cfg.runtime.engine == "torch" and cfg.runtime.ledger_dir is not None
