@@ -51,6 +51,7 @@ from prometheus_client import CollectorRegistry
 
 from bench.calibrate import calibration_ms
 from bench.common import bench_broker, print_result
+from bench.worker_profile import own_cpu_by_origin, top_functions
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig, load_config
 from flexpipe.kafka import create_topics, make_producer, running
@@ -258,24 +259,13 @@ def _origin(filename: str, function: str) -> str:
 def profile_lines(profile: cProfile.Profile, top: int = 12) -> list[str]:
     """Own (exclusive) CPU by origin, then the top functions: where the time goes."""
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
-    by_origin: dict[str, float] = defaultdict(float)
-    for (filename, _, function), (_, _, own_s, _, callers) in stats.items():
-        if filename != "~" or not callers:
-            by_origin[_origin(filename, function)] += own_s
-            continue
-        # a C builtin's time belongs to whoever called it (the fake's dict lookups are the fake's)
-        for (caller_file, _, caller_fn), (_, _, caller_s, _) in callers.items():
-            by_origin[_origin(caller_file, caller_fn)] += caller_s
+    by_origin = own_cpu_by_origin(stats, _origin)
     total = sum(by_origin.values()) or 1.0
     lines = ["profile (cProfile, process CPU; the profiler inflates call-heavy code):"]
     for origin, own_s in sorted(by_origin.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {own_s / total:6.1%}  {origin}")
     lines.append("  top functions by own CPU:")
-    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    for (filename, line, function), (_, calls, own_s, _, _) in ranked:
-        where = _origin(filename, function)
-        lines.append(f"  {own_s / total:6.1%}  {calls:>8}  {function} ({where}:{line})")
-    return lines
+    return lines + top_functions(stats, total, _origin, top)
 
 
 def _payloads(n: int) -> list[bytes]:

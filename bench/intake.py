@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from bench.calibrate import calibration_ms
 from bench.common import print_result
 from bench.pipeline import GPUS_PER_NODE, Cluster
+from bench.worker_profile import origin, top_functions
 from flexpipe import envelope
 from flexpipe.config import DeploymentConfig, FlexPipeConfig
 from streams.decider import Decider
@@ -131,12 +132,7 @@ def profile_lines(profile: cProfile.Profile, top: int = 20) -> list[str]:
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
     total = sum(v[2] for v in stats.values()) or 1.0
     lines = ["profile (cProfile, process CPU; inflates call-heavy code), own time:"]
-    for (filename, line, fn), (_, calls, own_s, _, _) in sorted(
-        stats.items(), key=lambda kv: -kv[1][2]
-    )[:top]:
-        where = filename.rsplit("site-packages/", 1)[-1].replace("/work/main/", "")
-        lines.append(f"  {own_s / total:6.1%}  {calls:>8}  {fn} ({where}:{line})")
-    return lines
+    return lines + top_functions(stats, total, origin, top)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """A profiled stream worker's CPU, split by who spends it: faust, aiokafka, mode, asyncio,
 prometheus_client, or ours (``streams/``, ``flexpipe/``, ``gearbox/``).
 
-Reads the pstats file ``python -m streams.worker --profile PATH`` writes. A C builtin's time is
+Reads the pstats file ``python -m streams.worker --profile PATH`` writes; the by-origin split and
+the top-functions list are shared with ``bench.agent`` and ``bench.intake``. A C builtin's time is
 charged to its caller (orjson's ``loads`` called by ``flexpipe/envelope.py`` is ours), so the
 split says whose code paid for it.
 """
@@ -10,9 +11,14 @@ from __future__ import annotations
 
 import pstats
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["origin", "profile_lines"]
+__all__ = ["origin", "own_cpu_by_origin", "profile_lines", "top_functions"]
+
+# pstats' raw table: (file, line, function) -> (calls, primitive, own s, cumulative s, callers)
+StatsTable = dict[tuple[str, int, str], Any]
 
 _LIBRARIES = (
     ("/faust/", "faust"),
@@ -42,17 +48,35 @@ def _owner(where: str) -> str:
     return "ours" if where.startswith("ours: ") else where
 
 
-def profile_lines(path: Path, top: int = 15) -> list[str]:
-    """Own (exclusive) CPU by owner and by origin, then the top functions by own CPU."""
-    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+Origin = Callable[[str, str], str]
+
+
+def own_cpu_by_origin(stats: StatsTable, where: Origin) -> dict[str, float]:
+    """Own (exclusive) CPU seconds per ``where(filename, function)``; a C builtin's time is
+    charged to its callers, each its share (the builtin's entry lists its time per caller)."""
     by_origin: dict[str, float] = defaultdict(float)
     for (filename, _, function), (_, _, own_s, _, callers) in stats.items():
         if filename != "~" or not callers:
-            by_origin[origin(filename, function)] += own_s
+            by_origin[where(filename, function)] += own_s
             continue
-        # NOTE: a builtin's entry lists its own time per caller: charge each caller its share
         for (caller_file, _, caller_fn), (_, _, caller_s, _) in callers.items():
-            by_origin[origin(caller_file, caller_fn)] += caller_s
+            by_origin[where(caller_file, caller_fn)] += caller_s
+    return by_origin
+
+
+def top_functions(stats: StatsTable, total: float, where: Origin, top: int) -> list[str]:
+    """The ``top`` functions by own CPU, each with its share of ``total`` and its call count."""
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        f"  {own_s / total:6.1%}  {calls:>9}  {function} ({where(filename, function)}:{line})"
+        for (filename, line, function), (_, calls, own_s, _, _) in ranked
+    ]
+
+
+def profile_lines(path: Path, top: int = 15) -> list[str]:
+    """Own (exclusive) CPU by owner and by origin, then the top functions by own CPU."""
+    stats: StatsTable = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    by_origin = own_cpu_by_origin(stats, origin)
     total = sum(by_origin.values()) or 1.0
     by_owner: dict[str, float] = defaultdict(float)
     for where, own_s in by_origin.items():
@@ -65,9 +89,4 @@ def profile_lines(path: Path, top: int = 15) -> list[str]:
     for where, own_s in sorted(ours, key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {own_s / total:6.1%}  {where[6:]}")
     lines.append("  top functions by own CPU (calls):")
-    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    for (filename, line, function), (_, calls, own_s, _, _) in ranked:
-        lines.append(
-            f"  {own_s / total:6.1%}  {calls:>9}  {function} ({origin(filename, function)}:{line})"
-        )
-    return lines
+    return lines + top_functions(stats, total, origin, top)
