@@ -20,10 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import os
-import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -45,12 +41,12 @@ from runtime.engines import ledger_path
 from tests.runtime.builders import DEPLOYMENT, make_decision, make_plan, make_replica
 from tests.runtime.kafka_helpers import journal_unfinished, publish, transitions, wait_for
 from tests.runtime.logcheck import validate_log
+from tests.runtime.worker_process import WorkerProcess
 
 # NOTE: the first test's setup runs all three phases: 90-100 s at a load of 8, more beside the
 # suite at 15-18; its own deadlines (below) stop a hang before this does
 pytestmark = [pytest.mark.integration, pytest.mark.torch, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[3]
 PHASES = (TransitionPhase.PREPARE, TransitionPhase.SWITCH, TransitionPhase.CLEANUP)
 MAX_NEW = 32
 TOKENS_BEFORE_SHIFT = 3
@@ -61,64 +57,21 @@ NEW = make_plan(make_replica(["A2"]))
 START_S, PHASE_S, FINISH_S = 120.0, 90.0, 120.0
 
 
-class TorchWorker:
-    """``python -m runtime.cli --engine torch`` as a child process (stdout drained)."""
-
-    def __init__(self, cfg: FlexPipeConfig, ledger_dir: Path, tick_s: float, *extra: str) -> None:
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "FLEXPIPE_KAFKA__BOOTSTRAP_SERVERS": cfg.kafka.bootstrap_servers or "",
-            "FLEXPIPE_TOPICS__PREFIX": cfg.topics.prefix,
-            "FLEXPIPE_TOPICS__PARTITIONS": "1",
-            "FLEXPIPE_RUNTIME__WORKER_ID": "torch-crash",
-            # one engine step per tick: a slow tick keeps the requests in flight until the kill
-            "FLEXPIPE_RUNTIME__TICK_S": str(tick_s),
-            "FLEXPIPE_RUNTIME__CANARY_S": "0.2",
-            # every running sequence is handed over: the switch holds staged copies on TP1
-            "FLEXPIPE_RUNTIME__SHORT_SEQUENCE_TOKENS": "1",
-            "FLEXPIPE_RUNTIME__DRAIN_TIMEOUT_S": "10",
-        }
-        args = ["--deployment", DEPLOYMENT, "--port", "0", "--engine", "torch"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.cli", *args, "--ledger-dir", str(ledger_dir), *extra],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.output: list[str] = []
-
-    async def ready(self) -> str:
-        """The HTTP base URL, once the worker has recovered and serves."""
-
-        def read() -> str:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                if line.startswith("runtime ready "):
-                    return line.split()[2]
-            raise AssertionError("worker exited before ready:\n" + "".join(self.output[-30:]))
-
-        url = await asyncio.wait_for(asyncio.to_thread(read), START_S)
-        asyncio.get_running_loop().run_in_executor(None, self._drain)
-        return url
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:  # keep the pipe from filling up
-            self.output.append(line)
-
-    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        """Signal the worker and reap it (SIGKILL when SIGTERM does not end it)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+def _torch_worker(
+    cfg: FlexPipeConfig, ledger_dir: Path, tick_s: float, *extra: str
+) -> WorkerProcess:
+    """``python -m runtime.cli --engine torch`` on ``ledger_dir``."""
+    runtime_env = {
+        "FLEXPIPE_RUNTIME__WORKER_ID": "torch-crash",
+        # one engine step per tick: a slow tick keeps the requests in flight until the kill
+        "FLEXPIPE_RUNTIME__TICK_S": str(tick_s),
+        "FLEXPIPE_RUNTIME__CANARY_S": "0.2",
+        # every running sequence is handed over: the switch holds staged copies on TP1
+        "FLEXPIPE_RUNTIME__SHORT_SEQUENCE_TOKENS": "1",
+        "FLEXPIPE_RUNTIME__DRAIN_TIMEOUT_S": "10",
+    }
+    flags = ("--engine", "torch", "--ledger-dir", str(ledger_dir))
+    return WorkerProcess(cfg, *flags, *extra, runtime_env=runtime_env)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -203,10 +156,12 @@ async def _fire(session: aiohttp.ClientSession, url: str, sid: str) -> None:
 
 async def _kill_inside(cfg: FlexPipeConfig, ledger: Path, phase: TransitionPhase, run: Run) -> None:
     """Place TP2, serve, shift towards TP1, SIGKILL the worker held inside ``phase``."""
-    worker = TorchWorker(cfg, ledger.parent, 0.1, "--pause-in", str(phase), "--pause-from-seq", "2")
+    worker = _torch_worker(
+        cfg, ledger.parent, 0.1, "--pause-in", str(phase), "--pause-from-seq", "2"
+    )
     fired: list[asyncio.Task[None]] = []
     try:
-        url = await worker.ready()
+        url = await worker.ready(START_S)
         async with aiohttp.ClientSession() as session:
             await publish(cfg, Topic.DECISIONS, make_decision(1, OLD), DEPLOYMENT)
 
@@ -232,9 +187,9 @@ async def _kill_inside(cfg: FlexPipeConfig, ledger: Path, phase: TransitionPhase
 
             await wait_for(held, PHASE_S, f"worker held in {phase}")
             run.below = _descendants(worker.proc.pid)
-            worker.stop(signal.SIGKILL)
+            worker.kill9()
     finally:
-        worker.stop(signal.SIGKILL)
+        worker.kill9()  # a no-op once it is dead
         for task in fired:
             task.cancel()
     run.before = _tokens(ledger)
@@ -246,9 +201,9 @@ async def _kill_inside(cfg: FlexPipeConfig, ledger: Path, phase: TransitionPhase
 
 async def _restart(cfg: FlexPipeConfig, ledger: Path, run: Run) -> None:
     """A fresh worker on the same topics and ledger: recover, finish every request, stop."""
-    worker = TorchWorker(cfg, ledger.parent, 0.02)
+    worker = _torch_worker(cfg, ledger.parent, 0.02)
     try:
-        url = await worker.ready()
+        url = await worker.ready(START_S)
         async with aiohttp.ClientSession() as session:
             body = await _status(session, url)
             run.engine, run.recovered = body["engine"], body["deployments"][DEPLOYMENT]
@@ -261,7 +216,7 @@ async def _restart(cfg: FlexPipeConfig, ledger: Path, run: Run) -> None:
             await wait_for(settled, FINISH_S, "every request finished, the shift settled")
             run.unfinished = {r.request_id for r in await journal_unfinished(cfg, DEPLOYMENT)}
     finally:
-        worker.stop()  # SIGTERM: the ledger's last records are flushed
+        worker.stop(wait_s=30)  # SIGTERM: the ledger's last records are flushed
     run.records = _ledger_records(ledger)
     run.log = await transitions(cfg, DEPLOYMENT)
 
