@@ -91,7 +91,7 @@ class _Tick:
     available: Mapping[str, int]
     quarantined: frozenset[str]  # recently rolled-back targets, not proposed voluntarily
     pressure: tuple[str, ...]  # observed pressure (empty = none): no GPU credit, no downshift
-    corrections: Corrections  # this tick's learned TTFT factors (already updated)
+    current_model: DeploymentEstimate | None  # the cost model's figures for the current plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +149,9 @@ def decide(
         config = _without_gpu_credit(config)
     quarantined = quarantined_plan_ids(state, snapshot.now_s, config)
     failed = tuple(f for f in state.failed if f.plan_id in quarantined)
-    corrections = _learn(
-        current, available, model, load, replace(state, corrections=learned), config
-    )
+    # NOTE: estimated once: the learning and every use of the current plan's figures share it
+    modelled = None if current is None else estimate_plan(current, available, model, load, config)
+    corrections = _learn(current, modelled, load, replace(state, corrections=learned), config)
     tick = _Tick(
         name,
         current,
@@ -165,7 +165,7 @@ def decide(
         available,
         quarantined,
         pressure,
-        corrections,
+        modelled,
     )
     if overrides.emergency_downshift and overrides.baseline_plan is not None:
         return _override(tick, overrides.baseline_plan, DecisionReason.EMERGENCY_DOWNSHIFT)
@@ -202,16 +202,15 @@ def _pressure(
 
 def _learn(
     current: DeploymentPlan | None,
-    available: Mapping[str, int],
-    model: ModelSpec,
+    modelled: DeploymentEstimate | None,
     load: LoadSnapshot,
     state: GearState,
     config: GearboxConfig,
 ) -> Corrections:
-    """The TTFT factors with this tick's observation of the current plan folded in."""
-    if current is None or load.num_ttft_samples == 0:
+    """The TTFT factors with this tick's observation of the current plan (``modelled`` is the
+    cost model's estimate of it) folded in."""
+    if current is None or modelled is None or load.num_ttft_samples == 0:
         return state.corrections
-    modelled = estimate_plan(current, available, model, load, config)
     if not modelled.feasible:
         return state.corrections
     return observe(
@@ -228,14 +227,20 @@ def _learn(
 
 def _corrected(tick: _Tick, plan: DeploymentPlan, estimate: DeploymentEstimate) -> _Estimate:
     """``estimate`` of ``plan`` with the learned TTFT factor applied (gearbox.correction)."""
-    factor = factor_for(tick.corrections, plan_shape(plan), tick.snapshot.now_s, tick.config)
+    factor = factor_for(tick.state.corrections, plan_shape(plan), tick.snapshot.now_s, tick.config)
     return _Estimate(apply_correction(estimate, factor, tick.config), estimate.ttft_p95_ms, factor)
 
 
 def _estimate(tick: _Tick, plan: DeploymentPlan) -> _Estimate:
-    """The corrected estimate of an arbitrary plan (the current one, an override target)."""
+    """The corrected estimate of an arbitrary plan (an override target)."""
     args = (tick.available, tick.model, tick.load, tick.config)
     return _corrected(tick, plan, estimate_plan(plan, *args))
+
+
+def _current_estimate(tick: _Tick, current: DeploymentPlan) -> _Estimate:
+    """The corrected estimate of the current plan, from the tick's one model estimate."""
+    assert tick.current_model is not None, "set whenever there is a current plan"
+    return _corrected(tick, current, tick.current_model)
 
 
 def _without_gpu_credit(config: GearboxConfig) -> GearboxConfig:
@@ -283,7 +288,7 @@ def _current_utility(tick: _Tick, problems: Sequence[str]) -> float:
         return 0.0
     args = (tick.available, tick.model, tick.load, tick.config)
     if not problems:
-        return _estimate(tick, tick.current).corrected.utility_tok_s
+        return _current_estimate(tick, tick.current).corrected.utility_tok_s
     units = current_units(tick.current, tick.blocks, *args)
     if not units:
         return 0.0
@@ -344,7 +349,7 @@ def _score_all(
     current_id = tick.current.plan_id if tick.current is not None else None
     current = None
     if tick.current is not None:
-        current = _estimate(tick, tick.current).corrected
+        current = _current_estimate(tick, tick.current).corrected
     scored = [
         _score(tick, c, base_utility, current) for c in ranked if c.plan.plan_id != current_id
     ]
@@ -358,7 +363,7 @@ def _net_order(s: _Scored) -> tuple[float, str]:
 def _current_summary(tick: _Tick) -> CandidateSummary | None:
     if tick.current is None:
         return None
-    made = _estimate(tick, tick.current)
+    made = _current_estimate(tick, tick.current)
     if not made.corrected.feasible:
         return None
     return _summary(tick.current.plan_id, "current", made, 1.0)
