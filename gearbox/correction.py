@@ -164,7 +164,7 @@ def observe(
         old = kept.get(key)
         prior = 0.0 if old is None else math.log(_decayed(old, now_s, config))
         seen = 0 if old is None else old.observations
-        gain = max(config.correction_gain, 1.0 / (seen + 1))
+        gain = _gain(seen, config)
         factor = _clamp(math.exp((1 - gain) * prior + gain * target), config)
         kept[key] = Correction(key, factor, now_s, seen + 1)
     shaped = sorted(
@@ -175,11 +175,17 @@ def observe(
     return replace(corrections, entries=tuple(entries))
 
 
+def _gain(seen: int, config: GearboxConfig) -> float:
+    """A new observation's weight after ``seen`` others: a plain mean for the first
+    1 / ``correction_gain`` observations, an exponential one after."""
+    return max(config.correction_gain, 1.0 / (seen + 1))
+
+
 def _prior_weight(seen: int, updated_s: float, now_s: float, config: GearboxConfig) -> float:
-    """Weight of the running figure against a new observation: the gain's complement (a plain
-    mean for the first 1 / gain observations), shrunk by the half-life since its last update."""
-    gain = max(config.correction_gain, 1.0 / (seen + 1))
-    return (1 - gain) * 0.5 ** (max(0.0, now_s - updated_s) / config.correction_half_life_s)
+    """Weight of the running figure against a new observation: the gain's complement, shrunk
+    by the half-life since its last update."""
+    decay = 0.5 ** (max(0.0, now_s - updated_s) / config.correction_half_life_s)
+    return (1 - _gain(seen, config)) * decay
 
 
 def _shares(lengths: tuple[tuple[float, int], ...]) -> dict[float, float]:
