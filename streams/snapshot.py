@@ -24,6 +24,7 @@ from streams.state import GpuState, NodeState
 __all__ = [
     "LoadSource",
     "NominalLoad",
+    "TopologyBuilder",
     "build_load",
     "build_topology",
     "gpu_domain",
@@ -78,15 +79,48 @@ def build_topology(
     heartbeat_timeout_s: float,
 ) -> TopologySnapshot:
     """The schedulable resource tree at ``now_s``, GPUs sorted by uuid."""
-    links = _links(nodes.values(), catalog)
-    inter = links.pop(INTER_DOMAIN_ID, None) or catalog.link(DEFAULT_INTER_DOMAIN_LINK)
-    return TopologySnapshot(
-        now_s=now_s,
-        gpus=tuple(_gpu(gpus[u], nodes.get(gpus[u].node), catalog) for u in sorted(gpus)),
-        domains=tuple(Domain(d, link) for d, link in sorted(links.items())),
-        inter_domain_link=inter,
-        heartbeat_timeout_s=heartbeat_timeout_s,
-    )
+    return TopologyBuilder(catalog).build(gpus, nodes, now_s, heartbeat_timeout_s)
+
+
+class TopologyBuilder:
+    """:func:`build_topology` for a view that changes a few records at a time: a GPU's gearbox
+    record is rebuilt only when its record or its node's record was replaced (the view replaces
+    records, never changes them in place), so a decision on 1,000 GPUs converts the handful that
+    moved instead of all of them. Returns what :func:`build_topology` returns."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self._gpus: dict[str, tuple[GpuState, NodeState | None, Gpu]] = {}
+
+    def build(
+        self,
+        gpus: Mapping[str, GpuState],
+        nodes: Mapping[str, NodeState],
+        now_s: float,
+        heartbeat_timeout_s: float,
+    ) -> TopologySnapshot:
+        """The schedulable resource tree at ``now_s``, GPUs sorted by uuid."""
+        cache, out = self._gpus, []
+        for uuid in sorted(gpus):
+            state = gpus[uuid]
+            node = nodes.get(state.node)
+            known = cache.get(uuid)
+            if known is None or known[0] is not state or known[1] is not node:
+                known = (state, node, _gpu(state, node, self.catalog))
+                cache[uuid] = known
+            out.append(known[2])
+        if len(cache) > len(gpus):
+            for uuid in [u for u in cache if u not in gpus]:
+                del cache[uuid]
+        links = _links(nodes.values(), self.catalog)
+        inter = links.pop(INTER_DOMAIN_ID, None) or self.catalog.link(DEFAULT_INTER_DOMAIN_LINK)
+        return TopologySnapshot(
+            now_s=now_s,
+            gpus=tuple(out),
+            domains=tuple(Domain(d, link) for d, link in sorted(links.items())),
+            inter_domain_link=inter,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from flexpipe.schemas import (
     PlanSource,
     TransitionPhase,
 )
-from gearbox.blocks import AtomicBlock, build_blocks
+from gearbox.blocks import build_blocks
 from gearbox.config import GearboxConfig
 from gearbox.decide import decide
 from gearbox.decisions import DecideResult, Overrides
@@ -249,9 +249,11 @@ def _without_claims(topology: TopologySnapshot, claims: frozenset[str]) -> Topol
     return replace(topology, gpus=gpus)
 
 
-def _with_hint(inp: StepInput, blocks: tuple[AtomicBlock, ...]) -> PlanState:
+def _with_hint(inp: StepInput) -> PlanState:
     if inp.plan.source is not PlanSource.NONE:
         return inp.plan
+    # NOTE: blocks only for the hint (a deployment's first decision): decide builds its own
+    blocks = build_blocks(inp.topology, inp.config, inp.gear.blocks)
     hint = starting_plan(inp.deployments, inp.deployment.name, inp.topology, blocks)
     if hint is None:
         return inp.plan
@@ -344,8 +346,7 @@ def step(inp: StepInput) -> StepOutput | None:
     """
     if not inp.cursor.admits(inp.trigger.kind, inp.trigger.time_ms):
         return None
-    blocks = build_blocks(inp.topology, inp.config, inp.gear.blocks)
-    plan, notes = _expire(_with_hint(inp, blocks), inp)
+    plan, notes = _expire(_with_hint(inp), inp)
     overrides, more = _overrides(inp.overrides, plan)
     own = frozenset().union(*(p.gpu_uuids for p in (plan.current, plan.confirmed) if p))
     result = decide(

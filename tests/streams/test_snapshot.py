@@ -15,7 +15,13 @@ from gearbox.types import TopologySnapshot
 from streams.catalog import default_catalog
 from streams.deployments import Deployment
 from streams.load import ServingWindows, fold_serving, serving_aggregate
-from streams.snapshot import LoadSource, NominalLoad, build_load, build_topology
+from streams.snapshot import (
+    LoadSource,
+    NominalLoad,
+    TopologyBuilder,
+    build_load,
+    build_topology,
+)
 from streams.state import GpuState, NodeState, fold_cluster_event, fold_gpu_sample
 from streams.windows import HoppingWindow
 from tests.streams.builders import T0_MS, cluster_envelopes, gpu_uuid, make_event, make_load
@@ -131,3 +137,20 @@ def test_hint_plans_take_gpus_in_order_and_skip_earlier_hints() -> None:
     assert starting_plan((dep("big", "A", 16),), "big", snap, blocks) is None  # too few GPUs
     assert starting_plan((dep("odd", "A", 3),), "odd", snap, blocks) is None  # 3 ∤ heads
     assert natural_key("node-2") < natural_key("node-10")
+
+
+def test_incremental_builder_matches_a_fresh_build_as_records_are_replaced() -> None:
+    gpus, nodes = folded()
+    builder = TopologyBuilder(CATALOG)
+    assert builder.build(gpus, nodes, NOW_S, 45.0) == topology(gpus, nodes)
+    # a preemption replaces one node record, a sample one GPU record, and a GPU leaves the view
+    node = next(iter(nodes.values()))
+    victim = next(u for u, g in gpus.items() if g.node == node.node)
+    event = make_event(ClusterEventType.PREEMPT, node.node, (victim,))
+    nodes[node.node], _ = fold_cluster_event(node, event, "sched", 99, T0_MS + 1)
+    other = next(u for u, g in gpus.items() if g.node != node.node)
+    gpus[other] = replace(gpus[other], free_memory_bytes=0)
+    del gpus[next(u for u in sorted(gpus) if u not in (victim, other))]
+    built = builder.build(gpus, nodes, NOW_S + 1, 45.0)
+    assert built == build_topology(gpus, nodes, CATALOG, NOW_S + 1, 45.0)
+    assert victim not in live(built) and len(built.gpus) == len(gpus)
