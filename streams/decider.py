@@ -27,6 +27,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from aiokafka.errors import KafkaError
 
@@ -40,13 +41,14 @@ from streams.intake import DeadLetterReason, Rejected
 from streams.load import ServingWindows
 from streams.ports import DecisionLog, Message, TableName, TriggerMessage
 from streams.processor import StreamProcessor
-from streams.snapshot import build_topology
+from streams.snapshot import TopologyBuilder
 from streams.step import (
     Cursor,
     DeploymentTables,
     LoggedDecision,
     OverrideState,
     PlanState,
+    StepInput,
     StepOutput,
     TriggerInfo,
     claimed_gpus,
@@ -65,6 +67,11 @@ GEAR_STATE_EVERY_S = 30.0  # event time between block-history writes when nothin
 PUBLISH_WAIT_S = 2.0  # wall seconds to wait for a decision's acknowledgement under the lock
 LOG_READ_S = 5.0  # wall seconds a read of the decisions topic may take before it is retried
 REVOKE_WAIT_S = 30.0  # wall seconds a revocation waits for unacknowledged decisions
+# NOTE: one thread runs every decision step of the process, one at a time: gearbox's caches
+# are touched by that thread only, and the event loop stays free to fold telemetry. The step is
+# pure Python, so it shares the interpreter lock with the loop (switched every few ms) rather
+# than adding a core; what it removes is the loop's stall for a whole batch of decisions.
+_DECISIONS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streams-decide")
 
 
 class Decider:
@@ -90,6 +97,8 @@ class Decider:
         self._pending_since_s = 0.0
         self._debounce: asyncio.Task[None] | None = None
         self._topology: tuple[tuple[int, int], TopologySnapshot] | None = None
+        self._builder = TopologyBuilder(engine.catalog)
+        self._block_rows: list[tuple[str, str, int]] | None = None  # the block gauges shown
         self._by_name = {d.name: d for d in engine.deployments}
         self._rank = {d.name: i for i, d in enumerate(engine.deployments)}
         self._gear_written: dict[str, tuple[int, object, float | None]] = {}
@@ -267,23 +276,32 @@ class Decider:
             # own clock (as the offline replay does), not at the last housekeeping timer's.
             e.sweep()
             e.flush()
-            outs = []
+            outs, sends = [], []
             decided: dict[str, PlanState] = {}  # this batch's plans, claimed for the next ones
-            # NOTE: read before the sends are awaited, which lets more cluster events fold
-            nodes_version = e.view.nodes_version
             # NOTE: the configured order, as the replay decides: an earlier deployment's new plan
             # is claimed before a later one plans.
             for name, trigger in sorted(wanted.items(), key=lambda kv: self._rank[kv[0]]):
-                out = self._decide(name, trigger, logged.get(name), decided)
+                # NOTE: read with the input, before the step and the sends are awaited, which
+                # let more cluster events fold
+                nodes_version = e.view.nodes_version
+                inp = self._input(name, trigger, logged.get(name), decided)
+                # NOTE: the step (gearbox) runs off the event loop, so telemetry keeps folding
+                # meanwhile: its input is an immutable snapshot taken here, and the lock keeps
+                # the tables it writes from changing until its result is stored.
+                out = None if inp is None else await self._step(inp)
+                if not self.accepting:
+                    break  # NOTE: revoked meanwhile: what was sent is still awaited and stored
                 if out is None:
                     e.metrics.skipped.labels("already_decided").inc()
-                else:
-                    outs.append((name, out, trigger))
-            if not self.accepting or not outs:
+                    continue
+                decided[name] = out.plan
+                outs.append((name, out, trigger, nodes_version))
+                # NOTE: sent at once: a decision does not wait for the batch's later steps
+                sends.append(asyncio.ensure_future(self._send(name, out)))
+            if not outs:
                 return
-            sends = [asyncio.ensure_future(self._send(name, out)) for name, out, _ in outs]
             await asyncio.wait(sends, timeout=PUBLISH_WAIT_S)
-            for (name, out, trigger), sent in zip(outs, sends, strict=True):
+            for (name, out, trigger, nodes_version), sent in zip(outs, sends, strict=True):
                 if not sent.done():
                     self._park(name, out, sent)
                 elif sent.exception() is not None:
@@ -353,17 +371,18 @@ class Decider:
         key = (now_ms, e.view.version)
         if self._topology is None or self._topology[0] != key:
             timeout_s = view_timeout_s(e.cfg)
-            snap = build_topology(e.view.gpus, e.view.nodes, e.catalog, now_ms / 1000, timeout_s)
+            snap = self._builder.build(e.view.gpus, e.view.nodes, now_ms / 1000, timeout_s)
             self._topology = (key, snap)
         return self._topology[1]
 
-    def _decide(
+    def _input(
         self,
         name: str,
         trigger: TriggerInfo,
         logged: tuple[int, LoggedDecision | None] | None,
         decided: dict[str, PlanState],
-    ) -> StepOutput | None:
+    ) -> StepInput | None:
+        """The step's input for ``trigger``, snapshotted now; None when the cursor refuses it."""
         e = self.engine
         cursor, plan, gear = self._state(name, logged)
         if not cursor.admits(trigger.kind, trigger.time_ms):
@@ -379,7 +398,7 @@ class Decider:
             e.load(TableName.SERVING, name, ServingWindows) or ServingWindows(),
         )
         now_ms = max(e.now_ms(), trigger.time_ms)
-        inp = make_input(
+        return make_input(
             self._by_name[name],
             e.deployments,
             tables,
@@ -395,10 +414,10 @@ class Decider:
             transition_timeout_s=e.cfg.streams.transition_timeout_s,
             claims=self._claims(name, decided),
         )
-        out = step(inp)
-        if out is not None:
-            decided[name] = out.plan
-        return out
+
+    async def _step(self, inp: StepInput) -> StepOutput | None:
+        """:func:`streams.step.step` on the decision thread (the loop folds input meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(_DECISIONS, step, inp)
 
     def _late(self, name: str, trigger: TriggerInfo, cursor: Cursor) -> TriggerInfo | None:
         """A topology trigger the cursor refused, as one it admits, when cluster events were
@@ -461,7 +480,10 @@ class Decider:
         e.metrics.decisions.labels(out.decision.reason, kind).inc()
         e.metrics.decision_latency.labels(kind).observe(max(0.0, wall_s - trigger.time_ms / 1000))
         e.metrics.decision_processing.labels(kind).observe(max(0.0, wall_s - received_wall_s))
-        e.metrics.set_blocks([(b.block_id, b.domain_id, b.num_gpus) for b in out.gear.blocks])
+        rows = [(b.block_id, b.domain_id, b.num_gpus) for b in out.gear.blocks]
+        if rows != self._block_rows:  # NOTE: ~125 labelled gauges: set only when they moved
+            e.metrics.set_blocks(rows)
+            self._block_rows = rows
         e.metrics.set_ttft(name, out.result.current, out.decision.context.load.window_ttft_p95_ms)
         self.show_plan(name, out.plan)
         d = out.decision
