@@ -13,6 +13,7 @@ from pydantic import TypeAdapter
 from flexpipe.schemas import ClusterEvent, ClusterEventType, GpuProcess, GpuSample, SampleReason
 from gearbox.presets import GPU_CLASSES
 from probes.nvml import NvmlSampler, NvmlUnavailable, default_resolver, open_nvml_sampler
+from probes.nvml import sampler as sampler_module
 from tests.probes.fakes.pynvml_fake import GIB, MISMATCH, FakeGpu, FakeNvml
 
 pytestmark = pytest.mark.unit
@@ -27,9 +28,12 @@ def make_gpu(index: int = 0, **overrides: Any) -> FakeGpu:
     return FakeGpu(**fields)
 
 
-def make_sampler(*gpus: FakeGpu, node: str = "n1") -> tuple[NvmlSampler, FakeNvml]:
+def make_sampler(
+    *gpus: FakeGpu, node: str = "n1", c_functions: bool = True, **kwargs: Any
+) -> tuple[NvmlSampler, FakeNvml]:
     fake = FakeNvml(list(gpus) or [make_gpu()])
-    return NvmlSampler(node, nvml=fake), fake
+    fake.c_functions = c_functions
+    return NvmlSampler(node, nvml=fake, **kwargs), fake
 
 
 # -- the fake is faithful to the installed pynvml --------------------------------------------
@@ -144,26 +148,131 @@ def test_nvlink_per_field_error_yields_none_and_restarts_the_rate() -> None:
     assert sampler.sample(4.0)[0].nvlink_tx_bytes_per_s == pytest.approx(1024.0)
 
 
-def test_nvlink_links_are_probed_once_then_only_known_indices() -> None:
-    sampler, fake = make_sampler(make_gpu(nvlink_states=[1, 0]))
+def test_nvlink_links_are_probed_once_then_read_in_the_one_field_values_call() -> None:
+    sampler, fake = make_sampler(make_gpu(nvlink_states=[1, 0]), link_state_period_s=0)
     sampler.sample(1.0)
     first = fake.calls.count("nvmlDeviceGetNvLinkState")
     fake.calls.clear()
+    [s] = sampler.sample(2.0)
+    assert first == pynvml.NVML_NVLINK_MAX_LINKS  # discovery only
+    assert "nvmlDeviceGetNvLinkState" not in fake.calls
+    assert fake.calls.count("nvmlDeviceGetFieldValues") == 1
+    state = pynvml.NVML_FI_DEV_NVLINK_GET_STATE
+    assert [f for f in fake.last_field_ids if f[0] == state] == [(state, 0), (state, 1)]
+    assert s.nvlink_active_links == 1
+
+
+def test_one_call_per_sample_replaces_ecc_retired_pages_and_per_link_state_calls() -> None:
+    sampler, fake = make_sampler(make_gpu(compute_procs=[(1, 2)]))
+    sampler.sample(1.0)
+    fake.calls.clear()
     sampler.sample(2.0)
-    assert first == pynvml.NVML_NVLINK_MAX_LINKS + 2  # discovery, then the two known links
-    assert fake.calls.count("nvmlDeviceGetNvLinkState") == 2
+    assert len(fake.calls) == 10  # was 31 with 18 links: 3 + 18 calls folded into one
+    state = pynvml.NVML_FI_DEV_NVLINK_GET_STATE
+    assert all(f[0] != state for f in fake.last_field_ids)  # link states: not due yet
+    for name in ("nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRetiredPages"):
+        assert name not in fake.calls
 
 
+def test_field_values_read_what_the_dedicated_calls_read() -> None:
+    overrides: dict[str, Any] = {
+        "ecc_uncorrected": 4,
+        "retired_single_bit": [1, 2],
+        "retired_double_bit": [3],
+        "nvlink_states": [1, 0, 1, 1],
+        "compute_procs": [(1, 2)],
+    }
+    [by_field] = make_sampler(make_gpu(**overrides))[0].sample(1.0)
+    refused = {"nvmlDeviceGetFieldValues": NOT_SUPPORTED}
+    [by_call] = make_sampler(make_gpu(fail=refused, **overrides))[0].sample(1.0)
+    assert by_field == by_call
+    assert (by_field.ecc_uncorrected, by_field.retired_pages) == (4, 3)
+    assert by_field.nvlink_active_links == 3
+
+
+@pytest.mark.parametrize("c_functions", [True, False])
+def test_field_values_through_pynvml_when_the_c_function_is_not_found(c_functions: bool) -> None:
+    gpu = make_gpu(ecc_uncorrected=2, retired_double_bit=[1], nvlink_tx_kib=1)
+    sampler, fake = make_sampler(gpu, c_functions=c_functions)
+    sampler.sample(1.0)
+    gpu.nvlink_tx_kib, gpu.field_fail[pynvml.NVML_FI_DEV_RETIRED_DBE] = 3, NOT_SUPPORTED
+    [s] = sampler.sample(2.0)
+    assert (s.ecc_uncorrected, s.retired_pages, s.nvlink_active_links) == (2, 0, 18)
+    assert s.nvlink_tx_bytes_per_s == pytest.approx(2 * 1024.0)
+    assert fake.calls.count("nvmlDeviceGetFieldValues") == 2
+
+
+def test_link_states_are_read_every_period_and_carried_in_between() -> None:
+    gpu = make_gpu(nvlink_states=[1, 1, 1])
+    sampler, fake = make_sampler(gpu, link_state_period_s=10.0)
+    assert sampler.sample(1.0)[0].nvlink_active_links == 3
+    gpu.nvlink_states = [1, 0, 1]
+    state = pynvml.NVML_FI_DEV_NVLINK_GET_STATE
+    for t in (2.0, 10.9):
+        assert sampler.sample(t)[0].nvlink_active_links == 3  # the last read, 9.9 s old at most
+        assert all(f[0] != state for f in fake.last_field_ids)
+    assert sampler.sample(11.0)[0].nvlink_active_links == 2  # due: 10 s after the last read
+    assert sampler.sample(12.0)[0].nvlink_active_links == 2
+
+
+def test_an_xid_makes_the_link_states_due_at_the_next_sample() -> None:
+    gpu = make_gpu(nvlink_states=[1, 1, 1])
+    sampler, fake = make_sampler(gpu)
+    sampler.sample(1.0)
+    gpu.nvlink_states = [1, 0, 1]  # a link fails, NVML raises XID 74
+    fake.push_xid(0, 74)
+    sampler.poll_events(1.5)
+    [s] = sampler.sample(2.0)
+    assert s.nvlink_active_links == 2 and s.xid_errors == (74,)
+
+
+def test_a_failed_link_state_read_is_tried_again_at_the_next_sample() -> None:
+    gpu = make_gpu(nvlink_states=[1, 1])
+    sampler, _ = make_sampler(gpu)
+    gpu.field_fail[pynvml.NVML_FI_DEV_NVLINK_GET_STATE] = pynvml.NVML_ERROR_UNKNOWN
+    assert sampler.sample(1.0)[0].nvlink_active_links is None
+    del gpu.field_fail[pynvml.NVML_FI_DEV_NVLINK_GET_STATE]
+    assert sampler.sample(2.0)[0].nvlink_active_links == 2
+
+
+@pytest.mark.parametrize("state", [pynvml.NVML_NVLINK_STATE_SLEEP, 3])
+def test_link_state_field_counts_active_and_asleep_links_as_up(state: int) -> None:
+    gpu = make_gpu(nvlink_states=[1, 1])
+    sampler, _ = make_sampler(gpu, link_state_period_s=0)
+    sampler.sample(1.0)  # links learnt
+    gpu.nvlink_states = [1, state]
+    expected = 2 if state == pynvml.NVML_NVLINK_STATE_SLEEP else 1  # 3: traffic disabled
+    assert sampler.sample(2.0)[0].nvlink_active_links == expected
+
+
+def test_driver_without_the_link_state_field_reads_links_by_call() -> None:
+    gpu = make_gpu(nvlink_states=[1, 0, 1], nvlink_state_field_supported=False)
+    sampler, fake = make_sampler(gpu)
+    assert sampler.sample(1.0)[0].nvlink_active_links == 2
+    fake.calls.clear()
+    gpu.nvlink_states = [1, 0, 0]
+    assert sampler.sample(2.0)[0].nvlink_active_links == 2  # not due
+    assert "nvmlDeviceGetNvLinkState" not in fake.calls
+    assert sampler.sample(11.0)[0].nvlink_active_links == 1
+    assert fake.calls.count("nvmlDeviceGetNvLinkState") == 3  # the known links, when due
+    state = pynvml.NVML_FI_DEV_NVLINK_GET_STATE
+    assert all(f[0] != state for f in fake.last_field_ids)
+
+
+@pytest.mark.parametrize("by_field", [True, False])
 @pytest.mark.parametrize(
     ("code", "healthy"), [(pynvml.NVML_ERROR_UNKNOWN, True), (pynvml.NVML_ERROR_GPU_IS_LOST, False)]
 )
 def test_known_links_that_start_failing_null_the_count_or_mark_the_gpu_lost(
-    code: int, healthy: bool
+    code: int, healthy: bool, by_field: bool
 ) -> None:
-    gpu = make_gpu(nvlink_states=[1, 1, 0])
-    sampler, _ = make_sampler(gpu)
+    gpu = make_gpu(nvlink_states=[1, 1, 0], nvlink_state_field_supported=by_field)
+    sampler, _ = make_sampler(gpu, link_state_period_s=0)
     assert sampler.sample(1.0)[0].nvlink_active_links == 2  # links learnt
-    gpu.fail["nvmlDeviceGetNvLinkState"] = code
+    if by_field:
+        gpu.field_fail[pynvml.NVML_FI_DEV_NVLINK_GET_STATE] = code
+    else:
+        gpu.fail["nvmlDeviceGetNvLinkState"] = code
     [s] = sampler.sample(2.0)
     assert s.healthy is healthy and s.nvlink_active_links is None
     assert [e.type for e in sampler.poll_events(2.0)] == (
@@ -178,29 +287,73 @@ def test_gpu_without_nvlink_is_in_the_pcie_domain_and_not_probed_again() -> None
     sampler.sample(2.0)
     assert (s.gpu_class, s.domain, s.nvlink_active_links) == ("l40s", "n1/pcie", None)
     assert "nvmlDeviceGetNvLinkState" not in fake.calls
-    assert "nvmlDeviceGetFieldValues" not in fake.calls
+    nvlink = {
+        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+        pynvml.NVML_FI_DEV_NVLINK_GET_STATE,
+    }
+    assert not {f[0] for f in fake.last_field_ids} & nvlink
+
+
+def test_field_values_are_read_from_the_array_as_pynvml_would_read_them() -> None:
+    values = (pynvml.c_nvmlFieldValue_t * 7)()
+    cases = [
+        (pynvml.NVML_VALUE_TYPE_DOUBLE, "dVal", 2.5),
+        (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, "uiVal", 0xFFFFFFFE),
+        (pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG, "ulVal", 2**40),
+        (pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, "ullVal", 2**63 + 5),
+        (pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG, "sllVal", -(2**40)),
+        (pynvml.NVML_VALUE_TYPE_SIGNED_INT, "siVal", -7),
+    ]
+    for i, (value_type, attr, value) in enumerate(cases):
+        values[i].valueType, values[i].nvmlReturn = value_type, 0
+        setattr(values[i].value, attr, value)
+    values[6].nvmlReturn = NOT_SUPPORTED
+    fast = sampler_module._field_results(pynvml, values)
+    slow = [(int(fv.nvmlReturn), sampler_module._field_value(pynvml, fv)) for fv in values]
+    assert fast == slow
+    assert [v for _, v in fast] == [c[2] for c in cases] + [None]
+    assert fast[6][0] == NOT_SUPPORTED
+
+
+def test_fake_writes_field_results_where_the_real_struct_has_them() -> None:
+    cls = pynvml.c_nvmlFieldValue_t
+    assert cls.nvmlReturn.offset == cls.valueType.offset + 4
+    assert cls.value.offset == cls.nvmlReturn.offset + 4
 
 
 # -- unsupported calls are null fields, never exceptions --------------------------------------
 
-UNSUPPORTED_CASES = [
-    ("nvmlDeviceGetUtilizationRates", ("sm_util_pct", "mem_util_pct")),
-    ("nvmlDeviceGetPowerUsage", ("power_w",)),
-    ("nvmlDeviceGetTotalEccErrors", ("ecc_uncorrected",)),
-    ("nvmlDeviceGetRetiredPages", ("retired_pages",)),
-    ("nvmlDeviceGetNvLinkState", ("nvlink_active_links",)),
-    ("nvmlDeviceGetFieldValues", ("nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s")),
-    ("nvmlDeviceGetPcieThroughput", ("pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s")),
-    ("nvmlDeviceGetMigMode", ("mig_mode",)),
+ECC = pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL
+SBE, DBE = pynvml.NVML_FI_DEV_RETIRED_SBE, pynvml.NVML_FI_DEV_RETIRED_DBE
+UNSUPPORTED_CASES = [  # (failing calls, failing fields of the field-values call, nulled fields)
+    (["nvmlDeviceGetUtilizationRates"], [], ("sm_util_pct", "mem_util_pct")),
+    (["nvmlDeviceGetPowerUsage"], [], ("power_w",)),
+    ([], [ECC], ("ecc_uncorrected",)),
+    ([], [SBE, DBE], ("retired_pages",)),
+    (["nvmlDeviceGetNvLinkState"], [], ("nvlink_active_links",)),
+    (["nvmlDeviceGetFieldValues"], [], ("nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s")),
+    (
+        ["nvmlDeviceGetFieldValues", "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRetiredPages"],
+        [],
+        ("nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s", "ecc_uncorrected", "retired_pages"),
+    ),
+    (["nvmlDeviceGetPcieThroughput"], [], ("pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s")),
+    (["nvmlDeviceGetMigMode"], [], ("mig_mode",)),
 ]
 
 
 @pytest.mark.parametrize("code", [NOT_SUPPORTED, pynvml.NVML_ERROR_UNKNOWN])
-@pytest.mark.parametrize(("function", "fields"), UNSUPPORTED_CASES)
-def test_a_failing_call_nulls_its_fields_only(
-    function: str, fields: tuple[str, ...], code: int
+@pytest.mark.parametrize(("functions", "field_ids", "fields"), UNSUPPORTED_CASES)
+def test_a_failing_call_or_field_nulls_its_fields_only(
+    functions: list[str], field_ids: list[int], fields: tuple[str, ...], code: int
 ) -> None:
-    sampler, _ = make_sampler(make_gpu(fail={function: code}, compute_procs=[(1, 2)]))
+    gpu = make_gpu(
+        fail=dict.fromkeys(functions, code),
+        field_fail=dict.fromkeys(field_ids, code),
+        compute_procs=[(1, 2)],
+    )
+    sampler, _ = make_sampler(gpu)
     [s] = sampler.sample(1.0)
     [reference] = make_sampler(make_gpu(compute_procs=[(1, 2)]))[0].sample(1.0)
     for name in GpuSample.__dataclass_fields__:

@@ -10,11 +10,16 @@ Scripting: ``FakeGpu.fail["nvmlDeviceGetPowerUsage"] = NVML_ERROR_NOT_SUPPORTED`
 fail with that code (``MISMATCH``: NVMLLibraryMismatchError; the v2 memory call is named
 ``nvmlDeviceGetMemoryInfo_v2`` there, as in the C library); ``FakeGpu.lost = True`` makes every
 device call raise ``GPU is lost``; ``FakeNvml.push_xid(index, xid)`` queues an XID event.
+``nvmlDeviceGetFieldValues`` answers the field ids the sampler asks for (ECC, retired pages, NVLink
+counters and per-link state) from the same scripted state as the dedicated calls;
+``FakeGpu.field_fail[field_id] = code`` makes one field come back with that error, and
+``nvlink_state_field_supported = False`` is a driver without ``NVML_FI_DEV_NVLINK_GET_STATE``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +27,17 @@ from typing import Any
 import pynvml as real
 
 GIB = 1024**3
+# nvmlFieldValue_t's (valueType, nvmlReturn, value) as the C library writes them
+_FIELD_AT = real.c_nvmlFieldValue_t.valueType.offset
+_FIELD_RESULT = struct.Struct("=IIQ")  # contiguous in the real struct: checked in the tests
+_FIELD_SIZE = ctypes.sizeof(real.c_nvmlFieldValue_t)
+_FIELD_ID = struct.Struct("=II")  # (fieldId, scopeId) at the start of the struct
+_FI_NVLINK_STATE = real.NVML_FI_DEV_NVLINK_GET_STATE
+_FI_NVLINK_COUNTERS = (
+    real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+    real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+)
+_UINT, _ULL = real.NVML_VALUE_TYPE_UNSIGNED_INT, real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
 MISMATCH = -1  # a FakeGpu.fail code: raise NVMLLibraryMismatchError, as unversioned calls do
 
 
@@ -45,6 +61,8 @@ class FakeGpu:
     nvlink_tx_kib: int = 0  # cumulative, summed over links
     nvlink_rx_kib: int = 0
     nvlink_counters_supported: bool = True  # False: field values come back NOT_SUPPORTED
+    nvlink_state_field_supported: bool = True  # False: a driver before NVML_FI_DEV_NVLINK_GET_STATE
+    field_fail: dict[int, int] = field(default_factory=dict)  # field id -> that field's error
     pcie_tx_kb_s: int = 1000
     pcie_rx_kb_s: int = 2000
     mig_mode: tuple[int, int] = (0, 0)  # (current, pending)
@@ -74,6 +92,9 @@ class FakeNvml:
         # through this fake, and a scan over the GPUs per call would bill the fake to the agent.
         self._index_of = {ctypes.addressof(s): i for i, s in enumerate(self._structs)}
         self._event_set = real.c_nvmlEventSet_t(real.struct_c_nvmlEventSet_t())
+        self.c_nvmlFieldValue_t = real.c_nvmlFieldValue_t
+        self.c_functions = True  # False: a pynvml whose _nvmlGetFunctionPointer finds nothing
+        self._field_array: Any = None  # the last array the C field-values function filled
 
     # -- scripting -------------------------------------------------------------------------
 
@@ -170,22 +191,67 @@ class FakeNvml:
         return gpu.nvlink_states[link]
 
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
-        gpu = self._gpu(handle, "nvmlDeviceGetFieldValues")
+        # What pynvml itself does in Python before the C call (the agent pays it on a real GPU).
         values = (real.c_nvmlFieldValue_t * len(fieldIds))()
-        counters = {
-            real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: gpu.nvlink_tx_kib,
-            real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: gpu.nvlink_rx_kib,
-        }
-        for i, fid in enumerate(fieldIds):
-            field_id, scope = fid if isinstance(fid, tuple) else (fid, 0)
-            values[i].fieldId, values[i].scopeId = field_id, scope
-            if field_id in counters and gpu.nvlink_states and gpu.nvlink_counters_supported:
-                values[i].valueType = real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-                values[i].value.ullVal = counters[field_id]
-                values[i].nvmlReturn = real.NVML_SUCCESS
-            else:
-                values[i].nvmlReturn = real.NVML_ERROR_NOT_SUPPORTED
+        for i, fieldId in enumerate(fieldIds):
+            try:
+                (values[i].fieldId, values[i].scopeId) = fieldId
+            except TypeError:
+                values[i].fieldId = fieldId
+        count = ctypes.c_int32(len(fieldIds))
+        real._nvmlCheckReturn(self._c_nvmlDeviceGetFieldValues(handle, count, ctypes.byref(values)))
         return values
+
+    @property
+    def last_field_ids(self) -> list[tuple[int, int]]:
+        """(field id, scope) of the last field-values request."""
+        values = self._field_array
+        return [] if values is None else [(v.fieldId, v.scopeId) for v in values]
+
+    def _c_nvmlDeviceGetFieldValues(self, handle: Any, count: Any, values_ref: Any) -> int:
+        """The C function: fills each requested field in place and returns an NVML code."""
+        try:
+            gpu = self._gpu(handle, "nvmlDeviceGetFieldValues")
+        except real.NVMLError as exc:
+            return int(exc.value)
+        except real.NVMLLibraryMismatchError:
+            return int(real.NVML_ERROR_FUNCTION_NOT_FOUND)
+        values = self._field_array = values_ref._obj
+        # written through the buffer as C writes it, not through pynvml's per-attribute Python
+        buf = memoryview(values).cast("B")
+        for i in range(count.value):
+            at = i * _FIELD_SIZE
+            field_id, scope = _FIELD_ID.unpack_from(buf, at)
+            code, value_type, value = self._field(gpu, field_id, scope)
+            _FIELD_RESULT.pack_into(buf, at + _FIELD_AT, value_type, code, value)
+        return int(real.NVML_SUCCESS)
+
+    def _nvmlGetFunctionPointer(self, name: str) -> Any:
+        """pynvml's C-function lookup; only the field-values function is faked."""
+        if not self.c_functions or name != "nvmlDeviceGetFieldValues":
+            raise real.NVMLError(real.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return self._c_nvmlDeviceGetFieldValues
+
+    def _field(self, gpu: FakeGpu, field_id: int, scope: int) -> tuple[int, int, int]:
+        """(nvmlReturn, valueType, value) of one field, from the GPU's scripted state."""
+        if gpu.field_fail and field_id in gpu.field_fail:
+            return gpu.field_fail[field_id], 0, 0
+        if field_id == _FI_NVLINK_STATE and gpu.nvlink_state_field_supported:
+            if not gpu.nvlink_states:
+                return real.NVML_ERROR_NOT_SUPPORTED, 0, 0
+            if scope >= len(gpu.nvlink_states):
+                return real.NVML_ERROR_INVALID_ARGUMENT, 0, 0
+            return real.NVML_SUCCESS, _UINT, gpu.nvlink_states[scope]
+        if field_id in _FI_NVLINK_COUNTERS and gpu.nvlink_states and gpu.nvlink_counters_supported:
+            tx = field_id == real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+            return real.NVML_SUCCESS, _ULL, gpu.nvlink_tx_kib if tx else gpu.nvlink_rx_kib
+        if field_id == real.NVML_FI_DEV_ECC_DBE_VOL_TOTAL:
+            return real.NVML_SUCCESS, _ULL, gpu.ecc_uncorrected
+        if field_id == real.NVML_FI_DEV_RETIRED_SBE:
+            return real.NVML_SUCCESS, _ULL, len(gpu.retired_single_bit)
+        if field_id == real.NVML_FI_DEV_RETIRED_DBE:
+            return real.NVML_SUCCESS, _ULL, len(gpu.retired_double_bit)
+        return real.NVML_ERROR_NOT_SUPPORTED, 0, 0
 
     def nvmlDeviceGetPcieThroughput(self, device: Any, counter: int) -> int:
         gpu = self._gpu(device, "nvmlDeviceGetPcieThroughput")
