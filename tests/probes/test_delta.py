@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
 from flexpipe.schemas import GpuProcess, SampleReason
-from probes.delta import DeltaFilter, DeltaThresholds
+from probes.delta import DeltaFilter, DeltaThresholds, _with_reason
 from tests.fixtures.scenarios.builders import make_sample
 
 pytestmark = pytest.mark.unit
@@ -107,3 +108,15 @@ def test_forget_makes_the_next_sample_initial() -> None:
     assert f.filter([make_sample()], 1.0)[0].reason is SampleReason.INITIAL
     f.forget()
     assert f.filter([make_sample()], 2.0)[0].reason is SampleReason.INITIAL
+
+
+def test_reason_is_replaced_field_for_field_like_dataclasses_replace() -> None:
+    sample = make_sample(
+        sm_util_pct=41.0,
+        processes=(GpuProcess(7, 1),),
+        xid_errors=(13,),
+        nvlink_active_links=18,
+        mig_mode=False,
+    )
+    for reason in SampleReason:
+        assert _with_reason(sample, reason) == dataclasses.replace(sample, reason=reason)
