@@ -176,7 +176,18 @@ def build_load(
     )
 
 
+_last_topology: tuple[TopologySnapshot, bytes] | None = None  # see snapshot_digest
+
+
 def snapshot_digest(topology: TopologySnapshot, load: LoadSnapshot) -> str:
     """A short content hash of a decision's inputs, so live and replay can be compared."""
     # NOTE: orjson serialises (slotted) dataclasses natively, in field order: fast and stable.
-    return hashlib.sha256(orjson.dumps([topology, load])).hexdigest()[:16]
+    # The hash is of ``orjson.dumps([topology, load])``, built from its parts: the topology's
+    # JSON (~330 kB on 1,000 GPUs, ~2.5 ms) is kept for the next call, since every deployment
+    # decided for one trigger shares one topology object.
+    global _last_topology
+    last = _last_topology
+    if last is None or last[0] is not topology:
+        last = _last_topology = (topology, orjson.dumps(topology))
+    data = b"[" + last[1] + b"," + orjson.dumps(load) + b"]"
+    return hashlib.sha256(data).hexdigest()[:16]

@@ -4,8 +4,9 @@ Creates the topics it needs, serves Prometheus metrics when ``streams.metrics_po
 and runs the Faust worker until SIGINT/SIGTERM. Start several (same config, same app id) to
 share partitions; each deployment is decided by the worker owning its partition.
 
-``--profile PATH`` runs the worker under cProfile (process CPU time, the event-loop thread, where
-faust, aiokafka and the folds all run) and writes pstats to PATH when it stops: what
+``--profile PATH`` runs the worker under cProfile and writes pstats to PATH when it stops: the
+event-loop thread (faust, aiokafka, the folds) and the decision thread (the steps, see
+:mod:`streams.decider`), each in its own thread's CPU time, merged: what
 ``python -m bench.pipeline --profile-worker`` reads to split a worker's CPU by package.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import pstats
 import sys
 import time
 from collections.abc import Sequence
@@ -69,12 +71,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--profile",
         type=Path,
         metavar="PATH",
-        help="run under cProfile (process CPU time) and write pstats to PATH on exit",
+        help="run under cProfile (each thread's CPU time) and write pstats to PATH on exit",
     )
     args = parser.parse_args(argv)
-    profile = cProfile.Profile(time.process_time) if args.profile else None
+    # NOTE: thread CPU time: with process time, the decision thread's CPU would be charged to
+    # whatever the loop thread was doing meanwhile (mostly waiting in select)
+    profile = cProfile.Profile(time.thread_time) if args.profile else None
+    steps = cProfile.Profile(time.thread_time)
     try:
         if profile is not None:
+            from streams.decider import profile_steps
+
+            profile_steps(steps)
             profile.enable()
         return run_worker(load_config(args.config), args.worker_id)
     except FlexPipeError as exc:
@@ -83,7 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if profile is not None:
             profile.disable()
-            profile.dump_stats(args.profile)
+            stats = pstats.Stats(profile)
+            if steps.getstats():
+                stats.add(steps)
+            stats.dump_stats(args.profile)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
+import orjson
 import pytest
 
 from flexpipe.schemas import ClusterEventType, DomainInfo
@@ -21,6 +23,7 @@ from streams.snapshot import (
     TopologyBuilder,
     build_load,
     build_topology,
+    snapshot_digest,
 )
 from streams.state import GpuState, NodeState, fold_cluster_event, fold_gpu_sample
 from streams.windows import HoppingWindow
@@ -154,3 +157,20 @@ def test_incremental_builder_matches_a_fresh_build_as_records_are_replaced() -> 
     built = builder.build(gpus, nodes, NOW_S + 1, 45.0)
     assert built == build_topology(gpus, nodes, CATALOG, NOW_S + 1, 45.0)
     assert victim not in live(built) and len(built.gpus) == len(gpus)
+
+
+def test_digest_is_the_hash_of_topology_and_load_together_also_when_the_topology_repeats() -> None:
+    snap = topology(*folded())
+    load, _ = build_load(
+        serving_aggregate(ServingWindows(), HoppingWindow(60.0, 10.0), NOW_S),
+        NominalLoad(2.0, 512.0, 128.0),
+        MODEL_7B_MHA,
+        NOW_S,
+    )
+    whole = hashlib.sha256(orjson.dumps([snap, load])).hexdigest()[:16]
+    assert snapshot_digest(snap, load) == whole
+    assert snapshot_digest(snap, load) == whole  # the topology's JSON from the last call
+    other = replace(snap, now_s=NOW_S + 1)
+    assert (
+        snapshot_digest(other, load) == hashlib.sha256(orjson.dumps([other, load])).hexdigest()[:16]
+    )
