@@ -54,6 +54,54 @@ class FakeProducer:
         return fut
 
 
+class FakeBuilder:
+    """aiokafka's BatchBuilder, as far as the publisher uses it: full after ``capacity`` records."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.records: list[tuple[bytes | None, bytes]] = []
+
+    def append(self, *, timestamp: float | None, key: bytes | None, value: bytes) -> Any:
+        if len(self.records) == self.capacity:
+            return None
+        self.records.append((key, value))
+        return object()
+
+
+class FakeBatchProducer(FakeProducer):
+    """Also takes whole record batches (aiokafka's ``create_batch`` / ``send_batch``): a batch is
+    acknowledged whole or not at all; ``fail_after`` counts its records."""
+
+    partitions = 3
+    capacity = 3
+
+    def __init__(self, broker: FakeBroker) -> None:
+        super().__init__(broker)
+        self.batches: list[tuple[str, int, list[tuple[bytes | None, bytes]]]] = []
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        return set(range(self.partitions))
+
+    def create_batch(self) -> FakeBuilder:
+        return FakeBuilder(self.capacity)
+
+    async def send_batch(self, batch: FakeBuilder, topic: str, *, partition: int) -> Any:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.broker.fail_after is not None:
+            self.broker.up = self.broker.fail_after >= len(batch.records)
+            self.broker.fail_after -= len(batch.records)
+        if self.broker.up:
+            self.batches.append((topic, partition, batch.records))
+            self.broker.log.extend(value for _, value in batch.records)
+            fut.set_result(None)
+        else:
+            fut.set_exception(ConnectionError("broker down"))
+        return fut
+
+
+PRODUCERS = [FakeProducer, FakeBatchProducer]
+
+
 async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -61,9 +109,11 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.001)
 
 
-def make_publisher(broker: FakeBroker, max_buffer: int) -> BufferedPublisher:
+def make_publisher(
+    broker: FakeBroker, max_buffer: int, producer: type[FakeProducer] = FakeProducer
+) -> BufferedPublisher:
     return BufferedPublisher(
-        lambda: FakeProducer(broker),
+        lambda: producer(broker),
         PublisherMetrics(CollectorRegistry()),
         max_buffer=max_buffer,
         batch_size=7,
@@ -71,9 +121,10 @@ def make_publisher(broker: FakeBroker, max_buffer: int) -> BufferedPublisher:
     )
 
 
-async def test_publishes_everything_in_order() -> None:
+@pytest.mark.parametrize("producer", PRODUCERS)
+async def test_publishes_everything_in_order(producer: type[FakeProducer]) -> None:
     broker = FakeBroker()
-    pub = make_publisher(broker, max_buffer=1000)
+    pub = make_publisher(broker, max_buffer=1000, producer=producer)
     stop = asyncio.Event()
     task = asyncio.create_task(pub.run(stop))
     for i in range(100):
@@ -84,10 +135,11 @@ async def test_publishes_everything_in_order() -> None:
     assert pub.published == 100 and pub.dropped == 0
 
 
-async def test_outage_drops_oldest_and_counts_exactly() -> None:
+@pytest.mark.parametrize("producer", PRODUCERS)
+async def test_outage_drops_oldest_and_counts_exactly(producer: type[FakeProducer]) -> None:
     broker = FakeBroker()
     broker.up = False
-    pub = make_publisher(broker, max_buffer=50)
+    pub = make_publisher(broker, max_buffer=50, producer=producer)
     stop = asyncio.Event()
     task = asyncio.create_task(pub.run(stop))
     for i in range(120):
@@ -103,12 +155,15 @@ async def test_outage_drops_oldest_and_counts_exactly() -> None:
     assert broker.starts > 1, "the producer is rebuilt after failures"
 
 
-async def test_partly_acknowledged_batch_is_neither_resent_nor_counted_as_dropped() -> None:
+@pytest.mark.parametrize("producer", PRODUCERS)
+async def test_partly_acknowledged_batch_is_neither_resent_nor_counted_as_dropped(
+    producer: type[FakeProducer],
+) -> None:
     # The broker fails in the middle of the first batch (batch_size 7): the 3 acknowledged events
     # must not be re-sent, and overflow while it is down must drop only unacknowledged ones.
     broker = FakeBroker()
     broker.fail_after = 3
-    pub = make_publisher(broker, max_buffer=20)
+    pub = make_publisher(broker, max_buffer=20, producer=producer)
     stop = asyncio.Event()
     for i in range(10):
         pub.put("t", b"k", str(i).encode())
@@ -157,10 +212,11 @@ async def test_metrics_count_per_topic_and_read_the_buffer_as_it_is() -> None:
     assert registry.get_sample_value("flexpipe_agent_publish_latency_seconds_count") == 10
 
 
-async def test_shutdown_with_broker_down_does_not_hang() -> None:
+@pytest.mark.parametrize("producer", PRODUCERS)
+async def test_shutdown_with_broker_down_does_not_hang(producer: type[FakeProducer]) -> None:
     broker = FakeBroker()
     broker.up = False
-    pub = make_publisher(broker, max_buffer=10)
+    pub = make_publisher(broker, max_buffer=10, producer=producer)
     stop = asyncio.Event()
     task = asyncio.create_task(pub.run(stop))
     pub.put("t", b"k", b"x")
@@ -185,3 +241,31 @@ def test_cached_partitioner_picks_what_kafkas_default_picks() -> None:
             expected = DefaultPartitioner()(key, partitions, partitions)
             assert cached_partitioner(key, partitions, partitions) == expected
     assert cached_partitioner(None, [0, 1, 2], [2]) == 2, "no key: an available partition"
+
+
+async def test_batches_go_one_per_partition_in_order_on_kafkas_default_partition() -> None:
+    broker = FakeBroker()
+    producers: list[FakeBatchProducer] = []
+
+    def factory() -> FakeBatchProducer:
+        producers.append(FakeBatchProducer(broker))
+        return producers[-1]
+
+    pub = BufferedPublisher(factory, PublisherMetrics(CollectorRegistry()), batch_size=50)
+    keys = [f"GPU-{i}".encode() for i in range(8)]
+    for i in range(40):
+        pub.put("t", keys[i % 8], str(i).encode())
+    stop = asyncio.Event()
+    stop.set()
+    await pub.run(stop)
+    assert pub.published == 40 and sorted(broker.log, key=int) == [
+        str(i).encode() for i in range(40)
+    ]
+    by_partition: dict[int, list[bytes]] = {}
+    for _, partition, records in producers[0].batches:
+        assert len(records) <= FakeBatchProducer.capacity
+        for key, value in records:
+            assert partition == cached_partitioner(key, [0, 1, 2], [0, 1, 2])
+            by_partition.setdefault(partition, []).append(value)
+    for values in by_partition.values():
+        assert values == sorted(values, key=int), "order within a partition is kept"
