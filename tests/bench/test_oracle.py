@@ -18,6 +18,9 @@ from bench.sim.oracle import (
     MAX_INTERVAL_S,
     Interval,
     Oracle,
+    Scored,
+    _disjoint,
+    _joint_order,
     interval_load,
     interval_requests,
     intervals,
@@ -219,3 +222,19 @@ def test_no_oracle_runs_every_other_system_and_leaves_the_oracle_out() -> None:
     without = jobs_for(Path("s.yaml"), [7, 8], 600.0, 0.3, all_systems=False, oracle=False)
     assert [j for j in with_oracle if j[0] != "oracle"] == without
     assert {j[0] for j in with_oracle if j[2] == 8} == set(HEADLINE_SYSTEMS)
+
+
+def test_the_lazy_search_picks_what_simulating_every_candidate_picks() -> None:
+    trace = scenario_trace(short(), DURATION_S, SEED)
+    oracle = Oracle(short(), trace, seed=SEED, duration_s=DURATION_S, truth=truth())
+    interval = Interval(300.0, 600.0)  # the preemption's: both deployments, GPUs gone
+    every: dict[str, list[Scored]] = {}
+    for name, plans in oracle.candidates(interval).items():
+        runs = [oracle.simulate(interval, {name: p}).metrics[name].goodput_tokens for p in plans]
+        every[name] = [Scored(None, 0)] + [Scored(p, g) for p, g in zip(plans, runs, strict=True)]
+    best = max((c for c in itertools.product(*every.values()) if _disjoint(c)), key=_joint_order)
+    choice = oracle.choose(interval)
+    assert list(choice.plans.values()) == [s.plan for s in best]
+    assert list(choice.goodput_tokens.values()) == [s.goodput_tokens for s in best]
+    assert choice.candidates == {n: len(s) - 1 for n, s in every.items()}
+    assert sum(choice.simulated.values()) < sum(choice.candidates.values())
