@@ -12,6 +12,7 @@ pynvml exposes it). NVLink link states ride in that call too, but only every
 ``link_state_period_s`` (10 s by default), at the sample after an XID of that GPU (a failing link
 raises XID 74), after the GPU comes back, and again while a read failed; in between a sample
 carries the last count. Drivers without the link-state field are read link by link, as rarely.
+MIG mode (which changes on a GPU reset) is read on the same schedule.
 
 Every NVML call goes through :meth:`NvmlSampler._try`: a call the device does not support yields
 ``None`` for that field, never an exception out of the sampler. ``GPU is lost`` (or "reset
@@ -73,6 +74,8 @@ class _Device:
     states_by_field: bool = True  # False: the driver lacks NVML_FI_DEV_NVLINK_GET_STATE
     nvlink_active: int | None = None  # active links at the last state read
     states_read_s: float | None = None  # when the link states were last read (None: due now)
+    mig_mode: bool | None = None  # at the last read
+    mig_read_s: float | None = None  # when MIG mode was last read (None: due now)
     nvlink_prev: tuple[float, int, int] | None = None  # (now_s, tx KiB, rx KiB) of the last read
     memory_total_bytes: int = 0
     gpu_class: str | None = None  # last resolved, kept for samples of a lost GPU
@@ -98,8 +101,8 @@ class NvmlSampler:
 
         ``nvml`` is a ``pynvml``-like module (default: ``import pynvml``). Raises
         :class:`NvmlUnavailable` when NVML cannot be initialised or counted.
-        ``link_state_period_s``: how old a GPU's NVLink link states may get (0: every sample);
-        an XID of that GPU makes them due at its next sample.
+        ``link_state_period_s``: how old a GPU's NVLink link states and MIG mode may get (0:
+        every sample); an XID of that GPU makes them due at its next sample.
         """
         self._node = node
         self._link_state_period_s = link_state_period_s
@@ -235,53 +238,51 @@ class NvmlSampler:
             mem = self._try(dev, nv.nvmlDeviceGetMemoryInfo, h)
         if dev.lost or mem is None:
             return self._unhealthy_sample(dev)
-        fields = self._optional_fields(dev, now_s)
-        if dev.lost:  # lost half-way through: nothing read this round can be trusted
-            return self._unhealthy_sample(dev)
-        dev.memory_total_bytes = int(mem.total)
-        dev.gpu_class, dev.domain = fields["gpu_class"], fields["domain"]
-        xids, dev.xids = tuple(dev.xids), []
-        return GpuSample(
-            gpu_uuid=dev.uuid,
-            node=self._node,
-            name=dev.name,
-            reason=SampleReason.DELTA,
-            memory_total_bytes=int(mem.total),
-            memory_used_bytes=int(mem.used),
-            memory_free_bytes=int(mem.free),
-            healthy=True,
-            index=dev.index,
-            memory_reserved_bytes=_int_or_none(getattr(mem, "reserved", None)),
-            xid_errors=xids,
-            **fields,
-        )
-
-    def _optional_fields(self, dev: _Device, now_s: float) -> dict[str, Any]:
-        """GpuSample's optional fields (keyword arguments), each None when NVML cannot say."""
-        nv, h = self._nvml, dev.handle
         util = self._try(dev, nv.nvmlDeviceGetUtilizationRates, h)
         power_mw = self._try(dev, nv.nvmlDeviceGetPowerUsage, h)
         known = self._nvlink_links(dev)
         ecc, retired, links, tx, rx = self._counters(dev, known or (), now_s)
         gpu_class, domain = self._resolver(self._node, dev.name, links)
         dev.processes = self._processes(dev)
-        return {
-            "gpu_class": gpu_class,
-            "domain": domain,
-            "sm_util_pct": float(util.gpu) if util is not None else None,
-            "mem_util_pct": float(util.memory) if util is not None else None,
-            "power_w": power_mw / 1000.0 if power_mw is not None else None,
-            "temperature_c": self._temperature(dev),
-            "ecc_uncorrected": ecc,
-            "retired_pages": retired,
-            "nvlink_active_links": links,
-            "nvlink_tx_bytes_per_s": tx,
-            "nvlink_rx_bytes_per_s": rx,
-            "pcie_tx_bytes_per_s": self._pcie(dev, nv.NVML_PCIE_UTIL_TX_BYTES),
-            "pcie_rx_bytes_per_s": self._pcie(dev, nv.NVML_PCIE_UTIL_RX_BYTES),
-            "mig_mode": self._mig_mode(dev),
-            "processes": dev.processes,
-        }
+        temperature = self._temperature(dev)
+        pcie_tx = self._pcie(dev, nv.NVML_PCIE_UTIL_TX_BYTES)
+        pcie_rx = self._pcie(dev, nv.NVML_PCIE_UTIL_RX_BYTES)
+        mig_mode = self._mig_mode(dev, now_s)
+        if dev.lost:  # lost half-way through: nothing read this round can be trusted
+            return self._unhealthy_sample(dev)
+        total = dev.memory_total_bytes = int(mem.total)
+        dev.gpu_class, dev.domain = gpu_class, domain
+        xids, dev.xids = tuple(dev.xids), []
+        # NOTE: one constructor call with every field, no intermediate dict: once per GPU per
+        # second, and the frozen dataclass's __init__ is already most of a sample's own cost.
+        return GpuSample(
+            gpu_uuid=dev.uuid,
+            node=self._node,
+            name=dev.name,
+            reason=SampleReason.DELTA,
+            memory_total_bytes=total,
+            memory_used_bytes=int(mem.used),
+            memory_free_bytes=int(mem.free),
+            healthy=True,
+            gpu_class=gpu_class,
+            domain=domain,
+            index=dev.index,
+            memory_reserved_bytes=_int_or_none(getattr(mem, "reserved", None)),
+            sm_util_pct=float(util.gpu) if util is not None else None,
+            mem_util_pct=float(util.memory) if util is not None else None,
+            power_w=power_mw / 1000.0 if power_mw is not None else None,
+            temperature_c=temperature,
+            ecc_uncorrected=ecc,
+            retired_pages=retired,
+            xid_errors=xids,
+            nvlink_active_links=links,
+            nvlink_tx_bytes_per_s=tx,
+            nvlink_rx_bytes_per_s=rx,
+            pcie_tx_bytes_per_s=pcie_tx,
+            pcie_rx_bytes_per_s=pcie_rx,
+            mig_mode=mig_mode,
+            processes=dev.processes,
+        )
 
     def _counters(
         self, dev: _Device, known: tuple[int, ...], now_s: float
@@ -431,7 +432,7 @@ class NvmlSampler:
         if dev.lost == dev.was_lost:
             return
         dev.was_lost = dev.lost
-        dev.states_read_s = None  # a GPU back from lost: its links are read again at once
+        dev.states_read_s = dev.mig_read_s = None  # a GPU back from lost: read again at once
         kind = ClusterEventType.GPU_ISOLATED if dev.lost else ClusterEventType.GPU_RESTORED
         detail = "NVML: GPU is lost" if dev.lost else "NVML: GPU answers again"
         self._pending.append(ClusterEvent(kind, self._node, (dev.uuid,), detail=detail))
@@ -500,9 +501,15 @@ class NvmlSampler:
         kb_s = self._try(dev, self._nvml.nvmlDeviceGetPcieThroughput, dev.handle, counter)
         return float(kb_s) * KIB if kb_s is not None else None
 
-    def _mig_mode(self, dev: _Device) -> bool | None:
+    def _mig_mode(self, dev: _Device, now_s: float) -> bool | None:
+        """The current MIG mode, read as rarely as the link states (it changes on a GPU reset)."""
+        read_s = dev.mig_read_s
+        if read_s is not None and read_s <= now_s < read_s + self._link_state_period_s:
+            return dev.mig_mode
         modes = self._try(dev, self._nvml.nvmlDeviceGetMigMode, dev.handle)
-        return bool(modes[0] == _MIG_ENABLED) if modes is not None else None
+        dev.mig_mode = bool(modes[0] == _MIG_ENABLED) if modes is not None else None
+        dev.mig_read_s = now_s
+        return dev.mig_mode
 
     def _processes(self, dev: _Device) -> tuple[GpuProcess, ...]:
         """Compute and graphics processes, one entry per pid (the larger memory figure)."""
@@ -571,7 +578,8 @@ class NvmlSampler:
         uuid = dev.uuid if dev else self._try(None, self._nvml.nvmlDeviceGetUUID, data.device)
         if dev is not None:
             dev.xids.append(xid)
-            dev.states_read_s = None  # an NVLink failure raises an XID: read the links next
+            # an NVLink failure raises an XID: read the links (and MIG mode) at the next sample
+            dev.states_read_s = dev.mig_read_s = None
         detail = f"XID {xid}"
         gi = int(getattr(data, "gpuInstanceId", _UINT_MAX))
         ci = int(getattr(data, "computeInstanceId", _UINT_MAX))

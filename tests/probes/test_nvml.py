@@ -167,11 +167,26 @@ def test_one_call_per_sample_replaces_ecc_retired_pages_and_per_link_state_calls
     sampler.sample(1.0)
     fake.calls.clear()
     sampler.sample(2.0)
-    assert len(fake.calls) == 10  # was 31 with 18 links: 3 + 18 calls folded into one
+    # was 31 with 18 links: 3 + 18 calls folded into one, MIG mode not due yet
+    assert len(fake.calls) == 9
     state = pynvml.NVML_FI_DEV_NVLINK_GET_STATE
     assert all(f[0] != state for f in fake.last_field_ids)  # link states: not due yet
     for name in ("nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRetiredPages"):
         assert name not in fake.calls
+    assert "nvmlDeviceGetMigMode" not in fake.calls
+
+
+def test_mig_mode_is_read_every_period_and_after_an_xid() -> None:
+    gpu = make_gpu(mig_mode=(0, 1))
+    sampler, fake = make_sampler(gpu)
+    assert sampler.sample(1.0)[0].mig_mode is False
+    gpu.mig_mode = (1, 1)  # enabled by an admin, in effect after a GPU reset
+    assert sampler.sample(5.0)[0].mig_mode is False  # carried: read 4 s ago
+    assert sampler.sample(11.0)[0].mig_mode is True
+    gpu.mig_mode = (0, 0)
+    fake.push_xid(0, 79)
+    sampler.poll_events(11.5)
+    assert sampler.sample(12.0)[0].mig_mode is False
 
 
 def test_field_values_read_what_the_dedicated_calls_read() -> None:
