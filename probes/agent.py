@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
-from flexpipe.schemas import ClusterEvent, GpuSample, KernelLaunches, NodeSamples
+from flexpipe.schemas import ClusterEvent, GpuSample, KernelLaunches, Kind, NodeSamples
 from flexpipe.topics import telemetry_route
 from probes.base import GpuSampler, LaunchCounter
 from probes.delta import DeltaFilter
@@ -102,6 +102,9 @@ class Agent:
         self._delta = delta or DeltaFilter(heartbeat_s=cfg.intervals.heartbeat_s)
         self._seq: dict[str, int] = {}
         self._batch = batch_per_node
+        # NOTE: a GPU sample's route depends on its type and uuid only (telemetry_route), so it
+        # is worked out once per GPU rather than once per sample.
+        self._sample_routes: dict[str, tuple[str, bytes]] = {}
 
     def emitted(self) -> dict[str, int]:
         """Events emitted so far per source: the last sequence number handed out."""
@@ -139,11 +142,26 @@ class Agent:
         changed = self._delta.filter(samples, now_s)
         if self._batch and changed:
             self.emit(NodeSamples(self._node, samples=tuple(changed)), now_s, backend)
-        else:
-            for sample in changed:
-                self.emit(sample, now_s, backend)
+        elif changed:
+            self._emit_samples(changed, now_s, backend)
         for event in events:
             self.emit(event, now_s, backend)
+
+    def _emit_samples(self, samples: list[GpuSample], now_s: float, backend: str) -> None:
+        """:meth:`emit` for one round's GPU samples: what is per round is worked out once."""
+        source = f"{self._node}/{backend}"
+        seq = self._seq.get(source, 0)
+        event_time_ms = self._clock.event_time_ms(now_s)
+        routes, put, encode = self._sample_routes, self._publisher.put, envelope.encode
+        for sample in samples:
+            seq += 1
+            route = routes.get(sample.gpu_uuid)
+            if route is None:
+                route = routes[sample.gpu_uuid] = telemetry_route(self._cfg, sample)
+            env = envelope.make(sample, event_time_ms=event_time_ms, source=source, seq=seq)
+            put(route[0], route[1], encode(env))
+        self._seq[source] = seq
+        self._metrics.events_of(Kind.GPU_SAMPLE.value).inc(len(samples))
 
     def drain_launches(self) -> None:
         """Drain the launch counter once and queue its per-GPU counts."""

@@ -116,8 +116,10 @@ class BufferedPublisher:
 
     def put(self, topic: str, key: bytes, value: bytes) -> None:
         """Queue one event; drops the oldest queued event when the buffer is full."""
-        self._buffer.append(Outgoing(topic, key, value, self._clock()))
-        self._trim()
+        buffer = self._buffer
+        buffer.append(Outgoing(topic, key, value, self._clock()))
+        if len(buffer) > self._max_buffer:
+            self._trim()
         self._wakeup.set()
 
     def _trim(self) -> None:
