@@ -8,9 +8,14 @@ idempotent acks=all producer) over an 8-GPU node and measures this process's CPU
 * ``fake`` (default): the fake ``pynvml`` of the probe tests (``tests/probes/fakes``), the real
   module's structures and error classes without a driver. Its calls cost the fake's Python, not a
   driver's; with ``--call-costs FILE`` each call also busy-waits the time that call took on a real
-  GPU (``fake+recorded-costs``), so the figure includes the driver's cost.
+  GPU (``fake+recorded-costs``), so the figure includes the driver's cost (a field-values call
+  by its number of fields).
 * ``real`` (``--nvml real``, on a GPU machine): the installed ``pynvml`` and the node's GPUs;
   ``--record-call-costs FILE`` writes each NVML function's median call time there, for the fake.
+
+Each round is one simulated second (the agent's default ``sample_s``), so the sampler does what
+it does in production: nine NVML calls per GPU per round (``nvml_calls_per_gpu_sample``), NVLink
+link states and MIG mode every tenth round (their 10 s period).
 
 Launch counting (eBPF) is not included: it needs a kernel with BPF and root. The CPU figure is
 split by stage, each timed with ``time.process_time`` in the same run: ``sample`` (NVML calls and
@@ -74,49 +79,102 @@ NUM_NAIVE = 3_000
 NODE_GPUS = 8
 
 
+FIELD_VALUES = "nvmlDeviceGetFieldValues"
+C_LOOKUP = "_nvmlGetFunctionPointer"  # how the sampler reaches NVML's C field-values function
+
+
+def _field_count(name: str, args: tuple[Any, ...]) -> int | None:
+    """Fields asked for by a field-values call (pynvml's ``(handle, ids)`` or C's
+    ``(handle, c_int32 count, byref(array))``), None for any other function."""
+    if name != FIELD_VALUES or len(args) < 2:
+        return None
+    return int(getattr(args[1], "value", None) or len(args[1]))
+
+
+def _cost_key(name: str, fields: int | None) -> str:
+    """A recorded cost's key: field-values calls by how many fields they carry."""
+    return name if fields is None else f"{name}[{fields}]"
+
+
 class Costed:
-    """A ``pynvml``-like module whose functions busy-wait their recorded real-GPU call time."""
+    """A ``pynvml``-like module whose functions busy-wait their recorded real-GPU call time.
+
+    A field-values call is charged what a call with that many fields took (``name[n]``), else
+    the recorded per-field time of the largest one times its fields: batching fields in one call
+    saves the per-call overhead, never the driver's per-field work. The C function the sampler
+    reaches through ``_nvmlGetFunctionPointer`` is charged the same as the pynvml function.
+    """
 
     def __init__(self, module: Any, costs_s: dict[str, float]) -> None:
         self._module = module
         self._costs = costs_s
+        sized = [(int(k[len(FIELD_VALUES) + 1 : -1]), v) for k, v in costs_s.items()
+                 if k.startswith(FIELD_VALUES + "[")]  # fmt: skip
+        self._per_field_s = max(sized)[1] / max(sized)[0] if sized else None
 
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._module, name)
-        cost = self._costs.get(name)
-        if cost is None or not callable(value):
-            return value
+    def _cost(self, name: str, args: tuple[Any, ...]) -> float | None:
+        fields = _field_count(name, args)
+        if fields is None:
+            return self._costs.get(name)
+        cost = self._costs.get(_cost_key(name, fields))
+        if cost is None and self._per_field_s is not None:
+            cost = self._per_field_s * fields
+        return cost if cost is not None else self._costs.get(name)
 
+    def _charged(self, name: str, fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            end = time.perf_counter() + cost
-            out = value(*args, **kwargs)
+            cost = self._cost(name, args)
+            end = time.perf_counter() + (cost or 0.0)
+            out = fn(*args, **kwargs)
             while time.perf_counter() < end:  # NOTE: a driver call holds the CPU, not a sleep
                 pass
             return out
 
         return call
 
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if name == C_LOOKUP:
+            return lambda fn_name: self._charged(fn_name, value(fn_name))
+        if not callable(value) or not any(
+            k == name or k.startswith(name + "[") for k in self._costs
+        ):
+            return value
+        return self._charged(name, value)
+
 
 class Timed:
-    """A ``pynvml``-like module recording each function's call times (``--record-call-costs``)."""
+    """A ``pynvml``-like module recording each function's call times (``--record-call-costs``).
+
+    Field-values calls are recorded by their number of fields too (``name[n]``), through
+    pynvml's function or the C function the sampler looks up.
+    """
 
     def __init__(self, module: Any) -> None:
         self._module = module
         self.times: dict[str, list[float]] = defaultdict(list)
 
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._module, name)
-        if not (name.startswith("nvml") and callable(value)):
-            return value
-
+    def _timed(self, name: str, fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return value(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
-                self.times[name].append(time.perf_counter() - start)
+                elapsed = time.perf_counter() - start
+                self.times[name].append(elapsed)
+                fields = _field_count(name, args)
+                if fields is not None:
+                    self.times[_cost_key(name, fields)].append(elapsed)
 
         return call
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if name == C_LOOKUP:
+            return lambda fn_name: self._timed(fn_name, value(fn_name))
+        if not (name.startswith("nvml") and callable(value)):
+            return value
+        return self._timed(name, value)
 
     def medians(self) -> dict[str, float]:
         """Median seconds per call, by function."""
@@ -145,6 +203,7 @@ class AgentCost:
     queue_ms: float  # delta filter, envelope, encoding, queueing
     publish_ms: float  # the sender: publisher, aiokafka's producer, the event loop
     messages_per_1000_samples: float
+    nvml_calls_per_sample: float | None  # NVML calls per GPU sample (counted by the fake)
 
 
 class _TimedSampler:
@@ -203,6 +262,8 @@ async def cpu_per_1000_samples(
         assert time.monotonic() < deadline, "the broker acknowledged nothing in 60 s"
         await asyncio.sleep(0.01)
     published0, sampler.cpu_s, sync_s = publisher.published, 0.0, 0.0
+    calls = getattr(nvml, "calls", None)  # the fake's log of device calls
+    calls0 = len(calls) if isinstance(calls, list) else 0
     if profile is not None:
         profile.enable()
     cpu0 = time.process_time()
@@ -232,6 +293,9 @@ async def cpu_per_1000_samples(
         queue_ms=(sync_s - sampler.cpu_s) * 1000 * per_1000,
         publish_ms=(cpu_s - sync_s) * 1000 * per_1000,
         messages_per_1000_samples=messages * per_1000,
+        nvml_calls_per_sample=(
+            (len(calls) - calls0) / (rounds * NODE_GPUS) if isinstance(calls, list) else None
+        ),
     )
 
 
@@ -373,6 +437,11 @@ async def main_async(
             "publish": round(batched.publish_ms, 2),
         },
         "messages_per_1000_samples_batched": round(batched.messages_per_1000_samples, 1),
+        "nvml_calls_per_gpu_sample": (
+            None
+            if per_gpu.nvml_calls_per_sample is None
+            else round(per_gpu.nvml_calls_per_sample, 2)
+        ),
         "max_publish_per_s": round(ours.events_per_s),
         "publish_cpu_us_per_event": round(ours.cpu_us_per_event, 2),
         "publish_broker_cpu_us_per_event": None if broker_us is None else round(broker_us, 2),
@@ -389,7 +458,8 @@ def print_table(result: dict[str, Any]) -> None:
     stages = result["cpu_ms_per_1000_samples_by_stage"]
     batched = result["cpu_ms_per_1000_samples_batched"]
     messages = result["messages_per_1000_samples_batched"]
-    print(f"NVML backend                : {result['nvml_backend']}")
+    print(f"NVML backend                : {result['nvml_backend']} "
+          f"({result['nvml_calls_per_gpu_sample']} NVML calls per GPU sample)")  # fmt: skip
     print(f"agent CPU per 1,000 samples : {result['cpu_ms_per_1000_samples']:8.1f} ms "
           f"(goal ≤ {GOAL_CPU_MS}; sample {stages['sample']}, queue {stages['queue']}, "
           f"publish {stages['publish']})")  # fmt: skip
