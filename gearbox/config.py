@@ -83,6 +83,8 @@ class GearboxConfig(Serialisable):
     step_overhead_s: float = 0.0  # per stage forward: scheduling, launches, control message
     seq_layer_overhead_s: float = 0.0  # per sequence per layer: attention dispatched per sequence
     roofline_overlap: float = 1.0  # memory/compute overlap: 1 = max(mem, compute), 0 = sum
+    # a one-sequence step's weight read relative to a batched one's (matrix-vector kernels)
+    single_seq_read_speedup: float = 1.0
     pp_microbatching: bool = True  # decode splits the batch over PP stages (False: one pass)
     ttft_slo_ms: float = 2000.0
     tbt_slo_ms: float = 150.0
@@ -168,6 +170,7 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "step_overhead_s": (0.0, 10.0),
     "seq_layer_overhead_s": (0.0, 1.0),
     "roofline_overlap": (0.0, 1.0),
+    "single_seq_read_speedup": (0.1, 10.0),
     "pp_microbatching": (0, 1),
     "ttft_slo_ms": (1.0, _INF),
     "tbt_slo_ms": (1.0, _INF),

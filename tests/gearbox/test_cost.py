@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gearbox import DEFAULT_CONFIG, MODEL_7B_MHA, MODEL_70B_GQA
@@ -47,6 +49,18 @@ def test_decode_at_batch_one_is_weights_over_bandwidth() -> None:
     step = stage_decode_s(_stage(1, 32), MODEL_7B_MHA, 1, 1, DEFAULT_CONFIG)
     floor = MODEL_7B_MHA.weight_bytes / (H100.memory_bandwidth_gbps * 1e9 * 0.7)
     assert step == pytest.approx(floor, rel=0.01)
+
+
+@pytest.mark.unit
+def test_single_sequence_read_speedup_touches_only_a_batch_of_one() -> None:
+    fast = dataclasses.replace(DEFAULT_CONFIG, single_seq_read_speedup=2.0)
+    one = stage_decode_s(_stage(1, 32), MODEL_7B_MHA, 1, 1, fast)
+    floor = MODEL_7B_MHA.weight_bytes / 2 / (H100.memory_bandwidth_gbps * 1e9 * 0.7)
+    assert one == pytest.approx(floor, rel=0.01)
+    for batch in (2, 16):
+        assert stage_decode_s(_stage(1, 32), MODEL_7B_MHA, batch, 512, fast) == (
+            stage_decode_s(_stage(1, 32), MODEL_7B_MHA, batch, 512, DEFAULT_CONFIG)
+        )
 
 
 @pytest.mark.unit
