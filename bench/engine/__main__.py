@@ -9,16 +9,20 @@ Run: ``python -m bench.engine`` (``--quick`` for fewer samples). On this host it
    batch sizes — device time (the ranks' CPU time), the fastest of interleaved rounds (see
    ``measure.step_times``) — fits gearbox's constants (``mfu_prefill``, ``mbu_decode``,
    ``mfu_decode``, ``step_overhead_s``, ``seq_layer_overhead_s``, ``roofline_overlap``,
-   ``collective_efficiency`` and the link latency) on a subset — for every plan, the smallest
-   and the largest point of each phase: two sizes per plan and phase identify each
-   size-linear term's slope (efficiency, bandwidth) and intercept (fixed cost, latency), and
-   TP1 beside TP2 separates what TP divides from what it does not — and reports the held-in
-   error (``step_time_mape_calib``), the held-out error on every interior point
+   ``single_seq_read_speedup``, ``collective_efficiency`` and the link latency) on a subset —
+   for every plan, the smallest and the largest prompt, and decode batches of 1, 2 and the
+   largest: two sizes per plan and phase identify each size-linear term's slope (efficiency,
+   bandwidth) and intercept (fixed cost, latency); a batch of one runs its products as
+   matrix-vector kernels, faster than the batched line through 2..16 (``gearbox.cost``), so it
+   is a third decode point; TP1 beside TP2 separates what TP divides from what it does not —
+   and reports the held-in error (``step_time_mape_calib``), the held-out error on every
+   interior point (prompts 64 and 128, batches 4, 6, 8, 12)
    (``step_time_mape``) and the rank correlation of predicted and measured times
    (``plan_rank_spearman``); the baseline is the same prediction with gearbox's default
    constants; the earlier split (all of TP1, the smallest point of each other plan), fitted
-   the same way, is reported beside it (``step_time_mape_tp1_split``), as is the endpoint
-   split fitted on the driver's wall times (``step_time_mape_wall``). The PP plan here runs
+   the same way, is reported beside it (``step_time_mape_tp1_split``), as are the split
+   without the batch of 2 (``step_time_mape_endpoints``) and this split fitted on the
+   driver's wall times (``step_time_mape_wall``). The PP plan here runs
    one packed batch per step (``pp_microbatches=1``, gearbox's ``pp_microbatching=False``):
    gearbox models a pipeline kept full across steps, which a step-synchronous engine is not;
    gearbox's per-token count of the embedding table and LM head is corrected in
@@ -73,6 +77,7 @@ FITTED = (
     "step_overhead_s",
     "seq_layer_overhead_s",
     "roofline_overlap",
+    "single_seq_read_speedup",
     "collective_efficiency",
 )
 TARGETS = {
@@ -99,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every target is met."""
     parser = argparse.ArgumentParser(prog="python -m bench.engine")
     parser.add_argument("--quick", action="store_true", help="fewer lengths and repeats")
+    parser.add_argument(
+        "--samples-out", metavar="PATH", help="write the measured steps here (JSON) to refit"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     m = machine()
@@ -107,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         f"memcpy, {m.read_gbps:.2f} GB/s read"
     )
     lens = [32, 64, 128] if args.quick else [32, 64, 128, 256]
-    batches = [1, 4, 8] if args.quick else [1, 4, 8, 16]
+    batches = [1, 2, 4, 8] if args.quick else [1, 2, 4, 6, 8, 12, 16]
     rounds = 3 if args.quick else 9
+    max_rounds = 3 if args.quick else 21
     settings = TorchEngineConfig(
         num_blocks=512, block_size=16, max_batch=32, max_prefill_tokens=4096, pp_microbatches=1
     )
@@ -127,10 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                 kind.removesuffix("-mb"), BENCH_MODEL, SOURCE, ledger, knobs, kind
             )
         micro = microbatch_times(engines["pp2"], engines.pop("pp2-mb"), batches[-1], 64, rounds)
-        samples = step_times(engines, lens, batches, 64, rounds)
+        samples, kept = step_times(engines, lens, batches, 64, rounds, max_rounds)
     finally:
         for engine in engines.values():
             engine.close()
+    if args.samples_out:
+        with open(args.samples_out, "w", encoding="utf-8") as out:
+            json.dump([dataclasses.asdict(s) for s in samples], out)
     # the machine again after the steps, each figure its best: a neighbour only lowers them
     again = machine()
     m = Machine(
@@ -138,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         max(m.memcpy_gbps, again.memcpy_gbps),
         max(m.read_gbps, again.read_gbps),
     )
+    print(f"step times: fastest of {kept} rounds (at least {rounds}, at most {max_rounds})")
     print(
         f"machine, best of before and after the steps: {m.gflops:.1f} GFLOP/s, "
         f"{m.memcpy_gbps:.2f} GB/s memcpy, {m.read_gbps:.2f} GB/s read"
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         s
         for s in samples
         if (s.phase == "prefill" and s.tokens in (lens[0], lens[-1]))
-        or (s.phase == "decode" and s.batch in (batches[0], batches[-1]))
+        or (s.phase == "decode" and s.batch in (batches[0], batches[1], batches[-1]))
     ]
     held = [s for s in samples if s not in calib]
     link0 = LinkClass("shm", m.memcpy_gbps, 50.0)
@@ -156,6 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     predicted = predict_all(held, BENCH_MODEL, gpu, link, config)
     measured = [s.step_s for s in held]
     calib_mape = mape(predict_all(calib, BENCH_MODEL, gpu, link, config), [s.step_s for s in calib])
+    # the split without the batch of 2 (the smallest and largest batch only), for comparison
+    ends_calib = [s for s in calib if s.phase == "prefill" or s.batch != batches[1]]
+    ends_held = [s for s in samples if s not in ends_calib]
+    ends_config, ends_link = fit(ends_calib, BENCH_MODEL, gpu, link0, ENGINE_FACTS)
+    ends_mape = mape(
+        predict_all(ends_held, BENCH_MODEL, gpu, ends_link, ends_config),
+        [s.step_s for s in ends_held],
+    )
     # the earlier split (all of TP1, the smallest point of the others), for comparison
     tp1_calib = [
         s
@@ -193,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         f"held-in MAPE {calib_mape:.3f}, held-out MAPE {mape(predicted, measured):.3f}; "
         f"baseline (gearbox defaults) held-out MAPE {mape(baseline, measured):.3f}; "
         f"on wall times (fitted the same way) held-out MAPE {wall_mape:.3f}; "
-        f"the earlier split (TP1 + smallest points) held-out MAPE {tp1_mape:.3f}"
+        f"the earlier split (TP1 + smallest points) held-out MAPE {tp1_mape:.3f}; "
+        f"calibrated without the batch of 2, held-out MAPE {ends_mape:.3f}"
     )
     gains = {g.phase: g for g in micro}
     for g in micro:
@@ -223,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         "step_time_mape_baseline": round(mape(baseline, measured), 4),
         "step_time_mape_wall": round(wall_mape, 4),
         "step_time_mape_tp1_split": round(tp1_mape, 4),
+        "step_time_mape_endpoints": round(ends_mape, 4),
+        "step_time_rounds": kept,
         **{
             f"pp2_microbatch_{kind}_speedup_{phase}": round(
                 getattr(gains[phase], f"{kind}_s")[0] / getattr(gains[phase], f"{kind}_s")[1], 3

@@ -102,10 +102,15 @@ def step_times(
     batches: list[int],
     context: int,
     rounds: int,
-) -> list[Sample]:
+    max_rounds: int | None = None,
+    settle: float = 0.02,
+) -> tuple[list[Sample], int]:
     """Prefill of one prompt per length and one decode step per batch size, for every plan, in
-    ``rounds`` interleaved rounds (each visits every plan and point once, the plans in rotated
-    order); each point's time is the fastest of the rounds.
+    at least ``rounds`` interleaved rounds (each visits every plan and point once, the plans in
+    rotated order); each point's time is the fastest of the rounds. Rounds go on, up to
+    ``max_rounds``, while the last ``rounds // 3`` rounds still lowered some point's fastest
+    time by more than ``settle`` (a share): on a busy host a few rounds may all be disturbed.
+    Returns the samples and the number of rounds kept.
 
     NOTE: interleaved so that a neighbour's load on this shared host falls on every plan alike
     instead of on whichever plan was being measured then. The step time is device time (the
@@ -118,7 +123,13 @@ def step_times(
     kinds = list(engines)
     times: dict[tuple[str, str, int, int], list[tuple[float, float]]] = {}
     n = 0
-    for r in range(rounds + 1):  # round 0 warms every shape up and is not kept
+    r = -1
+    window = max(1, rounds // 3)
+    while True:
+        r += 1
+        if r > rounds and (r > (max_rounds or rounds) or _settled(times, window, settle)):
+            break
+        # round 0 warms every shape up and is not kept
         for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
             engine = engines[kind]
             for length in prompt_lens:
@@ -140,10 +151,23 @@ def step_times(
                         (engine.last_device_s, engine.last_iteration_s)
                     )
                 run_to_completion([engine])
-    return [
+    samples = [
         Sample(kind, phase, batch, tokens, min(d for d, _ in ts), min(w for _, w in ts))
         for (kind, phase, batch, tokens), ts in times.items()
     ]
+    return samples, r - 1
+
+
+def _settled(
+    times: dict[tuple[str, str, int, int], list[tuple[float, float]]], window: int, settle: float
+) -> bool:
+    """Whether no point's fastest device time fell by more than ``settle`` in the last
+    ``window`` rounds."""
+    for ts in times.values():
+        before = min(d for d, _ in ts[:-window])
+        if min(d for d, _ in ts[-window:]) < before * (1 - settle):
+            return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
