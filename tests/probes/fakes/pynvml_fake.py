@@ -41,6 +41,28 @@ _UINT, _ULL = real.NVML_VALUE_TYPE_UNSIGNED_INT, real.NVML_VALUE_TYPE_UNSIGNED_L
 MISMATCH = -1  # a FakeGpu.fail code: raise NVMLLibraryMismatchError, as unversioned calls do
 
 
+class _CWrites:
+    """What the C library writes into a pynvml structure: its fields, straight into its memory
+    (pynvml's structures turn each Python attribute write into a Python call, C does not)."""
+
+    def __init__(self, cls: Any, names: tuple[str, ...]) -> None:
+        fields = sorted((getattr(cls, n).offset, getattr(cls, n).size, n) for n in names)
+        fmt, at = "=", 0
+        for offset, size, _ in fields:
+            fmt += f"{offset - at}x" + {4: "I", 8: "Q"}[size]
+            at = offset + size
+        self._struct = struct.Struct(fmt)
+        self._order = [n for _, _, n in fields]
+
+    def fill(self, obj: Any, **values: int) -> None:
+        self._struct.pack_into(memoryview(obj).cast("B"), 0, *(values[n] for n in self._order))
+
+
+_MEMORY_V1 = _CWrites(real.c_nvmlMemory_t, ("total", "free", "used"))
+_MEMORY_V2 = _CWrites(real.c_nvmlMemory_v2_t, ("total", "reserved", "free", "used"))
+_UTILIZATION = _CWrites(real.c_nvmlUtilization_t, ("gpu", "memory"))
+
+
 @dataclass
 class FakeGpu:
     """One scripted GPU; NVML units (bytes, mW, KiB counters, KB/s)."""
@@ -91,6 +113,8 @@ class FakeNvml:
         # NOTE: a handle is found by its struct's address in O(1): bench.agent times the agent
         # through this fake, and a scan over the GPUs per call would bill the fake to the agent.
         self._index_of = {ctypes.addressof(s): i for i, s in enumerate(self._structs)}
+        self._handles: list[Any] = []
+        self._handed_out: dict[int, int] = {}
         self._event_set = real.c_nvmlEventSet_t(real.struct_c_nvmlEventSet_t())
         self.c_nvmlFieldValue_t = real.c_nvmlFieldValue_t
         self.c_functions = True  # False: a pynvml whose _nvmlGetFunctionPointer finds nothing
@@ -106,7 +130,12 @@ class FakeNvml:
 
     def _gpu(self, handle: Any, fn: str) -> FakeGpu:
         self.calls.append(fn)
-        gpu = self.gpus[self._index_of[ctypes.addressof(handle.contents)]]
+        # NOTE: the real library hands the handle to C untouched; the handles this fake gave out
+        # are found by identity (kept alive in _handed_out), any other pointer by its address.
+        index = self._handed_out.get(id(handle))
+        if index is None:
+            index = self._index_of[ctypes.addressof(handle.contents)]
+        gpu = self.gpus[index]
         if gpu.lost:
             raise real.NVMLError(real.NVML_ERROR_GPU_IS_LOST)
         if gpu.fail.get(fn) == MISMATCH:
@@ -117,6 +146,12 @@ class FakeNvml:
 
     def _handle(self, index: int) -> Any:
         return ctypes.pointer(self._structs[index])
+
+    def _handle_out(self, index: int) -> Any:
+        handle = self._handle(index)
+        self._handles.append(handle)
+        self._handed_out[id(handle)] = index
+        return handle
 
     # -- library -----------------------------------------------------------------------------
 
@@ -136,7 +171,7 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
         if index >= len(self.gpus):
             raise real.NVMLError(real.NVML_ERROR_INVALID_ARGUMENT)
-        handle = self._handle(index)
+        handle = self._handle_out(index)
         self._gpu(handle, "nvmlDeviceGetHandleByIndex")
         return handle
 
@@ -152,15 +187,25 @@ class FakeNvml:
         gpu = self._gpu(handle, "nvmlDeviceGetMemoryInfo" + ("_v2" if version else ""))
         free = gpu.memory_total - gpu.memory_reserved - gpu.memory_used
         if not version:
-            return real.c_nvmlMemory_t(gpu.memory_total, free, gpu.memory_used)
+            mem = real.c_nvmlMemory_t()
+            _MEMORY_V1.fill(mem, total=gpu.memory_total, free=free, used=gpu.memory_used)
+            return mem
         mem = real.c_nvmlMemory_v2_t()
-        mem.version, mem.total, mem.reserved = version, gpu.memory_total, gpu.memory_reserved
-        mem.used, mem.free = gpu.memory_used, free
+        mem.version = version  # pynvml's own write; the rest is the C library's
+        _MEMORY_V2.fill(
+            mem,
+            total=gpu.memory_total,
+            reserved=gpu.memory_reserved,
+            free=free,
+            used=gpu.memory_used,
+        )
         return mem
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
         gpu = self._gpu(handle, "nvmlDeviceGetUtilizationRates")
-        return real.c_nvmlUtilization_t(gpu.util_gpu, gpu.util_memory)
+        util = real.c_nvmlUtilization_t()
+        _UTILIZATION.fill(util, gpu=gpu.util_gpu, memory=gpu.util_memory)
+        return util
 
     def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
         return self._gpu(handle, "nvmlDeviceGetPowerUsage").power_mw
