@@ -121,6 +121,8 @@ def _off(old: float | None, new: float | None, threshold: float) -> bool:
 
 
 def _pids_changed(old: GpuSample, new: GpuSample) -> bool:
+    if old.processes == new.processes:  # the usual case (and every idle GPU): nothing to pair
+        return False
     if len(old.processes) != len(new.processes):
         return True
     if all(a.pid == b.pid for a, b in zip(old.processes, new.processes, strict=True)):
