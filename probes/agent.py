@@ -67,6 +67,15 @@ class AgentMetrics:
             "backend_up", "1 while a telemetry backend works", ["backend"], registry=registry
         )
         self._events_of: dict[str, Counter] = {}
+        self._round_children: dict[str, tuple[Gauge, Counter]] = {}
+
+    def round_of(self, backend: str) -> tuple[Gauge, Counter]:
+        """``backend_up`` and ``samples`` children for ``backend``, looked up once."""
+        children = self._round_children.get(backend)
+        if children is None:
+            children = (self.backend_up.labels(backend), self.samples.labels(backend))
+            self._round_children[backend] = children
+        return children
 
     def events_of(self, kind: str) -> Counter:
         """The events counter's child for ``kind``, looked up once (``labels()`` takes a lock and
@@ -137,8 +146,9 @@ class Agent:
         except Exception as exc:  # a backend must never take the agent down
             self._backend_failed(backend, exc)
             return
-        self._metrics.backend_up.labels(backend).set(1)
-        self._metrics.samples.labels(backend).inc(len(samples))
+        up, sampled = self._metrics.round_of(backend)
+        up.set(1)
+        sampled.inc(len(samples))
         changed = self._delta.filter(samples, now_s)
         if self._batch and changed:
             self.emit(NodeSamples(self._node, samples=tuple(changed)), now_s, backend)

@@ -46,16 +46,17 @@ class _CWrites:
     (pynvml's structures turn each Python attribute write into a Python call, C does not)."""
 
     def __init__(self, cls: Any, names: tuple[str, ...]) -> None:
-        fields = sorted((getattr(cls, n).offset, getattr(cls, n).size, n) for n in names)
+        fields = [(getattr(cls, n).offset, getattr(cls, n).size) for n in names]
+        assert fields == sorted(fields), "names in the structure's order"
         fmt, at = "=", 0
-        for offset, size, _ in fields:
+        for offset, size in fields:
             fmt += f"{offset - at}x" + {4: "I", 8: "Q"}[size]
             at = offset + size
-        self._struct = struct.Struct(fmt)
-        self._order = [n for _, _, n in fields]
+        self._pack_into = struct.Struct(fmt).pack_into
 
-    def fill(self, obj: Any, **values: int) -> None:
-        self._struct.pack_into(memoryview(obj).cast("B"), 0, *(values[n] for n in self._order))
+    def fill(self, obj: Any, *values: int) -> None:
+        """Write ``values`` (in the order of the names given) into ``obj``."""
+        self._pack_into(obj, 0, *values)
 
 
 _MEMORY_V1 = _CWrites(real.c_nvmlMemory_t, ("total", "free", "used"))
@@ -188,23 +189,17 @@ class FakeNvml:
         free = gpu.memory_total - gpu.memory_reserved - gpu.memory_used
         if not version:
             mem = real.c_nvmlMemory_t()
-            _MEMORY_V1.fill(mem, total=gpu.memory_total, free=free, used=gpu.memory_used)
+            _MEMORY_V1.fill(mem, gpu.memory_total, free, gpu.memory_used)
             return mem
         mem = real.c_nvmlMemory_v2_t()
         mem.version = version  # pynvml's own write; the rest is the C library's
-        _MEMORY_V2.fill(
-            mem,
-            total=gpu.memory_total,
-            reserved=gpu.memory_reserved,
-            free=free,
-            used=gpu.memory_used,
-        )
+        _MEMORY_V2.fill(mem, gpu.memory_total, gpu.memory_reserved, free, gpu.memory_used)
         return mem
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
         gpu = self._gpu(handle, "nvmlDeviceGetUtilizationRates")
         util = real.c_nvmlUtilization_t()
-        _UTILIZATION.fill(util, gpu=gpu.util_gpu, memory=gpu.util_memory)
+        _UTILIZATION.fill(util, gpu.util_gpu, gpu.util_memory)
         return util
 
     def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
