@@ -22,11 +22,6 @@ _OVERLAP = [0.0, 0.25, 0.5, 0.75, 1.0]
 _STEP_OVERHEAD_S = [0.0] + [1e-4 * 1.5**i for i in range(14)]  # 0, 0.1 .. ~19 ms
 _SEQ_LAYER_OVERHEAD_S = [0.0] + [5e-6 * 1.5**i for i in range(16)]  # 0, 5 us .. ~2 ms
 _SPEEDUP = [round(1.15**i, 3) for i in range(12)]  # 1 .. ~4.7
-# NOTE: prefill's slope is fitted on a grid four times finer: its steps are the longest and
-# steadiest measured, and two prompts far apart per plan pin the slope; on the coarse grid
-# the held-out prompts sat 6-22 % off the chord of the calibration prompts (finer grids for
-# every constant overfit the decode points' noise instead: held-out 0.13)
-_FINE_GRID = [min(1.0, round(0.02 * 1.25 ** (i / 4), 5)) for i in range(71)]
 
 
 def engine_spec(cfg: LlamaConfig, phase: str) -> ModelSpec:
@@ -135,7 +130,7 @@ def _descend(
 
 
 _PER_RANK = {
-    "mfu_prefill": _FINE_GRID,
+    "mfu_prefill": _GRID,
     "mbu_decode": _GRID,
     "mfu_decode": _GRID,
     "step_overhead_s": _STEP_OVERHEAD_S,
