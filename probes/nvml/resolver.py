@@ -6,6 +6,7 @@ their own function with the same signature.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -30,6 +31,11 @@ def default_resolver(
     The domain is ``<node>/nvlink`` when the GPU has an active NVLink link, else ``<node>/pcie``:
     one NVLink island per node, which holds for NVSwitch systems (bridged pairs would need more).
     """
-    gpu_class = next((key for pattern, key in _GPU_CLASS_PATTERNS if pattern.search(name)), None)
     link = "nvlink" if nvlink_active_links else "pcie"
-    return gpu_class, f"{node}/{link}"
+    return _gpu_class(name), f"{node}/{link}"
+
+
+# NOTE: asked for every GPU every second with the same few names: matched once per name.
+@functools.lru_cache(maxsize=256)
+def _gpu_class(name: str) -> str | None:
+    return next((key for pattern, key in _GPU_CLASS_PATTERNS if pattern.search(name)), None)
