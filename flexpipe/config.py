@@ -213,6 +213,12 @@ class StreamsConfig(_Section):
         "next switch may be decided",
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 = off")
+    data_dir: str | None = Field(
+        None,
+        description="Faust's local data directory (tables live in memory and are restored "
+        "from their changelogs, so nothing there outlives the process); None = a temporary "
+        "directory removed at exit",
+    )
     session_timeout_s: float = Field(30.0, ge=3, le=300, description="consumer group session")
     ready_timeout_s: float = Field(
         60.0, gt=0, le=3600, description="wait for every topic in producer metadata, then exit"

@@ -16,9 +16,12 @@ deterministic decision ids made unique by :mod:`streams.decider` (see the README
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -184,12 +187,23 @@ async def ensure_topics(cfg: FlexPipeConfig) -> None:
     await create_topics(cfg, internal_topics(cfg))
 
 
+def _data_dir(cfg: FlexPipeConfig) -> str:
+    """The configured data directory, or a temporary one removed at exit (Faust's default,
+    ``{app id}-data`` in the working directory, was left behind by every worker)."""
+    if cfg.streams.data_dir is not None:
+        return cfg.streams.data_dir
+    path = tempfile.mkdtemp(prefix=f"{app_id(cfg)}-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def _faust_app(cfg: FlexPipeConfig) -> StreamsApp:
     s = cfg.streams
     brokers = [f"kafka://{h.strip()}" for h in bootstrap_servers(cfg).split(",") if h.strip()]
     app = StreamsApp(
         app_id(cfg),
         broker=brokers,
+        datadir=_data_dir(cfg),
         store="memory://",
         web_enabled=False,
         autodiscover=False,
