@@ -85,6 +85,27 @@ def encode(env: Envelope[Any]) -> bytes:
     )
 
 
+def encode_payload(payload: Any, *, event_time_ms: int, source: str, seq: int) -> bytes:
+    """``encode(make(payload, ...))`` without the intermediate :class:`Envelope`: same bytes.
+
+    NOTE: the agent encodes every GPU sample it publishes (eight per node per second, more with
+    events); skipping the frozen Envelope saves ~1.5 µs of its ~5 µs per message.
+    """
+    kind = KIND_OF.get(type(payload))
+    if kind is None:
+        raise ValidationError("payload", f"unknown payload type {type(payload).__name__}")
+    return orjson.dumps(
+        {
+            "v": SCHEMA_VERSION,
+            "kind": kind.value,
+            "event_time_ms": event_time_ms,
+            "source": source,
+            "seq": seq,
+            "payload": payload,
+        }
+    )
+
+
 def decode(raw: bytes | bytearray | memoryview | str | None) -> Envelope[Any]:
     """Parse and validate wire bytes; raise ValidationError naming the bad field otherwise."""
     if raw is None:

@@ -162,14 +162,17 @@ class Agent:
         source = f"{self._node}/{backend}"
         seq = self._seq.get(source, 0)
         event_time_ms = self._clock.event_time_ms(now_s)
-        routes, put, encode = self._sample_routes, self._publisher.put, envelope.encode
+        routes, put, encode = self._sample_routes, self._publisher.put, envelope.encode_payload
         for sample in samples:
             seq += 1
             route = routes.get(sample.gpu_uuid)
             if route is None:
                 route = routes[sample.gpu_uuid] = telemetry_route(self._cfg, sample)
-            env = envelope.make(sample, event_time_ms=event_time_ms, source=source, seq=seq)
-            put(route[0], route[1], encode(env))
+            put(
+                route[0],
+                route[1],
+                encode(sample, event_time_ms=event_time_ms, source=source, seq=seq),
+            )
         self._seq[source] = seq
         self._metrics.events_of(Kind.GPU_SAMPLE.value).inc(len(samples))
 

@@ -15,7 +15,7 @@ import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from flexpipe.schemas import GpuSample, SampleReason
+from flexpipe.schemas import GpuSample, SampleReason, gpu_sample
 
 MIB = 1024**2
 DEFAULT_HEARTBEAT_S = 15.0  # the article's reporting period, lower end
@@ -86,9 +86,10 @@ def _with_reason(sample: GpuSample, reason: SampleReason) -> GpuSample:
     """``dataclasses.replace(sample, reason=reason)`` without its per-field Python loop.
 
     NOTE: every published heartbeat goes through here; the fields are read in C
-    (``attrgetter``) and passed positionally, a third of ``replace``'s CPU.
+    (``attrgetter``) and passed positionally to :func:`~flexpipe.schemas.gpu_sample`
+    (~1 µs, against ~5 µs through ``GpuSample``'s own frozen ``__init__``).
     """
-    return GpuSample(*_BEFORE_REASON(sample), reason, *_AFTER_REASON(sample))  # type: ignore[call-arg]
+    return gpu_sample(*_BEFORE_REASON(sample), reason, *_AFTER_REASON(sample))  # type: ignore[call-arg]
 
 
 def moved(old: GpuSample, new: GpuSample, th: DeltaThresholds) -> bool:
