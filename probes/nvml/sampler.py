@@ -38,6 +38,7 @@ from flexpipe.schemas import (
     GpuProcess,
     GpuSample,
     SampleReason,
+    gpu_sample,
 )
 from probes.nvml.resolver import GpuResolver, default_resolver
 
@@ -51,6 +52,23 @@ _MIG_ENABLED = 1  # NVML_DEVICE_MIG_ENABLE
 # Link states change on a link failure (which raises an XID: read at the next sample) or a fabric
 # reconfiguration; 18 links per GPU every second were most of the sampler's NVML work.
 DEFAULT_LINK_STATE_PERIOD_S = 10.0
+# After a refused call a GPU is read call by call (each refusal a null field) for this long, then
+# the one-guard read is tried again: "not supported" is a fact about the device, so it stays.
+_GUARDED_FOR_S = 60.0
+_FAST_CALLS = (
+    "nvmlMemory_v2",
+    "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetPcieThroughput",
+    "nvmlDeviceGetComputeRunningProcesses",
+    "nvmlDeviceGetGraphicsRunningProcesses",
+)
+# (total, reserved, free, used bytes, SM %, memory %, power mW, °C, PCIe tx, rx B/s, processes)
+_Reads = tuple[
+    int, int | None, int, int, float | None, float | None, int | None, float | None,
+    float | None, float | None, tuple[GpuProcess, ...],
+]  # fmt: skip
 
 
 class NvmlUnavailable(FlexPipeError):
@@ -82,6 +100,7 @@ class _Device:
     domain: str | None = None
     xids: list[int] = field(default_factory=list)  # XIDs since the previous sample
     processes: tuple[GpuProcess, ...] = ()
+    guarded_until_s: float = float("-inf")  # read call by call until then (after a refusal)
 
 
 class NvmlSampler:
@@ -122,6 +141,12 @@ class NvmlSampler:
         )
         self._logged: set[tuple[str, str, int]] = set()
         self._c_field_values = self._c_function("nvmlDeviceGetFieldValues")
+        nv = self._nvml
+        self._get_temperature: Callable[..., Any] = getattr(
+            nv, "nvmlDeviceGetTemperatureV", nv.nvmlDeviceGetTemperature
+        )
+        # a pynvml without one of the calls :meth:`_read_fast` makes is read call by call
+        self._fast = all(hasattr(nv, name) for name in _FAST_CALLS)
         self._pending: list[ClusterEvent] = []
         self._closed = False
         self._devices = [self._open_device(i) for i in range(count)]
@@ -227,51 +252,49 @@ class NvmlSampler:
         return samples
 
     def _sample_device(self, dev: _Device, now_s: float) -> GpuSample:
-        if dev.handle is None:
-            self._reopen(dev)
-        nv, h = self._nvml, dev.handle
-        dev.lost = h is None
-        mem = None
-        if not dev.lost:
-            mem = self._try(dev, nv.nvmlDeviceGetMemoryInfo, h, version=nv.nvmlMemory_v2)
-        if mem is None and not dev.lost:  # drivers before the v2 struct: no reserved figure
-            mem = self._try(dev, nv.nvmlDeviceGetMemoryInfo, h)
-        if dev.lost or mem is None:
-            return self._unhealthy_sample(dev)
-        util = self._try(dev, nv.nvmlDeviceGetUtilizationRates, h)
-        power_mw = self._try(dev, nv.nvmlDeviceGetPowerUsage, h)
+        reads = None
+        if self._fast and dev.handle is not None and now_s >= dev.guarded_until_s:
+            try:
+                reads = self._read_fast(dev.handle)
+            except self._errors:  # read again call by call below, and so for a while
+                dev.guarded_until_s = now_s + _GUARDED_FOR_S
+            else:
+                dev.lost = False
+        if reads is None:
+            reads = self._read_guarded(dev)
+            if reads is None:
+                return self._unhealthy_sample(dev)
+        total, reserved, free, used, sm, mem_util, power_mw, temp, pcie_tx, pcie_rx, procs = reads
         known = self._nvlink_links(dev)
         ecc, retired, links, tx, rx = self._counters(dev, known or (), now_s)
         gpu_class, domain = self._resolver(self._node, dev.name, links)
-        dev.processes = self._processes(dev)
-        temperature = self._temperature(dev)
-        pcie_tx = self._pcie(dev, nv.NVML_PCIE_UTIL_TX_BYTES)
-        pcie_rx = self._pcie(dev, nv.NVML_PCIE_UTIL_RX_BYTES)
         mig_mode = self._mig_mode(dev, now_s)
         if dev.lost:  # lost half-way through: nothing read this round can be trusted
             return self._unhealthy_sample(dev)
-        total = dev.memory_total_bytes = int(mem.total)
+        if procs != dev.processes:  # else keep the old tuple: the delta filter compares by identity
+            dev.processes = procs
+        dev.memory_total_bytes = total
         dev.gpu_class, dev.domain = gpu_class, domain
         xids, dev.xids = tuple(dev.xids), []
-        # NOTE: one constructor call with every field, no intermediate dict: once per GPU per
-        # second, and the frozen dataclass's __init__ is already most of a sample's own cost.
-        return GpuSample(
+        # NOTE: one constructor call with every field, no intermediate dict, through gpu_sample
+        # (the frozen dataclass's own __init__ costs ~4 µs of field writes): once per GPU per s.
+        return gpu_sample(
             gpu_uuid=dev.uuid,
             node=self._node,
             name=dev.name,
             reason=SampleReason.DELTA,
             memory_total_bytes=total,
-            memory_used_bytes=int(mem.used),
-            memory_free_bytes=int(mem.free),
+            memory_used_bytes=used,
+            memory_free_bytes=free,
             healthy=True,
             gpu_class=gpu_class,
             domain=domain,
             index=dev.index,
-            memory_reserved_bytes=_int_or_none(getattr(mem, "reserved", None)),
-            sm_util_pct=float(util.gpu) if util is not None else None,
-            mem_util_pct=float(util.memory) if util is not None else None,
+            memory_reserved_bytes=reserved,
+            sm_util_pct=sm,
+            mem_util_pct=mem_util,
             power_w=power_mw / 1000.0 if power_mw is not None else None,
-            temperature_c=temperature,
+            temperature_c=temp,
             ecc_uncorrected=ecc,
             retired_pages=retired,
             xid_errors=xids,
@@ -282,6 +305,75 @@ class NvmlSampler:
             pcie_rx_bytes_per_s=pcie_rx,
             mig_mode=mig_mode,
             processes=dev.processes,
+        )
+
+    def _read_fast(self, h: Any) -> _Reads:
+        """The per-sample NVML calls under one guard (the usual case: every call answers).
+
+        NOTE: one Python frame and one ``try`` per GPU instead of one per call (~8 per GPU every
+        second); any refusal raises and the sample is read again through :meth:`_read_guarded`,
+        which nulls just the refused fields. Only reads happen here, so reading twice is safe.
+        """
+        nv = self._nvml
+        mem = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
+        util = nv.nvmlDeviceGetUtilizationRates(h)
+        power_mw = nv.nvmlDeviceGetPowerUsage(h)
+        temp = self._get_temperature(h, nv.NVML_TEMPERATURE_GPU)
+        pcie_tx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES)
+        pcie_rx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES)
+        compute = nv.nvmlDeviceGetComputeRunningProcesses(h)
+        graphics = nv.nvmlDeviceGetGraphicsRunningProcesses(h)
+        total, reserved, free, used = _memory(mem)
+        sm, mem_util = _utilization(util)
+        return (
+            total,
+            reserved,
+            free,
+            used,
+            sm,
+            mem_util,
+            power_mw,
+            float(temp),
+            float(pcie_tx) * KIB,
+            float(pcie_rx) * KIB,
+            _merge_processes((compute, graphics)) if compute or graphics else (),
+        )
+
+    def _read_guarded(self, dev: _Device) -> _Reads | None:
+        """The per-sample NVML calls one by one, a refused one a null field; None: GPU lost."""
+        if dev.handle is None:
+            self._reopen(dev)
+        nv, h = self._nvml, dev.handle
+        dev.lost = h is None
+        mem = None
+        if not dev.lost:
+            mem = self._try(dev, nv.nvmlDeviceGetMemoryInfo, h, version=nv.nvmlMemory_v2)
+        if mem is None and not dev.lost:  # drivers before the v2 struct: no reserved figure
+            mem = self._try(dev, nv.nvmlDeviceGetMemoryInfo, h)
+        if dev.lost or mem is None:
+            return None
+        util = self._try(dev, nv.nvmlDeviceGetUtilizationRates, h)
+        power_mw = self._try(dev, nv.nvmlDeviceGetPowerUsage, h)
+        processes = self._processes(dev)
+        temperature = self._temperature(dev)
+        pcie_tx = self._pcie(dev, nv.NVML_PCIE_UTIL_TX_BYTES)
+        pcie_rx = self._pcie(dev, nv.NVML_PCIE_UTIL_RX_BYTES)
+        if dev.lost:
+            return None
+        total, reserved, free, used = _memory(mem)
+        sm, mem_util = _utilization(util) if util is not None else (None, None)
+        return (
+            total,
+            reserved,
+            free,
+            used,
+            sm,
+            mem_util,
+            power_mw,
+            temperature,
+            pcie_tx,
+            pcie_rx,
+            processes,
         )
 
     def _counters(
@@ -413,7 +505,7 @@ class NvmlSampler:
         dev.processes = ()
         xids, dev.xids = tuple(dev.xids), []
         total = dev.memory_total_bytes
-        return GpuSample(
+        return gpu_sample(
             gpu_uuid=dev.uuid,
             node=self._node,
             name=dev.name,
@@ -514,7 +606,7 @@ class NvmlSampler:
     def _processes(self, dev: _Device) -> tuple[GpuProcess, ...]:
         """Compute and graphics processes, one entry per pid (the larger memory figure)."""
         nv = self._nvml
-        used: dict[int, int | None] = {}
+        lists = []
         for getter in (
             "nvmlDeviceGetComputeRunningProcesses",
             "nvmlDeviceGetGraphicsRunningProcesses",
@@ -522,11 +614,8 @@ class NvmlSampler:
             procs = self._try(dev, getattr(nv, getter), dev.handle)
             if procs is None and hasattr(nv, getter + "_v2"):  # library older than the v3 call
                 procs = self._try(dev, getattr(nv, getter + "_v2"), dev.handle)
-            for p in procs or ():
-                mem = _int_or_none(p.usedGpuMemory)
-                prev = used.get(int(p.pid))
-                used[int(p.pid)] = mem if prev is None else max(prev, mem or 0)
-        return tuple(GpuProcess(pid, used[pid]) for pid in sorted(used))
+            lists.append(procs or ())
+        return _merge_processes(lists)
 
     # -- events ------------------------------------------------------------------------------
 
@@ -704,6 +793,70 @@ def _field_value(nv: Any, fv: Any) -> int | float | None:
     }
     attr = by_type.get(int(fv.valueType))
     return getattr(fv.value, attr) if attr else None
+
+
+def _merge_processes(lists: Any) -> tuple[GpuProcess, ...]:
+    """NVML process lists as one entry per pid (the larger memory figure), sorted by pid."""
+    used: dict[int, int | None] = {}
+    for procs in lists:
+        for p in procs:
+            mem = _int_or_none(p.usedGpuMemory)
+            prev = used.get(int(p.pid))
+            used[int(p.pid)] = mem if prev is None else max(prev, mem or 0)
+    return tuple(GpuProcess(pid, used[pid]) for pid in sorted(used))
+
+
+_MEMORY_FIELDS = ("total", "reserved", "free", "used")
+_STRUCT_READERS: dict[tuple[type, tuple[str, ...]], Callable[[Any], tuple[Any, ...]]] = {}
+
+
+def _struct_reader(cls: type, names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    """Reads the named unsigned integer fields of a ctypes structure in one C call.
+
+    NOTE: pynvml's structures convert every attribute read in Python (``__getattribute__``);
+    memory and utilisation are six reads per GPU every second. Falls back to attribute reads
+    for anything that is not such a structure (a field missing reads None).
+    """
+    key = (cls, names)
+    reader = _STRUCT_READERS.get(key)
+    if reader is not None:
+        return reader
+    try:
+        fields = [(getattr(cls, n).offset, getattr(cls, n).size) for n in names]
+        fmt, at = "=", 0
+        for offset, size in fields:
+            fmt += f"{offset - at}x" + {4: "I", 8: "Q"}[size]
+            at = offset + size
+        unpack = struct.Struct(fmt).unpack_from
+        if not issubclass(cls, ctypes.Structure) or at > ctypes.sizeof(cls):
+            raise TypeError(cls)
+        if [o for o, _ in fields] != sorted(o for o, _ in fields):
+            raise TypeError(cls)
+        reader = unpack
+    except (AttributeError, KeyError, TypeError, struct.error):
+
+        def reader(obj: Any) -> tuple[Any, ...]:
+            return tuple(getattr(obj, n, None) for n in names)
+
+    _STRUCT_READERS[key] = reader
+    return reader
+
+
+def _memory(mem: Any) -> tuple[int, int | None, int, int]:
+    """(total, reserved or None, free, used) bytes of an nvmlMemory(_v2) structure."""
+    cls = type(mem)
+    names = _MEMORY_FIELDS if hasattr(cls, "reserved") else ("total", "free", "used")
+    values = _struct_reader(cls, names)(mem)
+    if len(values) == 3:
+        return int(values[0]), None, int(values[1]), int(values[2])
+    total, reserved, free, used = values
+    return int(total), _int_or_none(reserved), int(free), int(used)
+
+
+def _utilization(util: Any) -> tuple[float, float]:
+    """(SM %, memory %) of an nvmlUtilization structure."""
+    sm, mem = _struct_reader(type(util), ("gpu", "memory"))(util)
+    return float(sm), float(mem)
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -33,7 +33,7 @@ def test_gpu_sample_is_a_frozen_gpu_sample_equal_to_the_plain_constructor() -> N
     assert dataclasses.astuple(fast) == dataclasses.astuple(plain)  # defaults filled alike
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.reason = SampleReason.HEARTBEAT  # type: ignore[misc]
-    positional = gpu_sample(*dataclasses.astuple(plain, tuple_factory=tuple)[:4], 1, 2, 3)
+    positional = gpu_sample("GPU-1", "node-a1", "H100", SampleReason.DELTA, 1, 2, 3)
     assert positional.memory_free_bytes == 3 and positional.healthy is True
     with pytest.raises(TypeError):
         gpu_sample(gpu_uuid="GPU-1")  # type: ignore[call-arg]

@@ -379,6 +379,46 @@ def test_a_failing_call_or_field_nulls_its_fields_only(
     assert s.healthy
 
 
+def test_a_refused_call_reads_the_gpu_call_by_call_then_one_guard_again_later() -> None:
+    gpu = make_gpu(fail={"nvmlDeviceGetPowerUsage": NOT_SUPPORTED}, compute_procs=[(1, 2)])
+    sampler, fake = make_sampler(gpu)
+    [s] = sampler.sample(1.0)
+    assert s.power_w is None and s.healthy and s.processes == (GpuProcess(1, 2),)
+    fake.calls.clear()
+    [s] = sampler.sample(2.0)  # read call by call now: the refused call once, nothing twice
+    assert s.power_w is None and fake.calls.count("nvmlDeviceGetMemoryInfo_v2") == 1
+    del gpu.fail["nvmlDeviceGetPowerUsage"]
+    later = 1.0 + sampler_module._GUARDED_FOR_S
+    assert sampler.sample(later - 0.5)[0].power_w == 350.0  # the guarded read answers too
+    fake.calls.clear()
+    [s] = sampler.sample(later)
+    assert s.power_w == 350.0 and len(fake.calls) == 9  # one guard again: every call once
+
+
+def test_one_guard_and_call_by_call_reads_build_the_same_sample() -> None:
+    def gpu() -> FakeGpu:
+        return make_gpu(compute_procs=[(7, 3 * GIB)], graphics_procs=[(7, 4 * GIB), (8, None)])
+
+    fast, _ = make_sampler(gpu())
+    guarded, _ = make_sampler(gpu())
+    guarded._fast = False
+    for t in (1.0, 2.0, 12.0):
+        assert fast.sample(t) == guarded.sample(t)
+
+
+def test_a_gpu_lost_during_the_one_guard_read_is_unhealthy_and_isolated() -> None:
+    gpu = make_gpu()
+    sampler, _ = make_sampler(gpu)
+    sampler.sample(1.0)
+    gpu.lost = True
+    [s] = sampler.sample(2.0)
+    assert not s.healthy
+    assert [e.type for e in sampler.poll_events(2.0)] == [ClusterEventType.GPU_ISOLATED]
+    gpu.lost = False
+    assert sampler.sample(3.0)[0].healthy
+    assert [e.type for e in sampler.poll_events(3.0)] == [ClusterEventType.GPU_RESTORED]
+
+
 def test_temperature_falls_back_to_the_deprecated_call_then_to_none() -> None:
     gpu = make_gpu(fail={"nvmlDeviceGetTemperatureV": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
     sampler, _ = make_sampler(gpu)
