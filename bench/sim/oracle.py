@@ -31,7 +31,8 @@ same combination as simulating them all, lazily: an unsimulated candidate counts
 deployment's ceiling (every token offered in the interval), and only candidates of the best
 combination by those bounds are simulated, until it is known throughout. Where small plans
 already serve every arrival within SLO most candidates are never run (fragmented-short, seed 7:
-73 of 196 simulated, 3.2x less CPU); an interval that no plan serves in full (the last one,
+73 of 196 simulated; seeds 7-11: 142 -> 48 oracle CPU s, the results file byte for byte the
+same as simulating every candidate); an interval that no plan serves in full (the last one,
 whose late arrivals cannot finish before the run ends) still simulates all of its candidates.
 """
 
