@@ -8,6 +8,8 @@ validator over the raw bytes, a discriminated union on ``kind``), so anything ma
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, make_dataclass
 from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 
@@ -15,7 +17,7 @@ import orjson
 import pydantic
 
 from flexpipe.errors import ValidationError
-from flexpipe.schemas import KIND_OF, PAYLOAD_TYPES, STRICT, Kind
+from flexpipe.schemas import KIND_OF, PAYLOAD_TYPES, STRICT, GpuSample, Kind
 
 SCHEMA_VERSION = 1
 
@@ -91,9 +93,11 @@ def encode_payload(payload: Any, *, event_time_ms: int, source: str, seq: int) -
     NOTE: the agent encodes every GPU sample it publishes (eight per node per second, more with
     events); skipping the frozen Envelope saves ~1.5 µs of its ~5 µs per message.
     """
-    kind = KIND_OF.get(type(payload))
+    cls = type(payload)
+    kind = KIND_OF.get(cls)
     if kind is None:
-        raise ValidationError("payload", f"unknown payload type {type(payload).__name__}")
+        raise ValidationError("payload", f"unknown payload type {cls.__name__}")
+    as_dict = _AS_DICT.get(cls)
     return orjson.dumps(
         {
             "v": SCHEMA_VERSION,
@@ -101,9 +105,28 @@ def encode_payload(payload: Any, *, event_time_ms: int, source: str, seq: int) -
             "event_time_ms": event_time_ms,
             "source": source,
             "seq": seq,
-            "payload": payload,
+            "payload": payload if as_dict is None else as_dict(payload),
         }
     )
+
+
+def _dict_of(cls: type) -> Callable[[Any], dict[str, Any]]:
+    """``{field: value}`` of a ``cls`` instance, in field order: what orjson writes for it.
+
+    NOTE: orjson writes a slotted dataclass field by field through Python attribute lookups,
+    ~2.6 µs for a GpuSample against ~1 µs for the same dict (built here by one generated dict
+    display, ~0.6 µs): same keys, same order, same bytes (tests/probes/test_fast_build.py).
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    items = ", ".join(f"{n!r}: obj.{n}" for n in names)
+    scope: dict[str, Any] = {}
+    code = compile(f"def as_dict(obj):\n    return {{{items}}}\n", "<flexpipe/envelope.py>", "exec")
+    exec(code, scope)
+    as_dict: Callable[[Any], dict[str, Any]] = scope["as_dict"]
+    return as_dict
+
+
+_AS_DICT = {GpuSample: _dict_of(GpuSample)}  # the agent's hot path
 
 
 def decode(raw: bytes | bytearray | memoryview | str | None) -> Envelope[Any]:

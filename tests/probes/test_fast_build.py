@@ -52,3 +52,13 @@ def test_gpu_sample_round_trips_through_the_envelope() -> None:
 def test_encode_payload_refuses_an_unknown_payload() -> None:
     with pytest.raises(ValidationError):
         envelope.encode_payload(object(), event_time_ms=0, source="s", seq=1)
+
+
+def test_encode_payload_writes_other_kinds_as_encode_does() -> None:
+    from flexpipe.schemas import ClusterEvent, ClusterEventType
+
+    event = ClusterEvent(ClusterEventType.XID, "node-a1", ("GPU-1",), xid=79, detail="XID 79")
+    raw = envelope.encode_payload(event, event_time_ms=1, source="node-a1/nvml", seq=2)
+    assert raw == envelope.encode(
+        envelope.make(event, event_time_ms=1, source="node-a1/nvml", seq=2)
+    )
