@@ -409,6 +409,18 @@ class NvmlSampler:
             )
             links = self._link_states(dev, known, now_s, None) if due else dev.nvlink_active
             return _int_or_none(ecc), self._retired_pages(dev), links, None, None
+        plain = _plain_values(nv, values)
+        if plain is not None:  # every field answered (the usual case)
+            if not known:
+                return plain[0], plain[1] + plain[2], None, None, None
+            tx, rx = self._nvlink_rates(dev, now_s, plain[3], plain[4])
+            links = dev.nvlink_active
+            if due:
+                states: list[tuple[int, int | float | None]] | None = None
+                if dev.states_by_field:
+                    states = [(0, v) for v in plain[5:]]
+                links = self._link_states(dev, known, now_s, states)
+            return plain[0], plain[1] + plain[2], links, tx, rx
         results = _field_results(nv, values)
         ecc = self._field(dev, results[0])
         sbe, dbe = self._field(dev, results[1]), self._field(dev, results[2])
@@ -754,6 +766,39 @@ def _layout(nv: Any, cls: type) -> _Layout | None:
     return layout
 
 
+_ARRAY_READERS: dict[type, Callable[..., tuple[int, ...]] | None] = {}
+
+
+def _plain_values(nv: Any, values: Any) -> list[int] | None:
+    """Every field's value when each one succeeded as an unsigned integer, else None.
+
+    NOTE: the usual answer (ECC, retired pages, NVLink counters and states all read) in one
+    unpack of the whole array; anything else goes through :func:`_field_results`.
+    """
+    cls = type(values)
+    if cls not in _ARRAY_READERS:
+        layout = _layout(nv, getattr(values, "_type_", type(None)))
+        length = getattr(cls, "_length_", None)
+        whole = None
+        if layout is not None and length:
+            whole = struct.Struct("=" + layout[0].format.lstrip("=") * length).unpack_from
+        _ARRAY_READERS[cls] = whole
+    reader = _ARRAY_READERS[cls]
+    if reader is None:
+        return None
+    flat = reader(values)
+    if any(flat[1::3]):  # a field's nvmlReturn
+        return None
+    types, raws = flat[0::3], flat[2::3]
+    ull = types.count(nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG)
+    if ull == len(types):
+        return list(raws)
+    uint = nv.NVML_VALUE_TYPE_UNSIGNED_INT
+    if ull + types.count(uint) != len(types):
+        return None
+    return [raw & 0xFFFFFFFF if t == uint else raw for t, raw in zip(types, raws, strict=True)]
+
+
 def _field_results(nv: Any, values: Any) -> list[tuple[int, int | float | None]]:
     """``(nvmlReturn, value)`` of each nvmlFieldValue_t (value None for an unknown type).
 
@@ -842,15 +887,35 @@ def _struct_reader(cls: type, names: tuple[str, ...]) -> Callable[[Any], tuple[A
     return reader
 
 
+_MEMORY_READERS: dict[type, Callable[[Any], tuple[int, int | None, int, int]]] = {}
+
+
 def _memory(mem: Any) -> tuple[int, int | None, int, int]:
     """(total, reserved or None, free, used) bytes of an nvmlMemory(_v2) structure."""
-    cls = type(mem)
-    names = _MEMORY_FIELDS if hasattr(cls, "reserved") else ("total", "free", "used")
-    values = _struct_reader(cls, names)(mem)
-    if len(values) == 3:
-        return int(values[0]), None, int(values[1]), int(values[2])
-    total, reserved, free, used = values
-    return int(total), _int_or_none(reserved), int(free), int(used)
+    read = _MEMORY_READERS.get(type(mem))
+    if read is None:
+        read = _MEMORY_READERS[type(mem)] = _memory_reader(type(mem))
+    return read(mem)
+
+
+def _memory_reader(cls: type) -> Callable[[Any], tuple[int, int | None, int, int]]:
+    if not hasattr(cls, "reserved"):
+        v1 = _struct_reader(cls, ("total", "free", "used"))
+
+        def read_v1(mem: Any) -> tuple[int, int | None, int, int]:
+            total, free, used = v1(mem)
+            return int(total), None, int(free), int(used)
+
+        return read_v1
+    v2 = _struct_reader(cls, _MEMORY_FIELDS)
+    if isinstance(v2, type(struct.Struct("=I").unpack_from)):  # C: already four ints
+        return v2
+
+    def read_v2(mem: Any) -> tuple[int, int | None, int, int]:
+        total, reserved, free, used = v2(mem)
+        return int(total), _int_or_none(reserved), int(free), int(used)
+
+    return read_v2
 
 
 def _utilization(util: Any) -> tuple[float, float]:
