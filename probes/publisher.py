@@ -12,18 +12,23 @@ consumers drop duplicates by (source, seq).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import functools
 import logging
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from aiokafka.partitioner import murmur2
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,51 @@ class Outgoing(NamedTuple):
     enqueued_s: float
 
 
+class BatchHistogram(Collector):
+    """A Prometheus histogram (same exposition as ``prometheus_client.Histogram``, without the
+    ``_created`` sample) that takes a batch of observations at once.
+
+    NOTE: ``Histogram.observe`` takes two locks and walks the buckets in Python, ~1 µs per
+    acknowledged event; here a batch is counted under one lock with a C bisect per value.
+    """
+
+    def __init__(
+        self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry
+    ) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = tuple(sorted(float(b) for b in buckets))
+        self._counts = [0] * (len(self._bounds) + 1)  # the last: above every bound (+Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        """One observation."""
+        self.observe_many((value,))
+
+    def observe_many(self, values: list[float] | tuple[float, ...]) -> None:
+        """Each of ``values``, as that many ``observe`` calls would."""
+        bounds, counts, where = self._bounds, self._counts, bisect.bisect_left
+        with self._lock:
+            for value in values:
+                counts[where(bounds, value)] += 1  # the first bound >= value: le semantics
+            self._sum += sum(values)
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        """The histogram's samples, cumulative by bucket."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self._bounds, float("inf")), counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), float(cumulative)))
+        return [HistogramMetricFamily(self._name, self._documentation, buckets, total)]
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        """What :meth:`collect` yields, for the registry's name check."""
+        return [HistogramMetricFamily(self._name, self._documentation, [("+Inf", 0.0)], 0.0)]
+
+
 class PublisherMetrics:
     """Prometheus metrics of one publisher, registered on the given registry."""
 
@@ -69,7 +119,7 @@ class PublisherMetrics:
             registry=registry,
         )
         self.buffered = Gauge("flexpipe_agent_buffered", "Events waiting", registry=registry)
-        self.latency = Histogram(
+        self.latency = BatchHistogram(
             "flexpipe_agent_publish_latency_seconds",
             "Enqueue to broker acknowledgement",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 120),
@@ -193,9 +243,7 @@ class BufferedPublisher:
 
     def _record_published(self, acked: list[Outgoing]) -> None:
         now = self._clock()
-        observe = self._metrics.latency.observe
-        for o in acked:
-            observe(now - o.enqueued_s)
+        self._metrics.latency.observe_many([now - o.enqueued_s for o in acked])
         for topic, count in collections.Counter(o.topic for o in acked).items():
             self._metrics.published.labels(topic).inc(count)
         self.published += len(acked)

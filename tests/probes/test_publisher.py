@@ -269,3 +269,31 @@ async def test_batches_go_one_per_partition_in_order_on_kafkas_default_partition
             by_partition.setdefault(partition, []).append(value)
     for values in by_partition.values():
         assert values == sorted(values, key=int), "order within a partition is kept"
+
+
+def test_batch_histogram_exposes_what_a_prometheus_histogram_does() -> None:
+    from prometheus_client import Histogram
+
+    from probes.publisher import BatchHistogram
+
+    buckets = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 120)
+    values = [0.0, 0.001, 0.0011, 0.004, 0.01, 0.3, 1.0, 2.5, 119.0, 121.0, 1e6]
+    ours_registry, reference_registry = CollectorRegistry(), CollectorRegistry()
+    ours = BatchHistogram("x_seconds", "d", buckets, ours_registry)
+    reference = Histogram("x_seconds", "d", buckets=buckets, registry=reference_registry)
+    ours.observe_many(values[:5])
+    ours.observe(values[5])
+    ours.observe_many(values[6:])
+    for v in values:
+        reference.observe(v)
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+        return {
+            (s.name, s.labels.get("le", "")): s.value
+            for metric in registry.collect()
+            for s in metric.samples
+            if not s.name.endswith("_created")
+        }
+
+    assert samples(ours_registry) == samples(reference_registry)
+    assert ours_registry.get_sample_value("x_seconds_count") == len(values)
