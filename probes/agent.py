@@ -162,17 +162,16 @@ class Agent:
         source = f"{self._node}/{backend}"
         seq = self._seq.get(source, 0)
         event_time_ms = self._clock.event_time_ms(now_s)
-        routes, put, encode = self._sample_routes, self._publisher.put, envelope.encode_payload
+        routes, encode = self._sample_routes, envelope.encode_payload
+        events: list[tuple[str, bytes, bytes]] = []
         for sample in samples:
             seq += 1
             route = routes.get(sample.gpu_uuid)
             if route is None:
                 route = routes[sample.gpu_uuid] = telemetry_route(self._cfg, sample)
-            put(
-                route[0],
-                route[1],
-                encode(sample, event_time_ms=event_time_ms, source=source, seq=seq),
-            )
+            raw = encode(sample, event_time_ms=event_time_ms, source=source, seq=seq)
+            events.append((route[0], route[1], raw))
+        self._publisher.put_many(events)
         self._seq[source] = seq
         self._metrics.events_of(Kind.GPU_SAMPLE.value).inc(len(samples))
 

@@ -297,3 +297,19 @@ def test_batch_histogram_exposes_what_a_prometheus_histogram_does() -> None:
 
     assert samples(ours_registry) == samples(reference_registry)
     assert ours_registry.get_sample_value("x_seconds_count") == len(values)
+
+
+@pytest.mark.parametrize("producer", PRODUCERS)
+async def test_put_many_queues_in_order_and_drops_the_oldest_when_full(
+    producer: type[FakeProducer],
+) -> None:
+    broker = FakeBroker()
+    pub = make_publisher(broker, max_buffer=50, producer=producer)
+    pub.put_many([("t", b"k", str(i).encode()) for i in range(30)])
+    pub.put_many([("t", b"k", str(i).encode()) for i in range(30, 60)])
+    assert len(pub) == 50 and pub.dropped == 10
+    stop = asyncio.Event()
+    stop.set()
+    await pub.run(stop)
+    assert broker.log == [str(i).encode() for i in range(10, 60)]
+    assert pub.published == 50
