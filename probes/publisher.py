@@ -157,6 +157,9 @@ class BufferedPublisher:
         self._producer: Producer | None = None
         self.dropped = 0
         self.published = 0
+        # sent but never acknowledged, then put back: the broker may have written them, so one
+        # of these dropped later may still have arrived (at-least-once cannot know)
+        self.requeued = 0
         # NOTE: read when scraped rather than set on every put and every batch: always current,
         # and nothing per event
         metrics.buffered.set_function(lambda: len(self._buffer))
@@ -248,6 +251,7 @@ class BufferedPublisher:
             len(acked_ids),
         )
         self._buffer.extendleft(reversed(unacked))
+        self.requeued += len(unacked)
         self._trim()
         self._metrics.broker_up.set(0)
         await self._close_producer()

@@ -1,7 +1,9 @@
 """Integration: the agent rides out a 10 s broker outage on the real broker.
 
 Two simulated node agents publish through the same outage: one with room to buffer everything
-(nothing may be lost), one with a small buffer (exactly what it reports as dropped is missing).
+(nothing may be lost), one with a small buffer (every missing event is reported as dropped; a
+dropped event may still have arrived only if it was sent and never acknowledged before the
+broker went down — the broker may have written it, which at-least-once delivery cannot know).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ async def wait_for(condition: Any, timeout_s: float) -> None:
         await asyncio.sleep(0.1)
 
 
-async def test_outage_loses_nothing_with_room_and_counts_drops_exactly(
+async def test_outage_loses_nothing_with_room_and_counts_every_loss_as_dropped(
     kafka_cfg: FlexPipeConfig, local_kafka: LocalKafka | None
 ) -> None:
     if local_kafka is None:
@@ -103,8 +105,9 @@ async def test_outage_loses_nothing_with_room_and_counts_drops_exactly(
     ):
         emitted = agent.emitted()[source]
         missing = set(range(1, emitted + 1)) - seqs[source]
-        assert len(missing) == pub.dropped, (
-            f"{source}: missing {len(missing)} vs dropped {pub.dropped}"
+        assert len(missing) <= pub.dropped <= len(missing) + pub.requeued, (
+            f"{source}: missing {len(missing)} vs dropped {pub.dropped} "
+            f"({pub.requeued} requeued unacknowledged)"
         )
     assert roomy_pub.dropped == 0
     assert tight_pub.dropped > 0, "the small buffer should have overflowed during the outage"
