@@ -23,9 +23,10 @@ only unless ``--all-systems``.
 Writes ``bench/results/<scenario>[-<duration>s][-spread<x>].json`` (sorted keys, rounded floats,
 no wall-clock figures: the same seeds give the same bytes) and ``.png`` (the first seed); prints
 each seed's side-by-side table, the issue's targets met or missed, the wall time, what broke
-(then it exits 1: a runtime invariant, a deployment that completed nothing, no decision after a
-preemption, a system with more SLO goodput than the oracle), and LAST one JSON line — the
-results file's ``summary``.
+(a runtime invariant, a deployment that completed nothing, no decision after a preemption, a
+system with more SLO goodput than the oracle: ``FAILED``), each missed target (``MISSED``, on
+stderr), and LAST one JSON line — the results file's ``summary``. It exits 1 when anything
+broke or a target was missed.
 
 Run: ``python -m bench.fragmented [--scenario PATH] [--seed N] [--seeds N] [--spread X]
 [--all-systems] [--duration S] [--workers N]``.
@@ -38,6 +39,7 @@ import functools
 import json
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -283,8 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     for problem in problems:
         print(f"FAILED: {problem}")
+    missed = [row for row in results["targets"] if row["met"] is False]
+    for row in missed:
+        print(f"MISSED: {row['target']} = {row['value']} (target {row['bound']})", file=sys.stderr)
     print_result(results["summary"])
-    return 1 if problems else 0
+    return 1 if problems or missed else 0
 
 
 if __name__ == "__main__":

@@ -47,8 +47,13 @@ def run_bench(out: Path, workers: int, hash_seed: str) -> str:
         capture_output=True,
         text=True,
         timeout=420,
-        check=True,
+        check=False,
     )
+    # NOTE: a 10-minute slice misses some of the targets (exit 1, MISSED on stderr);
+    # nothing may break (FAILED) and nothing else may end it
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    assert "FAILED:" not in done.stdout, done.stdout[-2000:]
+    json.loads(done.stdout.strip().splitlines()[-1])  # it ran to its summary line
     return done.stdout
 
 
