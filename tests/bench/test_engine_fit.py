@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
+from bench.engine.__main__ import BENCH_MODEL
 from bench.engine.fidelity import fit, mape, predict_all
 from bench.engine.measure import Sample, _settled
 from gearbox.config import DEFAULT_CONFIG
 from gearbox.types import GpuClass, LinkClass
-from runtime.engine.torch.config import LlamaConfig
 from runtime.engine.torch.plans import GIB
 
 _POINT = ("tp1", "decode", 4, 66)
@@ -30,15 +30,7 @@ def test_rounds_settle_only_when_the_last_rounds_found_nothing_faster() -> None:
 def test_fit_reproduces_steps_made_by_the_cost_model() -> None:
     """Steps made by the cost model with known constants (a one-sequence read speed-up among
     them) are fitted back within the grids' resolution, far closer than gearbox's defaults."""
-    cfg = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=4,
-        name="fit-test",
-    )
+    cfg = BENCH_MODEL
     gpu = GpuClass("cpu-host", 0.09, 16 * GIB, 20.0)
     link = LinkClass("shm", 9.0, 50.0)
     truth = dataclasses.replace(
