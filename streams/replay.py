@@ -51,6 +51,7 @@ from streams.step import (
     StepOutput,
     TriggerInfo,
     claimed_gpus,
+    decision_order,
     fold_control,
     fold_rollback,
     fold_transition,
@@ -147,15 +148,19 @@ class Replayer:
         return self._decide(dep, trigger, now_ms, None)
 
     def decide_all(self, trigger: TriggerInfo, now_ms: int) -> list[StepOutput]:
-        """Decide for every deployment at ``now_ms`` in the configured order, as the live
-        decider does for one trigger: one sweep, one topology for the instant (the decider's
-        per-instant cache), each deployment's own tables. Steps that refuse the trigger (not
-        newer than the last decided) yield nothing."""
+        """Decide for every deployment at ``now_ms`` in the live decider's order
+        (:func:`streams.step.decision_order`: those whose plan the topology disturbed first,
+        each group in the configured order): one sweep, one topology for the instant (the
+        decider's per-instant cache), each deployment's own tables. Steps that refuse the
+        trigger (not newer than the last decided) yield nothing."""
         self.sweep(now_ms)
         topology = build_topology(
             self.published, self.nodes, self.catalog, now_ms / 1000.0, view_timeout_s(self.cfg)
         )
-        outs = (self._decide(dep, trigger, now_ms, topology) for dep in self.deployments)
+        by_name = {dep.name: dep for dep in self.deployments}
+        plans = {name: t.plan.current for name, t in self.tables.items()}
+        first, then = decision_order(tuple(by_name), plans, topology)
+        outs = (self._decide(by_name[name], trigger, now_ms, topology) for name in first + then)
         return [out for out in outs if out is not None]
 
     def _decide(
@@ -208,10 +213,7 @@ def run_free(replayer: Replayer, envs: Iterable[Envelope[Any]]) -> list[StepOutp
         triggers = [TriggerInfo(Trigger.TOPOLOGY_CHANGE, t_ms, "topology")] if changed else []
         triggers.append(TriggerInfo(Trigger.TIMER, tick_due_ms(t_ms, interval_s), "periodic tick"))
         for trigger in triggers:
-            for dep in replayer.deployments:
-                result = replayer.decide(dep.name, trigger, t_ms)
-                if result is not None:
-                    out.append(result)
+            out.extend(replayer.decide_all(trigger, t_ms))
 
     instant: int | None = None
     changed = False

@@ -48,6 +48,7 @@ from streams.cursor import (
 from streams.deployments import Deployment
 from streams.inflight import InFlight, guard, logged_marker, unsettled
 from streams.load import ServingWindows, serving_aggregate
+from streams.order import RoundOrder, decision_order, plan_disturbed
 from streams.snapshot import build_load, build_topology, snapshot_digest
 from streams.state import GpuState, NodeState
 from streams.windows import HoppingWindow
@@ -60,15 +61,18 @@ __all__ = [
     "OverrideState",
     "PlanSource",
     "PlanState",
+    "RoundOrder",
     "StepInput",
     "StepOutput",
     "TriggerInfo",
     "claimed_gpus",
     "decision_id",
+    "decision_order",
     "fold_control",
     "fold_rollback",
     "fold_transition",
     "make_input",
+    "plan_disturbed",
     "reconcile",
     "serving_plan_id",
     "step",

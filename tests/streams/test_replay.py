@@ -18,6 +18,7 @@ import pytest
 
 from flexpipe import envelope
 from flexpipe.envelope import Envelope
+from flexpipe.schemas import ClusterEvent, ClusterEventType
 from gearbox.decisions import DecisionReason, Trigger
 from sim.catalog import with_scenario
 from sim.scenario import SEED_FRAGMENTED, load_scenario
@@ -74,7 +75,9 @@ def test_replay_reaches_recorded_decisions_and_names_a_difference() -> None:
     assert mismatch.decision_id == first.decision_id and mismatch.same_inputs
 
 
-def test_decide_all_is_each_deployments_step_in_the_configured_order() -> None:
+def test_decide_all_is_each_deployments_step_in_the_round_order() -> None:
+    """The live decider's order (streams.step.decision_order): configured order while no plan
+    is disturbed; a deployment that lost a GPU of its plan first."""
     one, each = Replayer(CFG, CATALOG, DEPLOYMENTS), Replayer(CFG, CATALOG, DEPLOYMENTS)
     for env in trace():
         one.fold(env)
@@ -88,3 +91,19 @@ def test_decide_all_is_each_deployments_step_in_the_configured_order() -> None:
         (summary(o), o.digest) for o in apart if o is not None
     ]
     assert one.decide_all(trigger, now_ms) == []  # the same trigger is never decided twice
+    last = DEPLOYMENTS[-1].name
+    plan = one.tables[last].plan.current
+    assert plan is not None
+    lost = sorted(plan.gpu_uuids)[0]
+    preempt = ClusterEvent(ClusterEventType.PREEMPT, one.published[lost].node, (lost,))
+    for replayer in (one, each):
+        assert replayer.fold(envelope.make(preempt, event_time_ms=now_ms, source="s", seq=1))
+    changed = TriggerInfo(Trigger.TOPOLOGY_CHANGE, now_ms, "preempt")
+    together = one.decide_all(changed, now_ms)
+    order = [last, *(d.name for d in DEPLOYMENTS if d.name != last)]
+    apart = [each.decide(name, changed, now_ms) for name in order]
+    assert [o.decision.deployment for o in together] == order
+    assert together[0].decision.forced
+    assert [(summary(o), o.digest) for o in together] == [
+        (summary(o), o.digest) for o in apart if o is not None
+    ]
