@@ -15,6 +15,12 @@ send ends, and then the topic, read again, says whether it landed. A topology or
 that cannot be decided now (worker not ready, log unreadable, a send unresolved) waits and is
 decided first once it can be.
 
+A round decides the deployments whose plan the view disturbs first, in the replay's order
+(:func:`streams.step.decision_order`), and sends each decision as soon as its step ends. The
+others follow; one for which a cluster event folded meanwhile is already pending is left to that
+next round (its trigger merged in), for at most ``intervals.decision_s`` of event time, so a
+stream of events cannot starve it.
+
 A topology trigger the cursor refuses (not newer than the last trigger decided) is still decided
 when the view holds cluster events that no decision of the deployment saw yet: cluster events
 are keyed by node, so one partition's event can be folded after a later event of another
@@ -49,10 +55,12 @@ from streams.step import (
     LoggedDecision,
     OverrideState,
     PlanState,
+    RoundOrder,
     StepInput,
     StepOutput,
     TriggerInfo,
     claimed_gpus,
+    decision_order,
     make_input,
     reconcile,
     step,
@@ -96,6 +104,7 @@ class Decider:
         self._lock = asyncio.Lock()
         self._pending: dict[str, list[TriggerInfo]] = {}
         self._pending_since_s = 0.0
+        self._pending_loop_s = 0.0  # the event loop's clock when the first pending one came
         self._debounce: asyncio.Task[None] | None = None
         self._topology: tuple[tuple[int, int], TopologySnapshot] | None = None
         self._builder = TopologyBuilder(engine.catalog)
@@ -106,6 +115,8 @@ class Decider:
         self._gear_unwritten: set[str] = set()
         self._unacked: dict[str, asyncio.Future[None]] = {}  # sends past PUBLISH_WAIT_S
         self._deferred: dict[str, TriggerInfo] = {}  # triggers to decide first when possible
+        # deployment → event time of the oldest trigger left to a later round (see _coalesce)
+        self._coalesced_ms: dict[str, int] = {}
         # deployment → the view's ``nodes_version`` its last stored decision saw
         self._nodes_seen: dict[str, int] = {}
         self._log_lock = asyncio.Lock()  # NOTE: one consumer reads the log: one read at a time
@@ -123,6 +134,7 @@ class Decider:
         self.accepting = False
         self._pending.clear()
         self._deferred.clear()
+        self._coalesced_ms.clear()
         self._nodes_seen.clear()
         if self._unacked:  # NOTE: the next owner must find them on the topic
             await asyncio.wait(list(self._unacked.values()), timeout=REVOKE_WAIT_S)
@@ -151,6 +163,7 @@ class Decider:
         """
         if not self._pending:
             self._pending_since_s = received_wall_s
+            self._pending_loop_s = asyncio.get_running_loop().time()
         self._pending.setdefault(name, []).append(trigger)
         if self._debounce is None or self._debounce.done():
             self._debounce = asyncio.ensure_future(self._after_debounce())
@@ -160,7 +173,11 @@ class Decider:
         # other: it is decided by the next round here, not left pending (ticks skip a
         # deployment with a pending trigger) until some later cluster event.
         while self._pending:
-            await asyncio.sleep(self.engine.cfg.streams.debounce_ms / 1000.0)
+            # NOTE: the window runs from the first trigger's arrival: one that arrived while the
+            # last round was deciding has waited already
+            loop = asyncio.get_running_loop()
+            debounce_s = self.engine.cfg.streams.debounce_ms / 1000.0
+            await asyncio.sleep(max(0.0, self._pending_loop_s + debounce_s - loop.time()))
             pending, self._pending = self._pending, {}
             try:
                 await self.evaluate_many(
@@ -284,9 +301,13 @@ class Decider:
             e.flush()
             outs, sends = [], []
             decided: dict[str, PlanState] = {}  # this batch's plans, claimed for the next ones
-            # NOTE: the configured order, as the replay decides: an earlier deployment's new plan
-            # is claimed before a later one plans.
-            for name, trigger in sorted(wanted.items(), key=lambda kv: self._rank[kv[0]]):
+            # NOTE: the replay's order: an earlier deployment's new plan is claimed before a
+            # later one plans.
+            first, then = self._order(wanted)
+            for name in first + then:
+                trigger = wanted[name]
+                if name in then and self._coalesce(name, trigger):
+                    continue
                 # NOTE: read with the input, before the step and the sends are awaited, which
                 # let more cluster events fold
                 nodes_version = e.view.nodes_version
@@ -301,6 +322,7 @@ class Decider:
                     e.metrics.skipped.labels("already_decided").inc()
                     continue
                 decided[name] = out.plan
+                self._coalesced_ms.pop(name, None)
                 outs.append((name, out, trigger, nodes_version))
                 # NOTE: sent at once: a decision does not wait for the batch's later steps
                 sends.append(asyncio.ensure_future(self._send(name, out)))
@@ -321,6 +343,28 @@ class Decider:
                 else:
                     self._stored(name, out, trigger, received_wall_s)
                     self._nodes_seen[name] = nodes_version
+
+    def _order(self, wanted: Mapping[str, TriggerInfo]) -> RoundOrder:
+        """The round's order (:func:`streams.step.decision_order`) on the view now."""
+        e = self.engine
+        names = sorted(wanted, key=self._rank.__getitem__)
+        plans = {n: p.current for n in names if (p := e.load(TableName.PLANS, n, PlanState))}
+        now_ms = max(e.now_ms(), *(t.time_ms for t in wanted.values()))
+        return decision_order(names, plans, self._topology_at(now_ms))
+
+    def _coalesce(self, name: str, trigger: TriggerInfo) -> bool:
+        """Leave an undisturbed deployment's ``trigger`` to the round pending for it (a cluster
+        event folded while this round decided), merged into that round's trigger; not once its
+        oldest trigger left so has waited ``intervals.decision_s`` of event time."""
+        pending = self._pending.get(name)
+        if pending is None:
+            return False
+        since_ms = self._coalesced_ms.setdefault(name, trigger.time_ms)
+        if self.engine.now_ms() - since_ms >= self.engine.cfg.intervals.decision_s * 1000:
+            return False
+        pending.insert(0, trigger)
+        self.engine.metrics.skipped.labels("coalesced").inc()
+        return True
 
     def _can_decide(self, name: str, logged: tuple[int, LoggedDecision | None] | None) -> bool:
         """After the lock was taken: still accepting, no send of its unresolved, and verified

@@ -1,0 +1,145 @@
+"""The live decider's rounds: the deployment a cluster event disturbed is decided and sent
+first; the others follow, or join the next round when a cluster event is already pending."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from flexpipe.config import DeploymentConfig
+from flexpipe.envelope import Envelope
+from flexpipe.schemas import ClusterEventType, GearDecision
+from streams.decider import Decider
+from streams.deployments import resolve_deployments
+from streams.ports import TableName
+from streams.processor import StreamProcessor
+from streams.step import PlanState, StepInput, StepOutput
+from tests.streams.builders import (
+    SMALL_CLUSTER,
+    T0_MS,
+    cluster_envelopes,
+    env,
+    gpu_uuid,
+    heartbeats,
+    make_event,
+    node_up,
+    streams_config,
+)
+from tests.streams.fakes import FakeBroker, make_engine
+from tests.streams.test_processor import feed
+
+pytestmark = pytest.mark.unit
+
+# NOTE: "chat" comes first in the configured order; "batch" is the one the events disturb.
+CFG = streams_config(
+    deployments=(
+        DeploymentConfig(name="chat", model="llama-2-7b", block="A", tp=2, arrival_rps=2.0),
+        DeploymentConfig(name="batch", model="llama-2-7b", block="B", tp=2, arrival_rps=1.0),
+    )
+)
+CATALOG, DEPLOYMENTS = resolve_deployments(CFG)
+T1_MS = T0_MS + 3000
+
+
+async def ticked() -> tuple[StreamProcessor, FakeBroker, list[float]]:
+    """An engine whose first tick decided chat:1 and batch:1."""
+    wall = [T0_MS / 1000]
+    owned: set[str] = set()
+    engine, _, broker = make_engine(CFG, CATALOG, DEPLOYMENTS, wall=wall, owned=owned)
+    await feed(engine, cluster_envelopes(), wall)
+    engine.flush()
+    owned.update(d.name for d in DEPLOYMENTS)
+    await engine.decider.tick()
+    assert [d.decision_id for d in broker.decisions()] == ["chat:1", "batch:1"]
+    return engine, broker, wall
+
+
+def preempt_one_of(engine: StreamProcessor, name: str, t_ms: int, seq: int) -> Envelope[Any]:
+    """A PREEMPT of one GPU of ``name``'s plan."""
+    plan = engine.load(TableName.PLANS, name, PlanState)
+    assert plan is not None and plan.current is not None
+    lost = sorted(plan.current.gpu_uuids)[0]
+    node = next(n for d, _, _, n, i in SMALL_CLUSTER if gpu_uuid(d, n, i) == lost)
+    return env(make_event(ClusterEventType.PREEMPT, node, (lost,)), t_ms, "scheduler", seq)
+
+
+def quiet_event(t_ms: int) -> Envelope[Any]:
+    """A topology change that disturbs no plan: a new node comes up."""
+    return env(node_up("node-x1", "X", "nvlink"), t_ms, "scheduler", 501)
+
+
+async def until(broker: FakeBroker, count: int) -> list[GearDecision]:
+    deadline_s = time.monotonic() + 30  # a busy machine may run the debounce timer late
+    while len(broker.decisions()) < count:
+        assert time.monotonic() < deadline_s, f"{len(broker.decisions())} of {count} decisions"
+        await asyncio.sleep(0.01)
+    return broker.decisions()
+
+
+def while_deciding(
+    monkeypatch: pytest.MonkeyPatch,
+    engine: StreamProcessor,
+    name: str,
+    then: Callable[[], Awaitable[None]],
+) -> None:
+    """Run ``then`` as ``name``'s next step ends (cluster events folded while it decided)."""
+    decider = engine.decider
+    assert isinstance(decider, Decider)
+    step = decider._step
+    fired: list[bool] = []
+
+    async def stepped(inp: StepInput) -> StepOutput | None:
+        out = await step(inp)
+        if inp.deployment.name == name and not fired:
+            fired.append(True)
+            await then()
+        return out
+
+    monkeypatch.setattr(decider, "_step", stepped)
+
+
+async def test_the_disturbed_deployment_is_decided_and_sent_first() -> None:
+    engine, broker, wall = await ticked()
+    await feed(engine, [preempt_one_of(engine, "batch", T1_MS, 500)], wall)
+    decisions = (await until(broker, 4))[2:]
+    assert [d.decision_id for d in decisions] == ["batch:2", "chat:2"]
+    assert decisions[0].forced and not decisions[1].forced
+    assert engine.metrics.skipped.labels("coalesced")._value.get() == 0
+
+
+async def test_an_undisturbed_deployment_joins_the_round_an_event_folded_meanwhile_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine, broker, wall = await ticked()
+    while_deciding(
+        monkeypatch, engine, "batch", lambda: feed(engine, [quiet_event(T1_MS + 1000)], wall)
+    )
+    await feed(engine, [preempt_one_of(engine, "batch", T1_MS, 500)], wall)
+    decisions = (await until(broker, 5))[2:]
+    # chat's step for the first event was left to the round of the second: one decision for both
+    assert [d.decision_id for d in decisions] == ["batch:2", "chat:2", "batch:3"]
+    assert decisions[1].context.trigger_time_ms == T1_MS + 1000
+    assert "preempt on node-" in decisions[1].explanation
+    assert "node_up on node-x1" in decisions[1].explanation
+    assert engine.metrics.skipped.labels("coalesced")._value.get() == 1
+
+
+async def test_a_deployment_left_for_decision_s_is_decided_in_the_round_it_is_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine, broker, wall = await ticked()
+    late_ms = T1_MS + round(CFG.intervals.decision_s * 1000)
+
+    async def much_later() -> None:
+        await feed(engine, [*heartbeats(late_ms, 600), quiet_event(late_ms)], wall)
+
+    while_deciding(monkeypatch, engine, "batch", much_later)
+    await feed(engine, [preempt_one_of(engine, "batch", T1_MS, 500)], wall)
+    decisions = (await until(broker, 6))[2:]
+    assert [d.decision_id for d in decisions] == ["batch:2", "chat:2", "chat:3", "batch:3"]
+    assert decisions[1].context.trigger_time_ms == T1_MS
+    assert engine.metrics.skipped.labels("coalesced")._value.get() == 0
