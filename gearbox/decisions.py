@@ -52,6 +52,12 @@ class DecisionReason(StrEnum):
     # set by the stream's decision step (streams.inflight), which owns the runtime's progress:
     TRANSITION_IN_FLIGHT = "transition_in_flight"  # the last switch is still being carried out
     ALREADY_SERVING = "already_serving"  # the chosen target is the plan the runtime serves
+    # on-demand models (gearbox.residency): load when requested, evict when cold and needed
+    LOAD_ON_DEMAND = "load_on_demand"  # a cold model has requests and a GPU fits it
+    EVICT_COLD = "evict_cold"  # idle, least recently used, and its GPU lets a waiting model in
+    WAITING_FOR_ROOM = "waiting_for_room"  # a cold model has requests but no GPU fits it yet
+    COLD = "cold"  # not loaded and not requested
+    RESIDENT = "resident"  # loaded, and either in use or not needed elsewhere
 
 
 @dataclass(frozen=True, slots=True)
