@@ -253,6 +253,17 @@ class TorchEngine:
             self._connected = True
         return OpResult(True, now_s)
 
+    def probe_allreduce(self, rows: int, num_calls: int) -> tuple[float, float]:
+        """(device, wall) seconds of ``num_calls`` all-reduces of ``rows`` × hidden float32 run
+        back to back on every TP group of the serving pipeline, no sequence touched: the
+        collective's own cost, measured on the ranks and groups the steps use (device time as
+        in ``last_device_s``: the busiest rank's CPU time). A TP 1 rank's all-reduce is a no-op.
+        """
+        targets = [self._procs[r.rank] for r in kv_holders(self.ranks, self._kv_pipe)]
+        msgs = [("allreduce_probe", rows, num_calls)] * len(targets)
+        replies = procs.request_all(targets, msgs, procs.STEP_TIMEOUT_S)
+        return max(m[2] for m in replies), max(m[1] for m in replies)
+
     def is_ready(self, now_s: float) -> bool:
         """Loaded, connected and every rank alive."""
         return self._connected and self.health() is None

@@ -90,6 +90,17 @@ class _Rank:
         if self.spec.tp_size > 1:
             dist.all_reduce(t, group=self.tp_group)
 
+    def allreduce_probe(self, rows: int, num_calls: int) -> tuple[float, float]:
+        """(wall, busy) seconds of ``num_calls`` all-reduces of a ``rows`` × hidden activation
+        on the rank's TP group — the collective a forward runs twice per layer, alone."""
+        t = torch.zeros(rows, self.cfg.hidden_size, device=self.boot.device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(num_calls):
+            self.allreduce(t)
+        if self.boot.device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, time.process_time() - c0
+
     def forward(
         self, tokens: list[int], chunks: list[SeqChunk], rows: list[int]
     ) -> list[int] | None:
@@ -138,6 +149,8 @@ def rank_main(conn: Connection, boot: RankBoot) -> None:
                 # or on a neighbour holding the core costs none — the rank's busy time
                 busy = time.process_time() - c0
                 conn.send(("done", out, time.perf_counter() - t0, busy))
+            elif msg[0] == "allreduce_probe":
+                conn.send(("probed", *rank.allreduce_probe(msg[1], msg[2])))
             elif msg[0] == "shutdown":
                 break
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -120,6 +120,23 @@ def test_plans_without_shift_match_the_single_process_reference(engines: Engines
         assert engine.last_device_s <= len(engine.ranks) * engine.last_iteration_s + 0.05, kind
 
 
+def test_allreduce_probe_times_the_tp_group_and_leaves_serving_alone(engines: Engines) -> None:
+    """The probe runs the TP group's all-reduces alone (bench.engine's measured collective):
+    CPU time spent while it ran, none on a TP 1 plan's no-op, and the engine serves on."""
+    tp2 = engines["tp2"]
+    device_s, wall_s = tp2.probe_allreduce(4, 2 * CFG.num_layers)
+    assert 0.0 < device_s <= 2 * wall_s + 0.05
+    tp1_device_s, _ = engines["tp1"].probe_allreduce(4, 2 * CFG.num_layers)
+    assert tp1_device_s < device_s
+    prompts = make_prompts("probe", 2)
+    for sid, prompt in prompts.items():
+        engines.ledger.register(sid, prompt)
+    admit_all(tp2, specs(prompts, MAX_NEW))
+    run_to_completion([tp2])
+    reference = generate(CFG, SOURCE, prompts, dict.fromkeys(prompts, MAX_NEW))
+    assert {sid: engines.ledger.outputs(sid) for sid in prompts} == reference
+
+
 def test_pp_micro_batches_are_token_exact_with_one_packed_batch(engines: Engines) -> None:
     prompts = make_prompts("micro", 6)
     unsplit = start_engine(
