@@ -7,9 +7,12 @@ Run: ``python -m bench.engine`` (``--quick`` for fewer samples). On this host it
    calibration figure;
 2. measures prefill and decode step times of TP1, TP2 and PP2 plans across prompt lengths and
    batch sizes — device time (the ranks' CPU time), the fastest of interleaved rounds (see
-   ``measure.step_times``) — fits gearbox's constants (``mfu_prefill``, ``mbu_decode``,
-   ``mfu_decode``, ``step_overhead_s``, ``seq_layer_overhead_s``, ``roofline_overlap``,
-   ``single_seq_read_speedup``, ``collective_efficiency`` and the link latency) on a subset —
+   ``measure.step_times``) — and, in the same rounds, TP2's all-reduces alone (as many back to
+   back as a step runs, of 1 row and of the longest prompt's rows: ``fidelity.measured_collective``:
+   link latency and collective efficiency, reported as measured); fits gearbox's constants
+   (``mfu_prefill``, ``mbu_decode``, ``mfu_decode``, ``step_overhead_s``,
+   ``seq_layer_overhead_s``, ``roofline_overlap``, ``single_seq_read_speedup``,
+   ``collective_efficiency`` and the link latency) on a subset —
    for every plan, the smallest and the largest prompt, and decode batches of 1, 2 and the
    largest: two sizes per plan and phase identify each size-linear term's slope (efficiency,
    bandwidth) and intercept (fixed cost, latency); a batch of one runs its products as
@@ -19,14 +22,16 @@ Run: ``python -m bench.engine`` (``--quick`` for fewer samples). On this host it
    interior point (prompts 64 and 128, batches 4, 6, 8, 12)
    (``step_time_mape``) and the rank correlation of predicted and measured times
    (``plan_rank_spearman``); the baseline is the same prediction with gearbox's default
-   constants; the earlier split (all of TP1, the smallest point of each other plan), fitted
-   the same way, is reported beside it (``step_time_mape_tp1_split``), as are the split
+   constants; the same split with the measured collective fed in instead of fitted
+   (``step_time_mape_measured_link``: TP2's all-reduces alone cost about half of what a TP2
+   step pays beyond its share of the work, so it predicts TP2 low), the earlier split (all of
+   TP1, the smallest point of each other plan, ``step_time_mape_tp1_split``), the split
    without the batch of 2 (``step_time_mape_endpoints``) and this split fitted on the
-   driver's wall times (``step_time_mape_wall``). The PP plan here runs
+   driver's wall times (``step_time_mape_wall``) are reported beside it. The PP plan here runs
    one packed batch per step (``pp_microbatches=1``, gearbox's ``pp_microbatching=False``):
    gearbox models a pipeline kept full across steps, which a step-synchronous engine is not;
    gearbox's per-token count of the embedding table and LM head is corrected in
-   ``fidelity.engine_spec``;
+   ``fidelity.engine_spec`` (the head runs on one row per sequence, whole on the TP leader);
 3. times PP2's steps with micro-batches against one packed batch (``pp2_microbatch_*``);
 4. migrates active sequences' KV from TP2 to TP1 and compares its bandwidth with a plain
    memcpy of the same bytes (``migration_bw_frac_of_memcpy``), and the shift's CPU time in the
@@ -44,11 +49,19 @@ import argparse
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 
 import torch
 
-from bench.engine.fidelity import fit, mape, predict_all, spearman
-from bench.engine.measure import Machine, machine, microbatch_times, start, step_times
+from bench.engine.fidelity import (
+    MeasuredCollective,
+    SplitFit,
+    fit_split,
+    mape,
+    measured_collective,
+    predict_all,
+)
+from bench.engine.measure import Machine, Sample, machine, microbatch_times, start, step_times
 from bench.engine.shifts import migration_run, token_exact_runs
 from gearbox.config import DEFAULT_CONFIG
 from gearbox.types import GpuClass, LinkClass
@@ -78,7 +91,6 @@ FITTED = (
     "seq_layer_overhead_s",
     "roofline_overlap",
     "single_seq_read_speedup",
-    "collective_efficiency",
 )
 TARGETS = {
     "token_exact_shifts": (">=", 5),
@@ -98,6 +110,65 @@ def _missed(result: dict[str, float]) -> list[str]:
         if not ok:
             out.append(f"{name}={value:.3g} (target {op} {bound})")
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Fits:
+    """The calibration split's fit and the comparisons reported beside it."""
+
+    main: SplitFit  # every constant fitted on the calibration split, the collective's too
+    measured_link: SplitFit  # the same split, the collective measured (``coll``), not fitted
+    coll: MeasuredCollective  # TP2's all-reduces timed alone
+    num_calib: int
+    wall: SplitFit  # the main split fitted on the driver's wall times
+    tp1_split: SplitFit  # the earlier split: all of TP1, the smallest point of the others
+    endpoints: SplitFit  # the main split without the batch of 2
+
+
+def _fits(
+    samples: list[Sample], lens: list[int], batches: list[int], gpu: GpuClass, link0: LinkClass
+) -> _Fits:
+    steps = [s for s in samples if s.phase != "allreduce"]
+    calib = [
+        s
+        for s in steps
+        if (s.phase == "prefill" and s.tokens in (lens[0], lens[-1]))
+        or (s.phase == "decode" and s.batch in (batches[0], batches[1], batches[-1]))
+    ]
+    tp1_calib = [
+        s
+        for s in steps
+        if s.plan == "tp1"
+        or (s.tokens == lens[0] and s.phase == "prefill")
+        or (s.batch == batches[0] and s.phase == "decode")
+    ]
+
+    def split(chosen: list[Sample], pool: list[Sample] = steps) -> SplitFit:
+        rest = [s for s in pool if s not in chosen]
+        return fit_split(chosen, rest, BENCH_MODEL, gpu, link0, ENGINE_FACTS, fit_collective=True)
+
+    coll = measured_collective(
+        [s for s in samples if s.phase == "allreduce" and s.plan == "tp2"], BENCH_MODEL, link0, 2
+    )
+    measured_link = fit_split(
+        calib,
+        [s for s in steps if s not in calib],
+        BENCH_MODEL,
+        gpu,
+        dataclasses.replace(link0, latency_us=coll.latency_us),
+        dataclasses.replace(ENGINE_FACTS, collective_efficiency=coll.efficiency),
+        fit_collective=False,
+    )
+    walled = [dataclasses.replace(s, step_s=s.wall_s) for s in steps]
+    return _Fits(
+        main=split(calib),
+        measured_link=measured_link,
+        coll=coll,
+        num_calib=len(calib),
+        wall=split([w for w, s in zip(walled, steps, strict=True) if s in calib], walled),
+        tp1_split=split(tp1_calib),
+        endpoints=split([s for s in calib if s.phase == "prefill" or s.batch != batches[1]]),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                 kind.removesuffix("-mb"), BENCH_MODEL, SOURCE, ledger, knobs, kind
             )
         micro = microbatch_times(engines["pp2"], engines.pop("pp2-mb"), batches[-1], 64, rounds)
-        samples, kept = step_times(engines, lens, batches, 64, rounds, max_rounds)
+        samples, kept = step_times(
+            engines, lens, batches, 64, rounds, max_rounds, probe_rows=(1, lens[-1])
+        )
     finally:
         for engine in engines.values():
             engine.close()
@@ -156,66 +229,41 @@ def main(argv: list[str] | None = None) -> int:
         f"{m.memcpy_gbps:.2f} GB/s memcpy, {m.read_gbps:.2f} GB/s read"
     )
     gpu = GpuClass("cpu-host", m.gflops / 1000, 16 * GIB, m.read_gbps)
-    calib = [
-        s
-        for s in samples
-        if (s.phase == "prefill" and s.tokens in (lens[0], lens[-1]))
-        or (s.phase == "decode" and s.batch in (batches[0], batches[1], batches[-1]))
-    ]
-    held = [s for s in samples if s not in calib]
     link0 = LinkClass("shm", m.memcpy_gbps, 50.0)
-    baseline = predict_all(held, BENCH_MODEL, gpu, link0, DEFAULT_CONFIG)
-    config, link = fit(calib, BENCH_MODEL, gpu, link0, ENGINE_FACTS)
-    predicted = predict_all(held, BENCH_MODEL, gpu, link, config)
+    fits = _fits(samples, lens, batches, gpu, link0)
+    main_fit, coll = fits.main, fits.coll
+    config, held = main_fit.config, main_fit.held
     measured = [s.step_s for s in held]
-    calib_mape = mape(predict_all(calib, BENCH_MODEL, gpu, link, config), [s.step_s for s in calib])
-    # the split without the batch of 2 (the smallest and largest batch only), for comparison
-    ends_calib = [s for s in calib if s.phase == "prefill" or s.batch != batches[1]]
-    ends_held = [s for s in samples if s not in ends_calib]
-    ends_config, ends_link = fit(ends_calib, BENCH_MODEL, gpu, link0, ENGINE_FACTS)
-    ends_mape = mape(
-        predict_all(ends_held, BENCH_MODEL, gpu, ends_link, ends_config),
-        [s.step_s for s in ends_held],
-    )
-    # the earlier split (all of TP1, the smallest point of the others), for comparison
-    tp1_calib = [
-        s
-        for s in samples
-        if s.plan == "tp1"
-        or (s.tokens == lens[0] and s.phase == "prefill")
-        or (s.batch == batches[0] and s.phase == "decode")
-    ]
-    tp1_held = [s for s in samples if s not in tp1_calib]
-    tp1_config, tp1_link = fit(tp1_calib, BENCH_MODEL, gpu, link0, ENGINE_FACTS)
-    tp1_mape = mape(
-        predict_all(tp1_held, BENCH_MODEL, gpu, tp1_link, tp1_config),
-        [s.step_s for s in tp1_held],
-    )
-    # the same split and fit on the driver's wall times, for comparison (not a target)
-    wall_calib = [dataclasses.replace(s, step_s=s.wall_s) for s in calib]
-    wall_held = [dataclasses.replace(s, step_s=s.wall_s) for s in held]
-    wall_config, wall_link = fit(wall_calib, BENCH_MODEL, gpu, link0, ENGINE_FACTS)
-    wall_mape = mape(
-        predict_all(wall_held, BENCH_MODEL, gpu, wall_link, wall_config),
-        [s.step_s for s in wall_held],
-    )
+    baseline = predict_all(held, BENCH_MODEL, gpu, link0, DEFAULT_CONFIG)
     print(
         f"{'plan':5} {'phase':8} {'batch':>5} {'tokens':>6} {'device_ms':>10} "
         f"{'predicted_ms':>12} {'wall_ms':>8}"
     )
-    for s, p in zip(held, predicted, strict=True):
+    for s, p in zip(held, main_fit.predicted, strict=True):
         print(
             f"{s.plan:5} {s.phase:8} {s.batch:5d} {s.tokens:6d} {s.step_s * 1e3:10.2f} "
             f"{p * 1e3:12.2f} {s.wall_s * 1e3:8.2f}"
         )
     fitted = {k: float(getattr(config, k)) for k in FITTED}
-    print(f"calibrated on {len(calib)} samples: {fitted}, link latency {link.latency_us:.0f} us")
     print(
-        f"held-in MAPE {calib_mape:.3f}, held-out MAPE {mape(predicted, measured):.3f}; "
+        f"calibrated on {fits.num_calib} samples: {fitted}, link latency "
+        f"{main_fit.link.latency_us:.0f} us (fitted)"
+    )
+    print(
+        f"TP2 all-reduce measured alone ({coll.calls} back to back, as many as a step runs; "
+        f"fastest of the rounds): {coll.small_s * 1e6:.0f} us per all-reduce of "
+        f"{coll.small_rows} row, {coll.large_s * 1e6:.0f} us of {coll.large_rows}: link latency "
+        f"{coll.latency_us:.0f} us, collective efficiency {coll.efficiency:.3f} (measured) vs "
+        f"{main_fit.link.latency_us:.0f} us, {config.collective_efficiency:.3f} fitted; the "
+        f"measured pair fed to the fit instead: held-out MAPE {fits.measured_link.held_mape:.3f}, "
+        f"Spearman {fits.measured_link.spearman:.3f}"
+    )
+    print(
+        f"held-in MAPE {main_fit.calib_mape:.3f}, held-out MAPE {main_fit.held_mape:.3f}; "
         f"baseline (gearbox defaults) held-out MAPE {mape(baseline, measured):.3f}; "
-        f"on wall times (fitted the same way) held-out MAPE {wall_mape:.3f}; "
-        f"the earlier split (TP1 + smallest points) held-out MAPE {tp1_mape:.3f}; "
-        f"calibrated without the batch of 2, held-out MAPE {ends_mape:.3f}"
+        f"on wall times (fitted the same way) held-out MAPE {fits.wall.held_mape:.3f}; "
+        f"the earlier split (TP1 + smallest points) held-out MAPE {fits.tp1_split.held_mape:.3f}; "
+        f"calibrated without the batch of 2, held-out MAPE {fits.endpoints.held_mape:.3f}"
     )
     gains = {g.phase: g for g in micro}
     for g in micro:
@@ -224,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             f"device ({g.wall_s[0] * 1e3:.2f} ms wall), micro-batched "
             f"{g.device_s[1] * 1e3:.2f} ms device ({g.wall_s[1] * 1e3:.2f} ms wall)"
         )
-    mig = migration_run(BENCH_MODEL, SOURCE, settings, gpu, link, config, m)
+    mig = migration_run(BENCH_MODEL, SOURCE, settings, gpu, main_fit.link, config, m)
     print(
         f"KV migration: {mig.bytes / 1e6:.1f} MB in {mig.migrate_s * 1e3:.1f} ms = "
         f"{mig.bw_gbps:.2f} GB/s vs memcpy {mig.memcpy_gbps:.2f} GB/s; "
@@ -240,12 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine_gflops": round(m.gflops, 2),
         "machine_memcpy_gbps": round(m.memcpy_gbps, 3),
         "machine_read_gbps": round(m.read_gbps, 3),
-        "step_time_mape": round(mape(predicted, measured), 4),
-        "step_time_mape_calib": round(calib_mape, 4),
+        "step_time_mape": round(main_fit.held_mape, 4),
+        "step_time_mape_calib": round(main_fit.calib_mape, 4),
         "step_time_mape_baseline": round(mape(baseline, measured), 4),
-        "step_time_mape_wall": round(wall_mape, 4),
-        "step_time_mape_tp1_split": round(tp1_mape, 4),
-        "step_time_mape_endpoints": round(ends_mape, 4),
+        "step_time_mape_measured_link": round(fits.measured_link.held_mape, 4),
+        "step_time_mape_wall": round(fits.wall.held_mape, 4),
+        "step_time_mape_tp1_split": round(fits.tp1_split.held_mape, 4),
+        "step_time_mape_endpoints": round(fits.endpoints.held_mape, 4),
         "step_time_rounds": kept,
         **{
             f"pp2_microbatch_{kind}_speedup_{phase}": round(
@@ -254,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             for phase in ("prefill", "decode")
             for kind in ("device", "wall")
         },
-        "plan_rank_spearman": round(spearman(predicted, measured), 4),
+        "plan_rank_spearman": round(main_fit.spearman, 4),
+        "plan_rank_spearman_measured_link": round(fits.measured_link.spearman, 4),
         "migration_bw_gbps": round(mig.bw_gbps, 3),
         "migration_bw_frac_of_memcpy": round(mig.bw_gbps / mig.memcpy_gbps, 4),
         "shift_s": round(mig.shift_cpu_s, 5),
@@ -265,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         "token_exact_shifts": exact,
         "token_mismatches": mismatches,
         **{f"fit_{k}": float(f"{v:.4g}") for k, v in fitted.items()},  # the overheads are us
-        "fit_link_latency_us": round(link.latency_us, 1),
+        "allreduce_small_us": round(coll.small_s * 1e6, 1),
+        "allreduce_large_us": round(coll.large_s * 1e6, 1),
+        "measured_link_latency_us": round(coll.latency_us, 1),
+        "measured_collective_efficiency": round(coll.efficiency, 4),
+        "fit_link_latency_us": round(main_fit.link.latency_us, 1),
+        "fit_collective_efficiency": round(config.collective_efficiency, 4),
     }
     missed = _missed(result)
     for line in missed:

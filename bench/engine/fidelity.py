@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from bench.engine.measure import Sample
@@ -13,7 +14,7 @@ from gearbox.config import DEFAULT_CONFIG, GearboxConfig
 from gearbox.cost import pipeline_decode_cycle_s, pipeline_prefill_s, replica_shape
 from gearbox.model import ModelSpec
 from gearbox.types import GpuClass, LinkClass
-from runtime.engine.torch.config import LlamaConfig
+from runtime.engine.torch.config import F32_BYTES, LlamaConfig
 from runtime.engine.torch.plans import make_plan
 
 _GRID = [round(0.02 * 1.25**i, 4) for i in range(18)] + [1.0]  # 0.02 .. ~0.9, 1
@@ -24,8 +25,9 @@ _SEQ_LAYER_OVERHEAD_S = [0.0] + [5e-6 * 1.5**i for i in range(16)]  # 0, 5 us ..
 _SPEEDUP = [round(1.15**i, 3) for i in range(12)]  # 1 .. ~4.7
 
 
-def engine_spec(cfg: LlamaConfig, phase: str) -> ModelSpec:
-    """The model as gearbox should count it for one phase of this engine's steps.
+def engine_spec(cfg: LlamaConfig, phase: str, head_tp: int = 1) -> ModelSpec:
+    """The model as gearbox should count it for one phase of this engine's steps, the LM head
+    on a stage of ``head_tp`` ranks.
 
     NOTE: a correction of gearbox's count, applied here: gearbox charges 2·N FLOPs (and N
     weights read) per token with N all parameters, but the embedding table is a lookup (no
@@ -34,13 +36,16 @@ def engine_spec(cfg: LlamaConfig, phase: str) -> ModelSpec:
     2·V·h FLOPs per sequence, under 1 % of a 32-token prompt here); a decode token, one per
     sequence, spends the layers' and the head's. Uncorrected, the fitted prefill and decode
     efficiencies pin at their bound of 1 (the model counts work the engine never does).
+    The head is replicated, not vocab-parallel: its TP leader reads and multiplies all of it,
+    where gearbox divides every parameter by TP, so a decode step on TP ``head_tp`` counts the
+    head ``head_tp`` times (gearbox's 1/TP share of that is one whole head).
     """
     spec = cfg.model_spec()
     embeddings = cfg.vocab_size * cfg.hidden_size
     head = 0 if cfg.tie_word_embeddings else embeddings
     spent = spec.num_params - embeddings - head
     if phase == "decode":
-        spent += embeddings  # the head's V·h, shared with the table when tied
+        spent += embeddings * head_tp  # the head's V·h, shared with the table when tied
     return dataclasses.replace(spec, num_params=spent)
 
 
@@ -50,7 +55,7 @@ def predict(
     """Gearbox's time for the sample's step on its plan."""
     plan = make_plan(s.plan, cfg.num_layers, s.plan, model_name=cfg.name, gpu=gpu, link=link)
     shape = replica_shape(plan, dict.fromkeys(plan.gpu_uuids, gpu.memory_bytes))
-    model = engine_spec(cfg, s.phase)
+    model = engine_spec(cfg, s.phase, plan.stages[-1].tp)
     if s.phase == "prefill":
         return pipeline_prefill_s(shape.prefill, shape.pp_link, model, s.tokens, config)[0]
     return pipeline_decode_cycle_s(
@@ -97,6 +102,54 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return cov / var if var else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class MeasuredCollective:
+    """A TP group's all-reduce as gearbox's ring model needs it, from timed all-reduces alone
+    (``TorchEngine.probe_allreduce``): two message sizes give the per-byte slope (the achieved
+    bandwidth) and the intercept (the fixed cost per all-reduce)."""
+
+    group_size: int
+    calls: int  # all-reduces run back to back per probe (a forward's: two per layer)
+    small_rows: int
+    small_s: float  # device time of one all-reduce of ``small_rows`` × hidden (probe / calls)
+    large_rows: int
+    large_s: float  # the same of ``large_rows``
+    latency_us: float  # gearbox's per-ring-step latency: intercept / 2(p−1)
+    efficiency: float  # achieved share of the link's bandwidth (gearbox's collective_efficiency)
+
+
+def measured_collective(
+    probes: Sequence[Sample], cfg: LlamaConfig, link: LinkClass, group_size: int
+) -> MeasuredCollective:
+    """Gearbox's link latency and collective efficiency that reproduce the probed all-reduces
+    of the fewest and the most rows (``Sample.tokens``; ``Sample.batch`` all-reduces each):
+    t(bytes) = 2(p−1)/p · bytes / (bandwidth · efficiency) + 2(p−1) · latency, as in
+    ``gearbox.cost.allreduce_s``. The efficiency is held within its configured bounds; a
+    larger message that probed no slower than the small one reads as efficiency 1."""
+    small = min(probes, key=lambda s: s.tokens)
+    large = max(probes, key=lambda s: s.tokens)
+    steps = 2 * (group_size - 1)
+
+    def volume(rows: int) -> float:
+        return steps / group_size * rows * cfg.hidden_size * F32_BYTES
+
+    small_s, large_s = small.step_s / small.batch, large.step_s / large.batch
+    per_byte = (large_s - small_s) / max(1.0, volume(large.tokens) - volume(small.tokens))
+    full = 1.0 / (link.bandwidth_gbps * 1e9)  # seconds per byte at the link's bandwidth
+    efficiency = min(1.0, max(0.01, full / per_byte)) if per_byte > 0 else 1.0
+    fixed_s = max(0.0, small_s - volume(small.tokens) * full / efficiency)
+    return MeasuredCollective(
+        group_size,
+        small.batch,
+        small.tokens,
+        small_s,
+        large.tokens,
+        large_s,
+        fixed_s / steps * 1e6,
+        efficiency,
+    )
+
+
 _Params = tuple[GearboxConfig, LinkClass]
 
 
@@ -141,29 +194,47 @@ _PER_RANK = {
 _COLLECTIVE = {"collective_efficiency": _GRID, "latency_us": _LATENCIES_US}
 
 
+# starting values of the per-sequence-layer overhead (0, ~0.09 and ~0.19 ms, on its grid)
+_SEQ_STARTS = (0.0, _SEQ_LAYER_OVERHEAD_S[8], _SEQ_LAYER_OVERHEAD_S[10])
+
+
 def fit(
     samples: Sequence[Sample],
     cfg: LlamaConfig,
     gpu: GpuClass,
     link: LinkClass,
     base: GearboxConfig = DEFAULT_CONFIG,
+    *,
+    fit_collective: bool = True,
+    seq_starts: Sequence[float] = _SEQ_STARTS,
 ) -> tuple[GearboxConfig, LinkClass]:
     """Fit the cost model's constants on ``samples``: the per-rank ones (prefill MFU, decode
     MBU/MFU, the per-step and per-sequence-layer overheads, the roofline overlap, the
-    one-sequence read speed-up) on the
-    single-rank samples, the collective efficiency and link latency on the multi-rank ones
-    (from several starts), then all of them together on every sample — only there do the
-    per-sequence overhead (not divided by TP) and decode compute (divided by TP) separate."""
+    one-sequence read speed-up) on the single-rank samples, the collective efficiency and link
+    latency on the multi-rank ones (unless ``fit_collective`` is False: then ``link`` and
+    ``base`` carry measured figures), then all of them together on every sample — only there
+    do the per-sequence overhead (not divided by TP) and decode compute (divided by TP)
+    separate. From several starts (roofline overlap × per-sequence-layer overhead)."""
     single = [s for s in samples if s.plan == "tp1"]
     multi = [s for s in samples if s.plan != "tp1"]
     # NOTE: several starts: from the defaults alone the descent sticks at full overlap,
     # where a tiny decode MFU mimics the per-sequence cost
-    starts = [(dataclasses.replace(base, roofline_overlap=o), link) for o in (0.0, 0.5, 1.0)]
+    starts = [
+        (dataclasses.replace(base, roofline_overlap=o, seq_layer_overhead_s=q), link)
+        for o in (0.0, 0.5, 1.0)
+        for q in seq_starts
+    ]
+    # NOTE: TP1 alone cannot tell a per-sequence cost TP does not divide (attention dispatched
+    # sequence by sequence) from decode compute it does, so its first descent holds the
+    # overhead at the start's value; the joint descent moves it. From 0 alone it never left 0
+    # (coordinate steps cannot trade it against decode MFU), and TP2's decode slope per
+    # sequence came out half the measured one (0.55 vs 1.08 ms), its held-out steps low
+    first = {k: v for k, v in _PER_RANK.items() if k != "seq_layer_overhead_s"}
     fits = []
     for params in starts:
         if single:
-            params = _descend(single, _PER_RANK, params, cfg, gpu)
-        if multi:
+            params = _descend(single, first, params, cfg, gpu)
+        if multi and fit_collective:
             ce_lat = itertools.product(_GRID, _LATENCIES_US)
             params = min(
                 (
@@ -172,5 +243,44 @@ def fit(
                 ),
                 key=lambda p: _err(multi, p, cfg, gpu),
             )
-        fits.append(_descend(samples, _PER_RANK | _COLLECTIVE, params, cfg, gpu, rounds=3))
+        grids = _PER_RANK | _COLLECTIVE if fit_collective else _PER_RANK
+        fits.append(_descend(samples, grids, params, cfg, gpu, rounds=3))
     return min(fits, key=lambda p: _err(samples, p, cfg, gpu))
+
+
+@dataclass(frozen=True, slots=True)
+class SplitFit:
+    """One calibration split: the fitted constants and their predictions of the held-out steps."""
+
+    config: GearboxConfig
+    link: LinkClass
+    calib_mape: float  # held-in error
+    held: tuple[Sample, ...]
+    predicted: tuple[float, ...]  # of ``held``, in order
+
+    @property
+    def held_mape(self) -> float:
+        """Held-out error."""
+        return mape(self.predicted, [s.step_s for s in self.held])
+
+    @property
+    def spearman(self) -> float:
+        """Rank correlation of predicted and measured held-out steps."""
+        return spearman(self.predicted, [s.step_s for s in self.held])
+
+
+def fit_split(
+    calib: Sequence[Sample],
+    held: Sequence[Sample],
+    cfg: LlamaConfig,
+    gpu: GpuClass,
+    link: LinkClass,
+    base: GearboxConfig,
+    *,
+    fit_collective: bool,
+) -> SplitFit:
+    """Fit on ``calib`` (see ``fit``) and predict ``held``."""
+    config, fitted = fit(calib, cfg, gpu, link, base, fit_collective=fit_collective)
+    calib_mape = _err(calib, (config, fitted), cfg, gpu)
+    predicted = tuple(predict_all(held, cfg, gpu, fitted, config))
+    return SplitFit(config, fitted, calib_mape, tuple(held), predicted)

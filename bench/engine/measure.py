@@ -31,9 +31,9 @@ class Sample:
     """One measured step."""
 
     plan: str
-    phase: str  # "prefill" or "decode"
-    batch: int
-    tokens: int  # prompt length (prefill) or context length (decode)
+    phase: str  # "prefill", "decode" or "allreduce" (``TorchEngine.probe_allreduce``)
+    batch: int  # sequences (an all-reduce probe: all-reduces run back to back)
+    tokens: int  # prompt length (prefill), context length (decode) or rows (all-reduce)
     step_s: float  # device time: the ranks' busy (CPU) time, see TorchEngine.last_device_s
     wall_s: float  # the driver's wall time for the same steps
 
@@ -104,6 +104,7 @@ def step_times(
     rounds: int,
     max_rounds: int | None = None,
     settle: float = 0.02,
+    probe_rows: tuple[int, ...] = (),
 ) -> tuple[list[Sample], int]:
     """Prefill of one prompt per length and one decode step per batch size, for every plan, in
     at least ``rounds`` interleaved rounds (each visits every plan and point once, the plans in
@@ -151,6 +152,12 @@ def step_times(
                         (engine.last_device_s, engine.last_iteration_s)
                     )
                 run_to_completion([engine])
+            if any(stage.tp > 1 for stage in engine.plan.stages):
+                calls = 2 * max(stage.num_layers for stage in engine.plan.stages)
+                for rows in probe_rows:
+                    probed = engine.probe_allreduce(rows, calls)
+                    if r:
+                        times.setdefault((kind, "allreduce", calls, rows), []).append(probed)
     samples = [
         Sample(kind, phase, batch, tokens, min(d for d, _ in ts), min(w for _, w in ts))
         for (kind, phase, batch, tokens), ts in times.items()
