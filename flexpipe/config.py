@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flexpipe.errors import ConfigError
-from gearbox.config import DEFAULT_CONFIG, GearboxConfig
+from gearbox.config import DEFAULT_CONFIG, DEFAULT_PLACEMENT_CONFIG, GearboxConfig, PlacementConfig
 from gearbox.model import ModelSpec
 from gearbox.presets import GPU_CLASSES, LINK_CLASSES, MODEL_ALIASES, MODELS
 from gearbox.types import GpuClass, LinkClass
@@ -115,6 +115,23 @@ class DeploymentConfig(_Section):
     # are within these; None = gearbox's ttft_slo_ms / tbt_slo_ms.
     ttft_slo_ms: float | None = Field(None, gt=0, description="TTFT SLO; None = gearbox's")
     tbt_slo_ms: float | None = Field(None, gt=0, description="TBT SLO; None = gearbox's")
+    residency: Literal["resident", "on_demand"] = Field(
+        "resident",
+        description="on_demand: no plan until a request arrives (one TP1 replica placed by "
+        "gearbox.residency, block pins its domain); evicted when cold and its GPU is needed",
+    )
+    affinity: tuple[str, ...] = Field((), description="on_demand: prefer these' nodes")
+    anti_affinity: tuple[str, ...] = Field((), description="on_demand: never these' nodes")
+
+    @model_validator(mode="after")
+    def _on_demand_shape(self) -> DeploymentConfig:
+        if self.residency == "on_demand" and (self.tp, self.pp, self.replicas) != (1, 1, 1):
+            raise ValueError(
+                "residency: on_demand loads one TP1 replica (tp, pp and replicas must be 1)"
+            )
+        if self.residency == "resident" and (self.affinity or self.anti_affinity):
+            raise ValueError("affinity: only on_demand deployments are placed by affinity")
+        return self
 
     def slo_ms(self, gearbox: GearboxConfig) -> tuple[float, float]:
         """(TTFT, TBT) SLOs in ms, gearbox's where this deployment sets none."""
@@ -280,6 +297,12 @@ class RuntimeConfig(_Section):
     tick_s: float = Field(0.02, gt=0.0, le=1.0)
     serving_publish_s: float = Field(5.0, gt=0.0)
     request_timeout_s: float = Field(300.0, gt=0.0)
+    model_load_wait_s: float = Field(
+        120.0,
+        gt=0.0,
+        description="runtime s a request for an on-demand model that is not loaded waits for "
+        "its load, then 429 model_loading",
+    )
     engine: Literal["sim", "torch"] = Field(
         "sim",
         description="sim: SimEngine (default); torch: the torch reference engine (a small "
@@ -337,6 +360,7 @@ class FlexPipeConfig(_Section):
     deployments: tuple[DeploymentConfig, ...] = ()
     catalog: CatalogConfig = CatalogConfig()
     gearbox: GearboxConfig = DEFAULT_CONFIG
+    placement: PlacementConfig = DEFAULT_PLACEMENT_CONFIG  # on-demand models (gearbox.residency)
 
     @model_validator(mode="after")
     def _deployments_unique_and_known(self) -> FlexPipeConfig:
@@ -345,6 +369,11 @@ class FlexPipeConfig(_Section):
             raise ValueError("deployments: names must be unique (they key the decisions topic)")
         known = self.catalog.model_specs()
         for d in self.deployments:
+            for other in (*d.affinity, *d.anti_affinity):
+                if other not in names:
+                    raise ValueError(
+                        f"deployments: {d.name}: affinity names unknown deployment {other!r}"
+                    )
             if d.model not in known:
                 raise ValueError(
                     f"deployments: {d.name}: unknown model {d.model!r} (known: "

@@ -42,10 +42,12 @@ from flexpipe import envelope
 from gearbox.config import DEFAULT_CONFIG, GearboxConfig
 from gearbox.decisions import Trigger
 from gearbox.history import GearState
+from gearbox.residency import OnDemandModel
 from gearbox.types import TopologySnapshot
 from streams import codec
 from streams.intake import DeadLetterReason, Rejected
 from streams.load import ServingWindows
+from streams.ondemand import is_on_demand, on_demand_view
 from streams.ports import DecisionLog, Message, TableName, TriggerMessage
 from streams.processor import StreamProcessor
 from streams.snapshot import TopologyBuilder
@@ -110,6 +112,7 @@ class Decider:
         self._builder = TopologyBuilder(engine.catalog)
         self._block_rows: list[tuple[str, str, int]] | None = None  # the block gauges shown
         self._by_name = {d.name: d for d in engine.deployments}
+        self._has_on_demand = any(is_on_demand(d) for d in engine.deployments)
         self._rank = {d.name: i for i, d in enumerate(engine.deployments)}
         self._gear_written: dict[str, tuple[int, object, float | None]] = {}
         self._gear_unwritten: set[str] = set()
@@ -472,6 +475,8 @@ class Decider:
             topology=self._topology_at(now_ms),
             transition_timeout_s=e.cfg.streams.transition_timeout_s,
             claims=self._claims(name, decided),
+            on_demand=self._on_demand(decided, now_ms),
+            placement=e.cfg.placement,
         )
 
     async def _step(self, inp: StepInput) -> StepOutput | None:
@@ -515,6 +520,26 @@ class Decider:
             if d.name != name and (p := e.load(TableName.PLANS, d.name, PlanState)) is not None
         }
         return claimed_gpus(plans | decided, name)
+
+    def _on_demand(self, decided: dict[str, PlanState], now_ms: int) -> tuple[OnDemandModel, ...]:
+        """Every on-demand deployment's view from the tables this worker reads (this batch's
+        plans first), as the replay builds it; empty when none is on demand."""
+        e = self.engine
+        if not self._has_on_demand:
+            return ()
+        plans = {
+            d.name: p
+            for d in e.deployments
+            if (p := decided.get(d.name) or e.load(TableName.PLANS, d.name, PlanState))
+        }
+        serving = {
+            d.name: s
+            for d in e.deployments
+            if (s := e.load(TableName.SERVING, d.name, ServingWindows)) is not None
+        }
+        return on_demand_view(
+            e.deployments, plans, serving, e.load_window, now_ms / 1000.0, self.gearbox_config
+        )
 
     async def _send(self, name: str, out: StepOutput) -> None:
         e = self.engine

@@ -28,6 +28,10 @@ class Deployment:
     model: ModelSpec
     hint: PlanHint | None
     nominal: NominalLoad
+    residency: str = "resident"  # "on_demand": loaded when requested, evicted when cold
+    pin_domain: str | None = None  # on demand: load only in this domain (config ``block``)
+    affinity: tuple[str, ...] = ()  # on demand: prefer nodes holding these deployments
+    anti_affinity: tuple[str, ...] = ()  # on demand: never a node holding one of these
 
 
 def resolve_deployments(cfg: FlexPipeConfig) -> tuple[Catalog, tuple[Deployment, ...]]:
@@ -35,7 +39,21 @@ def resolve_deployments(cfg: FlexPipeConfig) -> tuple[Catalog, tuple[Deployment,
     catalog = catalog_from_config(cfg.catalog)
     out = []
     for d in cfg.deployments:
-        hint = PlanHint(d.block, d.tp, d.pp, d.replicas) if d.block else None
+        on_demand = d.residency == "on_demand"
+        # NOTE: an on-demand deployment starts cold: its block pins where it loads, no hint
+        hint = PlanHint(d.block, d.tp, d.pp, d.replicas) if d.block and not on_demand else None
         nominal = NominalLoad(d.arrival_rps, d.prompt_tokens, d.output_tokens)
-        out.append(Deployment(d.name, d.model, catalog.model(d.model), hint, nominal))
+        out.append(
+            Deployment(
+                d.name,
+                d.model,
+                catalog.model(d.model),
+                hint,
+                nominal,
+                d.residency,
+                d.block if on_demand else None,
+                d.affinity,
+                d.anti_affinity,
+            )
+        )
     return catalog, tuple(out)

@@ -83,6 +83,23 @@ _KEY_OF: dict[SourceTopic, Callable[[Any], str]] = {
 }
 
 
+def _other_keys(topic: SourceTopic, env: Any, sequenced: frozenset[str]) -> tuple[bytes, ...]:
+    """Keys besides the entity's a topic's records may carry: ``deployment/seq`` on the
+    transitions topic, for the deployments in ``sequenced``.
+
+    NOTE: the runtime keys every transition record ``deployment/seq`` (the compacted topic keeps
+    the last record of each transition, which its recovery reads), and this check refused that
+    key, so the stream never folded a transition; resident deployments lived with it (a switch
+    leaves flight after ``streams.transition_timeout_s``). On-demand deployments need each load
+    and eviction to finish before the next residency decision, so their records are accepted;
+    accepting everyone's changes how soon the default demo switches again (see the report).
+    """
+    payload = env.payload
+    if topic is SourceTopic.TRANSITIONS and payload.deployment in sequenced:
+        return (f"{payload.deployment}/{payload.transition_seq}".encode(),)
+    return ()
+
+
 @dataclass(frozen=True, slots=True)
 class Accepted:
     """A message that may be folded."""
@@ -119,12 +136,14 @@ def admit(
     clock_s: float,
     max_future_skew_s: float,
     deployments: frozenset[str] | None = None,
+    sequenced: frozenset[str] = frozenset(),
 ) -> Accepted | Rejected:
     """Decode and check one message from ``topic``.
 
     Event times more than ``max_future_skew_s`` past both the wall clock and the stream clock
     are refused: one bad timestamp would otherwise mark every GPU's heartbeat as timed out.
-    ``deployments`` (when given) is the set of names deployment-keyed topics may carry.
+    ``deployments`` (when given) is the set of names deployment-keyed topics may carry;
+    ``sequenced`` those whose transition records may be keyed ``deployment/seq`` (on demand).
     """
     if not value:
         return Rejected(DeadLetterReason.EMPTY, "", "empty message (tombstone or zero bytes)")
@@ -138,7 +157,7 @@ def admit(
             DeadLetterReason.WRONG_TOPIC, "kind", f"{env.kind.value} on the {topic.value} topic"
         )
     entity = _KEY_OF[topic](env.payload)
-    if key is None or key != entity.encode():
+    if key is None or (key != entity.encode() and key not in _other_keys(topic, env, sequenced)):
         shown = "none" if key is None else repr(key[:80])
         return Rejected(DeadLetterReason.KEY_MISMATCH, "key", f"key {shown} != {entity[:80]!r}")
     if topic is SourceTopic.NODE:

@@ -32,6 +32,7 @@ from gearbox.types import TopologySnapshot
 from streams.catalog import Catalog
 from streams.deployments import Deployment
 from streams.load import ServingWindows, fold_serving
+from streams.ondemand import on_demand_view
 from streams.snapshot import build_topology
 from streams.state import (
     FoldOutcome,
@@ -187,6 +188,15 @@ class Replayer:
             topology=topology,
             transition_timeout_s=self.cfg.streams.transition_timeout_s,
             claims=claimed_gpus({n: tb.plan for n, tb in self.tables.items()}, name),
+            on_demand=on_demand_view(
+                self.deployments,
+                {n: tb.plan for n, tb in self.tables.items()},
+                {n: tb.serving for n, tb in self.tables.items()},
+                self.load_window,
+                now_ms / 1000.0,
+                self.cfg.gearbox,
+            ),
+            placement=self.cfg.placement,
         )
         out = step(inp)
         if out is not None:

@@ -14,6 +14,7 @@ time, a voluntary switch is held; and no decision targets the plan the runtime s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -29,11 +30,12 @@ from flexpipe.schemas import (
     TransitionPhase,
 )
 from gearbox.blocks import build_blocks
-from gearbox.config import GearboxConfig
+from gearbox.config import DEFAULT_PLACEMENT_CONFIG, GearboxConfig, PlacementConfig
 from gearbox.decide import decide
 from gearbox.decisions import DecideResult, Overrides
 from gearbox.history import GearState, record_failed_target
 from gearbox.plans import DeploymentPlan
+from gearbox.residency import OnDemandModel
 from gearbox.starting import starting_plan
 from gearbox.types import LoadSnapshot, TopologySnapshot
 from streams.catalog import Catalog
@@ -48,6 +50,7 @@ from streams.cursor import (
 from streams.deployments import Deployment
 from streams.inflight import InFlight, guard, logged_marker, unsettled
 from streams.load import ServingWindows, serving_aggregate
+from streams.ondemand import is_on_demand, residency_result
 from streams.order import RoundOrder, decision_order, plan_disturbed
 from streams.snapshot import build_load, build_topology, snapshot_digest
 from streams.state import GpuState, NodeState
@@ -98,6 +101,7 @@ class PlanState:
     known: tuple[DeploymentPlan, ...] = ()  # recent plans, newest last
     settled_seq: int = -1  # highest transition sequence seen reaching DONE or ROLLED_BACK
     in_flight: InFlight | None = None  # our switch the runtime has not finished yet
+    last_demand_ms: int = -1  # on demand: event time it last had requests (-1: never)
 
 
 def serving_plan_id(plan: PlanState) -> str | None:
@@ -159,6 +163,9 @@ class StepInput:
     worker: str = ""
     transition_timeout_s: float = DEFAULT_TRANSITION_TIMEOUT_S  # streams.transition_timeout_s
     claims: frozenset[str] = frozenset()  # GPUs other deployments' plans hold (see claimed_gpus)
+    # every on-demand deployment (streams.ondemand.on_demand_view); empty when none is
+    on_demand: tuple[OnDemandModel, ...] = ()
+    placement: PlacementConfig = DEFAULT_PLACEMENT_CONFIG  # the config's placement section
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,11 +207,14 @@ def make_input(
     topology: TopologySnapshot | None = None,
     transition_timeout_s: float = DEFAULT_TRANSITION_TIMEOUT_S,
     claims: frozenset[str] = frozenset(),
+    on_demand: tuple[OnDemandModel, ...] = (),
+    placement: PlacementConfig = DEFAULT_PLACEMENT_CONFIG,
 ) -> StepInput:
     """Build snapshots at ``now_ms`` from the view and tables: the one place live and replay
     turn state into gearbox's inputs. ``topology``, when given, must be what
     :func:`build_topology` returns for the same view and time (a cache); ``claims`` are the GPUs
-    other deployments' plans hold (:func:`claimed_gpus`)."""
+    other deployments' plans hold (:func:`claimed_gpus`); ``on_demand`` every on-demand
+    deployment's view (:func:`streams.ondemand.on_demand_view`)."""
     now_s = now_ms / 1000.0
     if topology is None:
         topology = build_topology(view[0], view[1], catalog, now_s, heartbeat_timeout_s)
@@ -225,6 +235,8 @@ def make_input(
         worker,
         transition_timeout_s,
         claims,
+        on_demand,
+        placement,
     )
 
 
@@ -351,19 +363,25 @@ def step(inp: StepInput) -> StepOutput | None:
     if not inp.cursor.admits(inp.trigger.kind, inp.trigger.time_ms):
         return None
     plan, notes = _expire(_with_hint(inp), inp)
-    overrides, more = _overrides(inp.overrides, plan)
     own = frozenset().union(*(p.gpu_uuids for p in (plan.current, plan.confirmed) if p))
-    result = decide(
-        plan.current,
-        _without_claims(inp.topology, inp.claims - own),
-        inp.load,
-        inp.gear,
-        inp.config,
-        model=inp.deployment.model,
-        deployment=inp.deployment.name,
-        trigger=inp.trigger.kind,
-        overrides=overrides,
-    )
+    topology = _without_claims(inp.topology, inp.claims - own)
+    if is_on_demand(inp.deployment):
+        # NOTE: its own GPU too is full for the round, which places other models (a GPU
+        # serves one model)
+        result, plan, more = _on_demand(inp, plan, _without_claims(inp.topology, inp.claims | own))
+    else:
+        overrides, more = _overrides(inp.overrides, plan)
+        result = decide(
+            plan.current,
+            topology,
+            inp.load,
+            inp.gear,
+            inp.config,
+            model=inp.deployment.model,
+            deployment=inp.deployment.name,
+            trigger=inp.trigger.kind,
+            overrides=overrides,
+        )
     marker = plan.in_flight
     result = guard(result, inp.gear, marker, serving_plan_id(plan), inp.transition_timeout_s)
     notes += more + _flight_note(marker, result)
@@ -372,6 +390,31 @@ def step(inp: StepInput) -> StepOutput | None:
     payload, after = _publish(inp, plan, result, seq, notes, digest)
     cursor = Cursor(seq, inp.trigger.time_ms, TRIGGER_RANK[inp.trigger.kind])
     return StepOutput(payload, inp.trigger.time_ms, result, after, result.state, cursor, digest)
+
+
+def _on_demand(
+    inp: StepInput, plan: PlanState, topology: TopologySnapshot
+) -> tuple[DecideResult, PlanState, list[str]]:
+    """An on-demand deployment's residency decision (operator overrides do not apply), and its
+    plan state with the time it last had requests."""
+    mine = next((m for m in inp.on_demand if m.name == inp.deployment.name), None)
+    if mine is None:  # NOTE: the caller built no view: nothing to place from
+        raise ValueError(f"{inp.deployment.name}: on demand, but no on-demand view was given")
+    if math.isfinite(mine.last_demand_s):
+        plan = replace(plan, last_demand_ms=round(mine.last_demand_s * 1000))
+    notes = []
+    if inp.overrides.pinned_plan_id is not None or inp.overrides.emergency:
+        notes.append("operator overrides do not apply to an on-demand deployment")
+    result = residency_result(
+        inp.deployment,
+        plan.current,
+        inp.on_demand,
+        topology,
+        inp.gear,
+        inp.placement,
+        inp.trigger.kind,
+    )
+    return result, plan, notes
 
 
 def _publish(

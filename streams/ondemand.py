@@ -1,0 +1,217 @@
+"""On-demand deployments as the residency rule sees them, and their decision (pure).
+
+The live decider and the offline replay both build the view with :func:`on_demand_view` from
+the same tables (every deployment's plan state and serving windows) and decide with
+:func:`residency_result`, which wraps :func:`gearbox.residency.decide_residency` into the
+:class:`~gearbox.decisions.DecideResult` the step publishes: a load is a switch from no plan
+(or the empty plan an eviction left) to a one-replica plan, an eviction a switch to the empty
+plan. Both are voluntary, so the step's in-flight guard holds them like any other switch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from gearbox.config import GearboxConfig, PlacementConfig
+from gearbox.decisions import DecideResult, Decision, Trigger
+from gearbox.history import GearState
+from gearbox.model import ModelSpec
+from gearbox.placement import ModelFootprint
+from gearbox.plans import DeploymentPlan, ExecutionPlan, Stage, StageRole
+from gearbox.residency import (
+    OnDemandModel,
+    Residency,
+    ResidencyAction,
+    decide_residency,
+)
+from gearbox.switch import SwitchCost
+from gearbox.types import TopologySnapshot
+from streams.deployments import Deployment
+from streams.load import ServingAggregate, ServingWindows, serving_aggregate
+from streams.windows import HoppingWindow
+
+
+class PlanView(Protocol):
+    """What the view reads of a deployment's plan state (:class:`streams.step.PlanState`, which
+    imports this module)."""
+
+    @property
+    def current(self) -> DeploymentPlan | None:
+        """The plan the loop assumes."""
+        ...
+
+    @property
+    def confirmed(self) -> DeploymentPlan | None:
+        """The plan a runtime last confirmed."""
+        ...
+
+    @property
+    def in_flight(self) -> object | None:
+        """The decision the runtime has not finished yet."""
+        ...
+
+    @property
+    def last_demand_ms(self) -> int:
+        """Event time it last had requests (-1: never)."""
+        ...
+
+
+__all__ = [
+    "FOOTPRINT_BATCH",
+    "is_on_demand",
+    "on_demand_view",
+    "residency_of",
+    "residency_result",
+]
+
+# NOTE: the batch a replica must hold at its nominal sequence length for the placement's memory
+# filter (model_size + k × batch × seq_len × kv_bytes_per_token): enough for a burst's running
+# sequences; KV beyond it is the runtime's admission's to refuse (429), not the placement's.
+FOOTPRINT_BATCH = 8
+
+
+def is_on_demand(dep: Deployment) -> bool:
+    """Whether ``dep`` is loaded on demand."""
+    return dep.residency == "on_demand"
+
+
+def residency_of(
+    current: DeploymentPlan | None, confirmed: DeploymentPlan | None, in_flight: bool
+) -> tuple[Residency, tuple[str, ...]]:
+    """Where a deployment stands from its assumed and confirmed plans, and the GPUs either
+    holds."""
+    cur = current.gpu_uuids if current is not None else frozenset()
+    conf = confirmed.gpu_uuids if confirmed is not None else frozenset()
+    gpus = tuple(sorted(cur | conf))
+    same = (current.plan_id if current else None) == (confirmed.plan_id if confirmed else None)
+    if in_flight or not same:
+        if cur:
+            return (Residency.LOADING if cur != conf else Residency.RESIDENT), gpus
+        return (Residency.EVICTING if conf else Residency.COLD), gpus
+    return (Residency.RESIDENT if conf else Residency.COLD), gpus
+
+
+def _footprint(dep: Deployment) -> ModelFootprint:
+    seq = round(dep.nominal.prompt_tokens + dep.nominal.output_tokens)
+    return ModelFootprint.from_spec(dep.model, FOOTPRINT_BATCH, max(1, seq))
+
+
+def _model(
+    dep: Deployment,
+    state: tuple[Residency, tuple[str, ...]],
+    load: ServingAggregate,
+    last_demand_ms: int,
+    now_s: float,
+    gearbox: GearboxConfig,
+) -> OnDemandModel:
+    demand = load.arrival_rate_rps > 0 or load.queue_len > 0 or load.active_sequences > 0
+    last_s = now_s if demand else (last_demand_ms / 1000.0 if last_demand_ms >= 0 else -math.inf)
+    return OnDemandModel(
+        name=dep.name,
+        footprint=_footprint(dep),
+        state=state[0],
+        gpu_uuids=state[1],
+        active_requests=load.active_sequences,
+        queued_requests=load.queue_len,
+        last_demand_s=last_s,
+        arrival_rps=load.arrival_rate_rps,
+        reload_s=dep.model.weight_bytes / (gearbox.weight_load_gbps * 1e9),
+        pin_domain=dep.pin_domain,
+        affinity=dep.affinity,
+        anti_affinity=dep.anti_affinity,
+    )
+
+
+def on_demand_view(
+    deployments: Sequence[Deployment],
+    plans: Mapping[str, PlanView],
+    serving: Mapping[str, ServingWindows],
+    window: HoppingWindow,
+    now_s: float,
+    gearbox: GearboxConfig,
+) -> tuple[OnDemandModel, ...]:
+    """Every on-demand deployment's state, demand and GPUs at ``now_s``.
+
+    ``plans`` and ``serving``: each deployment's plan state and serving windows (a missing one
+    is cold and idle). Empty when no deployment is on demand.
+    """
+    out = []
+    for dep in deployments:
+        if not is_on_demand(dep):
+            continue
+        plan = plans.get(dep.name)
+        load = serving_aggregate(serving.get(dep.name, ServingWindows()), window, now_s)
+        if plan is None:
+            state, last_ms = residency_of(None, None, False), -1
+        else:
+            in_flight = plan.in_flight is not None
+            state = residency_of(plan.current, plan.confirmed, in_flight)
+            last_ms = plan.last_demand_ms
+        out.append(_model(dep, state, load, last_ms, now_s, gearbox))
+    return tuple(out)
+
+
+def _replica(model: ModelSpec, uuid: str, snapshot: TopologySnapshot) -> ExecutionPlan:
+    gpu = next(g for g in snapshot.gpus if g.uuid == uuid)
+    stage = Stage(
+        block_id=gpu.domain,
+        domain_id=gpu.domain,
+        gpu_uuids=(uuid,),
+        layer_start=0,
+        layer_end=model.num_layers,
+        role=StageRole.UNIFIED,
+        gpu_class=gpu.gpu_class,
+        tp_link=snapshot.domain_link(gpu.domain),
+    )
+    return ExecutionPlan(model.name, (stage,))
+
+
+def residency_result(
+    dep: Deployment,
+    current: DeploymentPlan | None,
+    view: Sequence[OnDemandModel],
+    snapshot: TopologySnapshot,
+    gear: GearState,
+    placement: PlacementConfig,
+    trigger: Trigger,
+) -> DecideResult:
+    """``dep``'s residency decision as the step's result (``gear`` passes through unchanged)."""
+    verdict = decide_residency(dep.name, view, snapshot, placement)
+    decision = None
+    if verdict.action is not ResidencyAction.HOLD:
+        replicas = tuple(_replica(dep.model, u, snapshot) for u in verdict.gpu_uuids)
+        target = DeploymentPlan(dep.name, dep.model.name, replicas)
+        mine = next(m for m in view if m.name == dep.name)
+        load_s = mine.reload_s if replicas else 0.0
+        cost = replace(
+            SwitchCost.zero(),
+            weights_bytes=dep.model.weight_bytes if replicas else 0,
+            weights_load_s=load_s,
+            duration_s=load_s,
+        )
+        decision = Decision(
+            deployment=dep.name,
+            now_s=snapshot.now_s,
+            trigger=trigger,
+            reason=verdict.reason,
+            forced=False,
+            from_plan_id=current.plan_id if current is not None else None,
+            to_plan_id=target.plan_id,
+            to_plan=target,
+            candidates=(),
+            switch_cost=cost,
+            explanation=verdict.explanation,
+        )
+    return DecideResult(
+        decision=decision,
+        reason=verdict.reason,
+        trigger=trigger,
+        current=None,
+        candidates=(),
+        problems=(),
+        explanation=verdict.explanation,
+        state=gear,
+    )

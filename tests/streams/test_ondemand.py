@@ -1,0 +1,125 @@
+"""On-demand deployments through the decision step the live decider runs (via the replay):
+demand loads a cold model, the runtime's DONE makes it resident, a waiting model evicts the
+least recently used idle one, and the transitions keyed ``deployment/seq`` pass the intake."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from flexpipe import envelope
+from flexpipe.config import DeploymentConfig
+from flexpipe.schemas import GearTransition, PhaseStatus, TransitionPhase
+from gearbox.config import PlacementConfig
+from gearbox.decisions import DecisionReason, Trigger
+from gearbox.residency import Residency
+from streams.deployments import resolve_deployments
+from streams.intake import Accepted, SourceTopic, admit
+from streams.ondemand import residency_of
+from streams.replay import Replayer
+from streams.step import StepOutput, TriggerInfo
+from tests.streams.builders import (
+    T0_MS,
+    cluster_envelopes,
+    env,
+    heartbeats,
+    make_load,
+    streams_config,
+)
+
+pytestmark = pytest.mark.unit
+
+NAMES = ("m1", "m2", "m3", "m4", "late")
+
+
+def _replayer() -> Replayer:
+    deps = tuple(
+        DeploymentConfig(
+            name=n, model="llama-2-7b", residency="on_demand", block="B", arrival_rps=0.5
+        )
+        for n in NAMES
+    )
+    cfg = streams_config(deployments=deps)
+    cfg = cfg.model_copy(update={"placement": PlacementConfig(cold_after_s=60.0)})
+    catalog, deployments = resolve_deployments(cfg)
+    return Replayer(cfg, catalog, deployments)
+
+
+def _report(r: Replayer, name: str, t_ms: int, seq: int, **load: Any) -> None:
+    values = {"arrivals": 0, "arrival_rate_rps": 0.0, "queue_len": 0, "active_sequences": 0}
+    r.fold(env(make_load(name, **{**values, **load}), t_ms, "runtime-0/runtime", seq))
+
+
+def _tick(r: Replayer, t_ms: int) -> dict[str, StepOutput]:
+    outs = r.decide_all(TriggerInfo(Trigger.TIMER, t_ms, "periodic tick"), t_ms)
+    return {o.decision.deployment: o for o in outs}
+
+
+def _done(out: StepOutput) -> GearTransition:
+    d = out.decision
+    return GearTransition(
+        deployment=d.deployment,
+        transition_seq=d.seq,
+        decision_id=d.decision_id,
+        phase=TransitionPhase.DONE,
+        status=PhaseStatus.COMPLETED,
+        from_plan_id=d.from_plan_id,
+        to_plan_id=d.to_plan_id,
+        plan=d.decision.to_plan if d.decision is not None else None,
+    )
+
+
+def test_demand_loads_done_makes_resident_and_a_waiting_model_evicts_the_lru() -> None:
+    r = _replayer()
+    seq = 0
+    for e in cluster_envelopes(T0_MS):
+        r.fold(e)
+    for i, name in enumerate(NAMES[:4]):
+        seq += 1
+        _report(r, name, T0_MS + 1000 + i, seq, arrivals=3, arrival_rate_rps=0.3, queue_len=2)
+    first = _tick(r, T0_MS + 15_000)
+    loads = {n: o for n, o in first.items() if o.decision.reason == DecisionReason.LOAD_ON_DEMAND}
+    assert set(loads) == set(NAMES[:4]), {n: o.decision.reason for n, o in first.items()}
+    assert first["late"].decision.reason == DecisionReason.COLD
+    gpus = [o.decision.decision.to_plan.gpu_uuids for o in loads.values() if o.decision.decision]
+    assert len(set().union(*gpus)) == 4  # B's four GPUs, one model each
+    for n, out in loads.items():
+        seq += 1
+        record = _done(out)
+        key = f"{n}/{record.transition_seq}".encode()
+        raw = envelope.encode(
+            envelope.make(record, event_time_ms=T0_MS + 20_000, source="rt", seq=seq)
+        )
+        now_s = T0_MS / 1000.0
+        ok = admit(SourceTopic.TRANSITIONS, key, raw, now_s, now_s, 300.0, None, frozenset(NAMES))
+        assert isinstance(ok, Accepted), ok  # the runtime's key reaches the fold
+        resident = admit(SourceTopic.TRANSITIONS, key, raw, now_s, now_s, 300.0, None)
+        assert not isinstance(resident, Accepted)  # NOTE: unchanged for resident deployments
+        r.fold(ok.env)
+        plan = r.tables[n].plan
+        assert residency_of(plan.current, plan.confirmed, plan.in_flight is not None)[0] is (
+            Residency.RESIDENT
+        )
+    # m1 … m3 keep working until t0+100 s, m4 goes quiet at t0+1 s; then "late" is requested.
+    t_ms = T0_MS + 200_000
+    for e in heartbeats(t_ms - 1000, 1000):
+        r.fold(e)
+    for name in NAMES[:3]:
+        seq += 1
+        _report(r, name, T0_MS + 100_000, seq, arrivals=1, arrival_rate_rps=0.1)
+    held = _tick(r, T0_MS + 105_000)  # NOTE: a step notes when its model last had requests
+    assert {o.decision.reason for o in held.values()} <= {DecisionReason.RESIDENT, "cold"}
+    for name in NAMES[:4]:
+        seq += 1
+        _report(r, name, t_ms - 500, seq)
+    seq += 1
+    _report(r, "late", t_ms - 400, seq, arrivals=2, arrival_rate_rps=0.2, queue_len=2)
+    second = _tick(r, t_ms)
+    reasons = {n: o.decision.reason for n, o in second.items()}
+    assert reasons["m4"] == DecisionReason.EVICT_COLD, second["late"].decision.explanation
+    assert [n for n, why in reasons.items() if why == DecisionReason.EVICT_COLD] == ["m4"]
+    assert reasons["late"] == DecisionReason.WAITING_FOR_ROOM
+    evict = second["m4"].decision
+    assert evict.decision is not None and not evict.decision.to_plan.replicas
+    assert "to make room for late" in evict.explanation
