@@ -46,7 +46,7 @@ from runtime.transition import (
     handle,
     recover,
 )
-from runtime.types import Admission, Completion, OwnershipEvent, Request, ServingSettings
+from runtime.types import Admission, Completion, OwnershipEvent, Reason, Request, ServingSettings
 from runtime.vmm.manager import ReservationManager
 
 
@@ -81,6 +81,7 @@ class Outbox:
     ownership: list[OwnershipEvent] = field(default_factory=list)
     completions: list[Completion] = field(default_factory=list)
     resolved: list[Resolved] = field(default_factory=list)
+    refused: list[tuple[str, Reason]] = field(default_factory=list)  # held requests, refused
 
 
 class DeploymentRuntime:
@@ -275,7 +276,8 @@ class DeploymentRuntime:
         out = self._outbox
         out.ownership.extend(self.core.ownership_events)
         out.completions.extend(self.core.completions)
-        self.core.ownership_events, self.core.completions = [], []
+        out.refused.extend(self.core.refused)
+        self.core.ownership_events, self.core.completions, self.core.refused = [], [], []
         self._outbox = Outbox()
         return out
 
@@ -301,6 +303,7 @@ class DeploymentRuntime:
             "replicas": self._replicas_status(now_s),
             "owned_sequences": len(core.router.ownership()),
             "queue_len": core.queue_len(),
+            "held_for_load": len(core.held()),
             "active_sequences": core.active_sequences(),
             "unplaced": list(core.unplaced()),
             "invariant_violations": core.router.check_invariants(),

@@ -155,8 +155,23 @@ class TransitionExecutor:
 
     # ---- prepare -------------------------------------------------------------------------------
 
+    def _evicting(self, job: _Job) -> bool:
+        """The transition unloads the deployment (an on-demand model's eviction)."""
+        return not job.effect.to_plan.replicas and bool(job.removed)
+
+    def _busy(self) -> str:
+        """Why the deployment may not be evicted now ('' when it may)."""
+        owned, held = len(self.core.router.ownership()), len(self.core.held())
+        if owned or held:
+            return f"not evicted: {owned} requests active or queued, {held} held for it"
+        return ""
+
     def _start_prepare(self, job: _Job, now_s: float) -> Result:
         deployment = self.core.deployment
+        # NOTE: the stream decided the eviction on a view a few seconds old; a request may have
+        # come since. A model with active or queued requests is never evicted.
+        if self._evicting(job) and self._busy():
+            return self._failed(job, self._busy())
         gpus = [u for r in job.added for u in r.gpu_uuids]
         problems = self._inventory.problems(gpus, deployment)
         if problems:
@@ -205,6 +220,8 @@ class TransitionExecutor:
         for replica in job.added:
             self.core.set_role(replica.plan_id, ReplicaRole.CANARY)
         job.until_s = now_s + self.settings.canary_s
+        if self._evicting(job):  # NOTE: no canary: the entry closes now, new requests are held
+            self._freeze(job)
         return None
 
     def _poll_switch(self, job: _Job, now_s: float) -> Result:
@@ -224,6 +241,8 @@ class TransitionExecutor:
             self._start_handovers(job, now_s)
         if job.queue or not self.core.staged_ready(now_s) or self._hold(job):
             return None
+        if self._evicting(job) and self._busy():
+            return self._failed(job, self._busy())
         return self._swap(job, now_s)
 
     def _freeze(self, job: _Job) -> None:

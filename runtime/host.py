@@ -69,6 +69,7 @@ class RuntimeHost:
         pause_from_seq: int = 0,
         engine_factories: Mapping[str, EngineFactory] | None = None,
         routers: Mapping[str, Router] | None = None,
+        hold_s: Mapping[str, float] | None = None,
     ) -> None:
         self.pool = pool or SimGpuPool()
         self.inventory = GpuInventory()
@@ -88,6 +89,10 @@ class RuntimeHost:
             )
             for d in deployments
         }
+        # On-demand deployments hold requests for a load (runtime.serving); the rest refuse.
+        for d, wait_s in (hold_s or {}).items():
+            if d in self.runtimes:
+                self.runtimes[d].core.hold_s = wait_s
 
     def on_cluster_event(self, event: ClusterEvent) -> None:
         """A cluster event: the inventory learns it; the simulated hardware follows."""
@@ -153,17 +158,20 @@ class RuntimeHost:
         for rt in self.runtimes.values():
             rt.tick(now_s)
 
-    def serving_reports(self, now_s: float) -> list[ServingLoad]:
-        """Each deployment's serving window as a report; the windows restart at ``now_s``."""
+    def serving_reports(self, now_s: float, only: Sequence[str] | None = None) -> list[ServingLoad]:
+        """Each deployment's (or ``only`` those's) serving window as a report; the windows
+        restart at ``now_s``. Requests held for a load count in the queue."""
         out = []
         for deployment, rt in self.runtimes.items():
+            if only is not None and deployment not in only:
+                continue
             core = rt.core
             out.append(
                 core.window.report(
                     deployment,
                     core.model_name or deployment,
                     now_s,
-                    queue_len=core.queue_len(),
+                    queue_len=core.queue_len() + len(core.held()),
                     active_sequences=core.active_sequences(),
                     kv_bytes=core.kv_bytes(),
                     plan_id=rt.state.serving_plan_id,

@@ -26,12 +26,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from flexpipe.schemas import ControlAction, ControlCommand
 from runtime.metrics import RuntimeMetrics
-from runtime.types import Admission, Completion, Reason, Request, RequestKind
+from runtime.types import Admission, Completion, Reason, Request, RequestKind, RequestRefused
 
 _STATUS_FOR = {
     Reason.THROTTLED_WATERMARK: 429,
     Reason.REJECTED_OOM_RISK: 429,
     Reason.QUEUE_FULL: 429,
+    Reason.MODEL_LOADING: 429,
     Reason.NO_SERVING_PLAN: 503,
     Reason.TOO_LONG: 400,
     Reason.DUPLICATE_REQUEST: 409,
@@ -134,6 +135,10 @@ class _Api:
             result = await asyncio.wait_for(asyncio.shield(done), self.request_timeout_s)
         except TimeoutError:
             return _error(504, "timeout", f"{req.request_id} still running; it will complete")
+        except RequestRefused as exc:  # held for a model's load, then refused
+            status = _STATUS_FOR.get(exc.reason, 429)
+            headers = {"Retry-After": "1"} if status in (429, 503) else {}
+            return _error(status, exc.reason, f"request {req.request_id} refused", **headers)
         return web.json_response(_completion_body(deployment, result))
 
     async def status(self, request: web.Request) -> web.Response:

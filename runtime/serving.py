@@ -11,6 +11,10 @@ pass the watermark or its queue is full; the first whose VMM commit succeeds own
 No candidate → a rejection naming the rule (``THROTTLED_WATERMARK``, ``REJECTED_OOM_RISK``...),
 which the HTTP layer turns into 429. Sequences moved by a hand-over or a failure are never
 rejected: they wait in their new owner's queue until its VMM can commit them.
+
+On demand (``hold_s`` set): a request arriving while no replica is routable (the model is cold,
+loading or being evicted) is held, first come first served, and admitted once a replica serves;
+after ``hold_s`` it is refused with ``MODEL_LOADING`` (``refused``, for the caller to answer).
 """
 
 from __future__ import annotations
@@ -107,6 +111,9 @@ class ServingCore:
         self._live: dict[str, _Live] = {}
         self._unplaced: dict[str, _Live] = {}  # recovered before any replica could take them
         self._staged: dict[str, _Staged] = {}
+        self.hold_s: float | None = None  # on demand: how long a request waits for a load
+        self._held: dict[str, tuple[Request, float]] = {}  # request id → (request, deadline)
+        self.refused: list[tuple[str, Reason]] = []  # held requests refused since the drain
 
     # ---- replica lifecycle ---------------------------------------------------------------------
 
@@ -205,14 +212,38 @@ class ServingCore:
     def submit(self, request: Request, now_s: float) -> Admission:
         """Route and commit a new request, or reject it with the rule that refused."""
         reason = self._try_admit(request, now_s)
+        if reason.reason is Reason.NO_SERVING_PLAN and self.hold_s is not None:
+            self._held[request.request_id] = (request, now_s + self.hold_s)
+            reason = Admission(request.request_id, True, Reason.HELD_FOR_LOAD)
         self.window.on_arrival(request, reason.reason)
         if not reason.admitted:
             self.rejections[reason.reason] += 1
         return reason
 
+    def held(self) -> tuple[str, ...]:
+        """Requests held for a load, oldest first."""
+        return tuple(self._held)
+
+    def _release_held(self, now_s: float) -> None:
+        """Admit held requests once a replica serves; refuse those whose wait ran out (or that
+        a serving replica refused: the reason stays that replica's)."""
+        held, self._held = self._held, {}
+        for rid, (request, deadline_s) in held.items():
+            admission = self._try_admit(request, now_s)
+            waiting = admission.reason is Reason.NO_SERVING_PLAN
+            if waiting and now_s < deadline_s:
+                self._held[rid] = (request, deadline_s)  # NOTE: in arrival order, as before
+                continue
+            if admission.admitted:
+                continue
+            reason = Reason.MODEL_LOADING if waiting else admission.reason
+            self.refused.append((rid, reason))
+            self.rejections[reason] += 1
+            self.window.on_refused(reason)
+
     def _try_admit(self, request: Request, now_s: float) -> Admission:
         rid_ = request.request_id
-        if rid_ in self._live or rid_ in self._unplaced:
+        if rid_ in self._live or rid_ in self._unplaced or rid_ in self._held:
             return Admission(rid_, False, Reason.DUPLICATE_REQUEST)
         choices = self.router.candidates(request, now_s)
         if not choices:
@@ -276,6 +307,8 @@ class ServingCore:
         for rid, slot in self._slots.items():
             if self.router.role(rid) is not ReplicaRole.FAILED and slot.engine.health() is not None:
                 self._fail_replica(rid, now_s)
+        if self._held:
+            self._release_held(now_s)
         for seq_id, live in list(self._unplaced.items()):
             if self._place(seq_id, live, now_s):
                 del self._unplaced[seq_id]

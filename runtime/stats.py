@@ -47,9 +47,13 @@ class ServingWindow:
         self.prompt_tokens += request.prompt_tokens
         if len(self.prompt_lengths) < MAX_SAMPLES:
             self.prompt_lengths.append(request.prompt_tokens)
-        if reason is not Reason.ADMITTED:
-            self.rejected += 1
-            self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        if reason not in (Reason.ADMITTED, Reason.HELD_FOR_LOAD):
+            self.on_refused(reason)
+
+    def on_refused(self, reason: Reason) -> None:
+        """Count a refusal (at arrival, or of a held request later)."""
+        self.rejected += 1
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
     def on_completion(self, done: Completion) -> None:
         """Count a finished request and its time to first token."""

@@ -16,6 +16,7 @@ __all__ = [
     "Reason",
     "Request",
     "RequestKind",
+    "RequestRefused",
     "ServingSettings",
 ]
 
@@ -31,6 +32,18 @@ class Reason(StrEnum):
     TOO_LONG = "too_long"  # prompt + output exceed what any plan's KV can ever hold
     DUPLICATE_REQUEST = "duplicate_request"  # the request id is already owned
     UNKNOWN_DEPLOYMENT = "unknown_deployment"  # this worker does not serve that deployment
+    # on-demand models: a request for one that is not loaded waits for its load
+    HELD_FOR_LOAD = "held_for_load"  # held until a replica serves (or model_load_wait_s)
+    MODEL_LOADING = "model_loading"  # held past model_load_wait_s: the model is still not loaded
+
+
+class RequestRefused(Exception):
+    """A held request refused later (its future's exception); ``reason`` says why."""
+
+    def __init__(self, request_id: str, reason: Reason) -> None:
+        super().__init__(f"{request_id}: {reason}")
+        self.request_id = request_id
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,14 @@ from runtime.metrics import RuntimeMetrics
 from runtime.offsets import OffsetTracker
 from runtime.ownership import encode_event
 from runtime.transition import TransitionPolicy
-from runtime.types import Admission, Completion, Request, ServingSettings
+from runtime.types import (
+    Admission,
+    Completion,
+    Reason,
+    Request,
+    RequestRefused,
+    ServingSettings,
+)
 from runtime.vmm.cuda import local_gpu_ordinals
 from runtime.vmm.manager import (
     BackendFactory,
@@ -134,6 +141,11 @@ class RuntimeWorker:
             pause_in=pause_in,
             pause_from_seq=pause_from_seq,
             engine_factories=engine_factories or self._engines.factories,  # default SimEngine
+            hold_s={
+                d.name: self.rc.model_load_wait_s
+                for d in cfg.deployments
+                if d.residency == "on_demand"
+            },
         )
         self.pool = self.host.pool
         self.inventory = self.host.inventory
@@ -154,6 +166,9 @@ class RuntimeWorker:
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
         self._last_seq = 0
+        # deployments whose first request waits for a load: their serving report goes out now
+        self._demand: set[str] = set()
+        self._demand_event = asyncio.Event()
 
     async def __aenter__(self) -> RuntimeWorker:
         await self.start()
@@ -352,6 +367,11 @@ class RuntimeWorker:
             fut = self._waiters.pop((deployment, done.request_id), None)
             if fut is not None and not fut.done():
                 fut.set_result(done)
+        for request_id, reason in out.refused:
+            self.metrics.requests.labels(deployment, reason).inc()
+            fut = self._waiters.pop((deployment, request_id), None)
+            if fut is not None and not fut.done():
+                fut.set_exception(RequestRefused(request_id, reason))
         for resolved in out.resolved:
             self.metrics.decisions.labels(deployment, resolved.outcome).inc()
             self._offsets.done(resolved.ref)
@@ -430,9 +450,20 @@ class RuntimeWorker:
 
     async def _serving_loop(self) -> None:
         topic = topic_name(self.cfg, Topic.SERVING)
+        every_s = self.rc.serving_publish_s
+        due = time.monotonic() + every_s
         while True:
-            await asyncio.sleep(self.rc.serving_publish_s)
-            for load in self.host.serving_reports(self.clock.now_s()):
+            only: list[str] | None = None
+            try:
+                # NOTE: a request waiting for a model to load is reported at once, not up to
+                # serving_publish_s later: the load decision waits for it. The others keep
+                # their period.
+                await asyncio.wait_for(self._demand_event.wait(), max(0.0, due - time.monotonic()))
+                only, self._demand = sorted(self._demand), set()
+                self._demand_event.clear()
+            except TimeoutError:
+                due = time.monotonic() + every_s
+            for load in self.host.serving_reports(self.clock.now_s(), only):
                 env = envelope.make(
                     load, event_time_ms=self._event_time_ms(), source=self.source, seq=self._seq()
                 )
@@ -451,6 +482,9 @@ class RuntimeWorker:
         self.metrics.requests.labels(deployment, admission.reason).inc()
         if not admission.admitted:
             return admission, None
+        if admission.reason is Reason.HELD_FOR_LOAD and len(rt.core.held()) == 1:
+            self._demand.add(deployment)
+            self._demand_event.set()
         fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._waiters[(deployment, request.request_id)] = fut
         return admission, fut

@@ -31,6 +31,7 @@ class SimDriver:
             self.outputs.ownership.extend(out.ownership)
             self.outputs.completions.extend(out.completions)
             self.outputs.resolved.extend(out.resolved)
+            self.outputs.refused.extend(out.refused)
             if not out.records:
                 return
             for record in out.records:
