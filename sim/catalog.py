@@ -51,13 +51,25 @@ def _deployment(dep: DeploymentSpec) -> dict[str, Any]:
     nominal load (the request-weighted mean lengths of its two request classes)."""
     chat, summ = dep.workload.chat, dep.workload.summarisation
     weights = (chat.arrival_rps, summ.arrival_rps)
+    if dep.on_demand:
+        hint: dict[str, Any] = {
+            "residency": "on_demand",
+            "block": dep.pin,
+            "affinity": list(dep.affinity),
+            "anti_affinity": list(dep.anti_affinity),
+        }
+    else:
+        assert dep.plan is not None  # NOTE: the loader requires a plan unless on demand
+        hint = {
+            "block": dep.plan.block,
+            "tp": dep.plan.tp,
+            "pp": dep.plan.pp,
+            "replicas": dep.plan.replicas,
+        }
     return {
         "name": dep.name,
         "model": dep.model.preset,
-        "block": dep.plan.block,
-        "tp": dep.plan.tp,
-        "pp": dep.plan.pp,
-        "replicas": dep.plan.replicas,
+        **hint,
         "arrival_rps": chat.arrival_rps + summ.arrival_rps,
         "prompt_tokens": _mean(weights, (chat.prompt_tokens_mean, summ.prompt_tokens_mean), 512.0),
         "output_tokens": _mean(weights, (chat.output_tokens_mean, summ.output_tokens_mean), 256.0),
@@ -105,6 +117,7 @@ def with_scenario(cfg: FlexPipeConfig, scenario: Scenario) -> FlexPipeConfig:
     data = cfg.model_dump()
     sections = scenario_config(scenario)
     data["deployments"] = sections["deployments"]
+    data["placement"] = {**data["placement"], **dict(scenario.placement)}
     for part, entries in sections["catalog"].items():
         data["catalog"][part] = {**data["catalog"][part], **entries}
     return FlexPipeConfig.model_validate(data)

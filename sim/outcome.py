@@ -24,6 +24,7 @@ from flexpipe.errors import ValidationError
 from flexpipe.schemas import ClusterEvent, GearDecision, GearTransition
 from flexpipe.topics import Topic, topic_name
 from sim.invariants import evaluate, unserved_s
+from sim.ondemand import on_demand_checks, on_demand_lines
 from sim.record import RunRecord
 from sim.report import summary_lines, write_report
 from sim.spec import Scenario
@@ -56,6 +57,7 @@ class RunOutcome:
     outages: list[Outage] = field(default_factory=list)
     active_at_exit: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)  # scenario, seed, speed … for the JSON
+    on_demand: dict[str, Any] | None = None  # on-demand scenarios: sim.ondemand's figures
 
 
 async def read_back(
@@ -101,15 +103,18 @@ async def gather(cfg: FlexPipeConfig, record: RunRecord, epoch_ms: int, end_s: f
 
 def _account(futures: Mapping[str, Any], core: Any) -> tuple[SequenceFacts, set[str]]:
     """Admitted sequences of one deployment against its runtime at one instant, and the ids
-    neither completed (future resolved) nor in flight (owned by a replica, or waiting for one)."""
-    completed = {rid for rid, fut in futures.items() if fut.done() and not fut.cancelled()}
+    neither completed (future resolved) nor in flight (owned by a replica, or waiting for one
+    or for its model's load). A request held for a load and then refused was never admitted."""
+    resolved = {rid for rid, fut in futures.items() if fut.done() and not fut.cancelled()}
+    refused = {rid for rid in resolved if futures[rid].exception() is not None}
+    completed = resolved - refused
     owned = set(core.router.ownership())
-    unplaced = set(core.unplaced())
+    unplaced = set(core.unplaced()) | set(core.held())
     in_flight = owned | unplaced
-    unaccounted = set(futures) - completed - in_flight
+    unaccounted = set(futures) - resolved - in_flight
     twice = (completed & in_flight) | (owned & unplaced)
     facts = SequenceFacts(
-        admitted=len(futures),
+        admitted=len(futures) - len(refused),
         completed=len(completed),
         in_flight=len(in_flight & set(futures)),
         lost=len(unaccounted),
@@ -213,10 +218,17 @@ def run_facts(outcome: RunOutcome, scenario: Scenario) -> RunFacts:
     )
 
 
-def write_summary(summary: Summary, meta: Mapping[str, Any], path: Path) -> Path:
+def write_summary(
+    summary: Summary,
+    meta: Mapping[str, Any],
+    path: Path,
+    on_demand: Mapping[str, Any] | None = None,
+) -> Path:
     """``summary.json``: the verdict first, then the figures behind it."""
     data = summary.to_dict()
     data["run"] = {**meta, **data["run"]}
+    if on_demand is not None:
+        data["on_demand"] = dict(on_demand)
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
 
@@ -230,11 +242,16 @@ def conclude(
 ) -> int:
     """Judge the run, print the verdict, write the files; the exit code."""
     summary = evaluate(run_facts(outcome, scenario))
+    if outcome.on_demand is not None:
+        checks = summary.checks + on_demand_checks(outcome.on_demand)
+        summary = replace(summary, checks=checks)
     deployments: Sequence[str] = [d.name for d in scenario.deployments]
     print("\n".join(summary_lines(outcome.record, list(deployments), duration_s)))
+    if outcome.on_demand is not None:
+        print("\n".join(on_demand_lines(outcome.on_demand)))
     print("", *summary.lines(), sep="\n")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = write_summary(summary, outcome.meta, out_dir / "summary.json")
+    path = write_summary(summary, outcome.meta, out_dir / "summary.json", outcome.on_demand)
     md, png = write_report(outcome.record, list(deployments), duration_s, out_dir, title, summary)
     print(f"\nsummary: {path}  report: {md}  timeline: {png}", flush=True)
     if summary.invariants_ok:

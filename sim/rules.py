@@ -15,6 +15,7 @@ from typing import Any
 
 from flexpipe.errors import ValidationError
 from flexpipe.schemas import FATAL_XIDS
+from gearbox.config import PlacementConfig
 from gearbox.presets import MODEL_ALIASES
 from sim.spec import (
     DEFAULT_LINKS,
@@ -48,6 +49,7 @@ _DEFAULT_EPOCH_MS = 1_735_689_600_000  # 2025-01-01T00:00:00Z
 _GPU_REF = re.compile(r"^(?P<node>[^:\s]+):(?P<index>\d+)$")
 _TOP_KEYS = (
     "name duration_s epoch_ms gpu_classes links inter_domain_link domains deployments timeline"
+    " placement"
 )
 
 
@@ -149,7 +151,22 @@ def build(raw: Any, source: str) -> Scenario:
     deployments = _deployments(_optional(top, "deployments", {}), partial)
     timeline = _timeline(_optional(top, "timeline", []), partial)
     _check_timeline_state(timeline, partial)
-    return dataclasses.replace(partial, deployments=deployments, timeline=timeline)
+    placement = _placement(_optional(top, "placement", {}))
+    return dataclasses.replace(
+        partial, deployments=deployments, timeline=timeline, placement=placement
+    )
+
+
+def _placement(raw: Any) -> tuple[tuple[str, float], ...]:
+    """The config's ``placement`` knobs the scenario sets (on-demand models), checked by
+    :class:`gearbox.config.PlacementConfig` itself."""
+    fields = {f.name: NON_NEGATIVE for f in dataclasses.fields(PlacementConfig)}
+    m = _record(raw, "placement", fields, ())
+    try:
+        PlacementConfig(**m)
+    except ValueError as exc:
+        raise ValidationError("placement", str(exc)) from None
+    return tuple(sorted(m.items()))
 
 
 def _optional(top: dict[str, Any], key: str, empty: Any) -> Any:
@@ -243,17 +260,27 @@ def _deployments(raw: Any, sc: Scenario) -> tuple[DeploymentSpec, ...]:
             "memory_utilisation": _number(0.0, hi=1.0),
             "ttft_slo_ms": POSITIVE,
             "tbt_slo_ms": POSITIVE,
+            "on_demand": _raw,
         }
-        m = _record(spec, path, fields, ("model", "plan", "workload"))
+        on_demand = isinstance(spec, dict) and "on_demand" in spec
+        required = (
+            ("model", "on_demand", "workload") if on_demand else ("model", "plan", "workload")
+        )
+        m = _record(spec, path, fields, required)
         model = _model(m["model"], f"{path}.model")
-        plan = _plan(m["plan"], f"{path}.plan", sc, model)
-        if plan.num_gpus > free[plan.block]:
-            raise ValidationError(
-                f"{path}.plan",
-                f"needs {plan.num_gpus} GPUs but block {plan.block} has {free[plan.block]} left "
-                "(isolated GPUs and earlier deployments excluded)",
-            )
-        free[plan.block] -= plan.num_gpus
+        plan = None
+        if "plan" in m:
+            plan = _plan(m["plan"], f"{path}.plan", sc, model)
+            if on_demand:
+                raise ValidationError(f"{path}.plan", "an on_demand deployment has no plan")
+            if plan.num_gpus > free[plan.block]:
+                raise ValidationError(
+                    f"{path}.plan",
+                    f"needs {plan.num_gpus} GPUs but block {plan.block} has "
+                    f"{free[plan.block]} left (isolated GPUs and earlier deployments excluded)",
+                )
+            free[plan.block] -= plan.num_gpus
+        placing = _on_demand(m["on_demand"], f"{path}.on_demand", sc) if on_demand else {}
         workload = _workload(m["workload"], f"{path}.workload", sc.duration_s)
         share = m.get("memory_utilisation", 0.0)
         out.append(
@@ -265,9 +292,34 @@ def _deployments(raw: Any, sc: Scenario) -> tuple[DeploymentSpec, ...]:
                 memory_utilisation=share,
                 ttft_slo_ms=m.get("ttft_slo_ms"),
                 tbt_slo_ms=m.get("tbt_slo_ms"),
+                on_demand=on_demand,
+                **placing,
             )
         )
+    names = {d.name for d in out}
+    for d in out:
+        for other in (*d.affinity, *d.anti_affinity):
+            if other not in names:
+                at = _at(_at("deployments", d.name), "on_demand")
+                raise ValidationError(at, f"unknown deployment {other!r}")
     return tuple(out)
+
+
+def _on_demand(raw: Any, path: str, sc: Scenario) -> dict[str, Any]:
+    """An on-demand deployment's placement: ``{pin: domain, affinity: [...], anti_affinity:
+    [...]}``, every key optional (``{}`` = anywhere)."""
+    fields = {"pin": _text, "affinity": _raw, "anti_affinity": _raw}
+    m = _record(raw if raw is not None else {}, path, fields, ())
+    pin = m.get("pin")
+    if pin is not None and pin not in {d.id for d in sc.domains}:
+        raise ValidationError(_at(path, "pin"), f"unknown domain {pin!r}")
+    out: dict[str, Any] = {"pin": pin}
+    for key in ("affinity", "anti_affinity"):
+        names = m.get(key, [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValidationError(_at(path, key), "a list of deployment names")
+        out[key] = tuple(names)
+    return out
 
 
 def _model(raw: Any, path: str) -> ModelSpecRef:

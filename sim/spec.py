@@ -160,7 +160,7 @@ class DeploymentSpec:
 
     name: str
     model: ModelSpecRef
-    plan: PlanHint
+    plan: PlanHint | None  # None: on demand, cold until requested
     workload: WorkloadSpec
     # Share of each of its GPUs' memory a replica's engine holds once loaded, as vLLM
     # preallocates weights plus KV cache up to ``gpu_memory_utilization``; 0 = the weights and
@@ -170,6 +170,12 @@ class DeploymentSpec:
     # The deployment's SLOs (config's deployments[].ttft_slo_ms / tbt_slo_ms); None = gearbox's.
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
+    # On demand (config residency on_demand): no plan until requested, loaded and evicted by
+    # the stream; ``pin`` restricts it to a domain, the affinities name other deployments.
+    on_demand: bool = False
+    pin: str | None = None
+    affinity: tuple[str, ...] = ()
+    anti_affinity: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +269,7 @@ class Scenario:
     deployments: tuple[DeploymentSpec, ...]
     timeline: tuple[TimelineEvent, ...]
     source: str = "<mapping>"
+    placement: tuple[tuple[str, float], ...] = ()  # config ``placement`` knobs it sets
 
     @property
     def nodes(self) -> tuple[NodeSpec, ...]:

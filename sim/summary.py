@@ -25,6 +25,7 @@ __all__ = [
     "EventOutcome",
     "Invariant",
     "Limits",
+    "OnDemandInvariant",
     "Outage",
     "RunFacts",
     "SequenceFacts",
@@ -42,6 +43,14 @@ class Invariant(StrEnum):
     NO_FAILED_TICKS = "no_failed_ticks"  # the stream worker's decision runs never raised
     TRANSITIONS_FINISHED = "transitions_finished"  # none left without done / rolled_back
     SEQUENCES_ACCOUNTED = "sequences_accounted"  # every admitted sequence done or in flight, once
+
+
+class OnDemandInvariant(StrEnum):
+    """The invariants a run with on-demand deployments adds (:mod:`sim.ondemand`)."""
+
+    NO_EVICTION_WITH_ACTIVE = "no_eviction_with_active"  # never evicts a model in use
+    NO_OOM = "no_oom"  # no allocation failed at a GPU's memory limit
+    EVERY_REQUESTED_MODEL_SERVED = "every_requested_model_served"  # requested → served once
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +145,7 @@ class RunFacts:
 class Check:
     """One invariant's verdict."""
 
-    invariant: Invariant
+    invariant: Invariant | OnDemandInvariant
     ok: bool
     detail: str  # the figures when it held; what broke when not
 

@@ -35,7 +35,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,7 @@ from sim.catalog import with_scenario, write_config
 from sim.chaos import Chaos, chaos_plan
 from sim.fleet import SimFleet
 from sim.live import Timeline, status_loop
+from sim.ondemand import OnDemandLedger, follow_memory, footprints_of, on_demand_figures
 from sim.outcome import RunOutcome, SequenceLedger, conclude, gather
 from sim.record import RunRecord, Served
 from sim.run import broker, dedicated_broker, publish_buffered
@@ -74,6 +75,7 @@ START_DEADLINE_S = 60.0  # simulated seconds the starting plans may take before 
 BROKER_PING_S = 2.0  # wall seconds between broker pings while the run lasts
 BROKER_MISSES = 3  # pings missed in a row before the broker counts as gone
 DRAIN_S = 30.0  # wall seconds the runtime may take to finish its transitions at the end
+QUIET_EXTRA_S = 2.0  # on demand: wall seconds of quiet past a serving report before the checks
 # NOTE: Kafka's own recovery after a broker restart (metadata, leaders, the consumer group's
 # rejoin) takes wall seconds at any clock speed; at 20× the 40 simulated seconds allowed for an
 # answer are 2 wall seconds, so a chaos run keeps the simulated clock at 5× (8 wall seconds).
@@ -180,9 +182,10 @@ def starting_plans(cfg: FlexPipeConfig, scenario: Scenario, seed: int) -> dict[s
 
 
 async def wait_serving(worker: Any, deadline_s: float) -> float:
-    """Wait until every deployment serves a plan (or ``deadline_s`` passed); the clock then."""
+    """Wait until every deployment serves a plan (or ``deadline_s`` passed); the clock then.
+    On-demand deployments start cold: they are not waited for."""
     while worker.now_s() < deadline_s and any(
-        rt.state.serving is None for rt in worker.runtimes.values()
+        rt.state.serving is None and rt.core.hold_s is None for rt in worker.runtimes.values()
     ):
         await asyncio.sleep(0.05)
     return float(worker.now_s())
@@ -197,12 +200,14 @@ async def drive_load(
     stop: asyncio.Event,
     ledger: SequenceLedger,
     torch: TorchServing | None = None,
+    on_demand: OnDemandLedger | None = None,
 ) -> None:
     """Submit the scenario's requests at their simulated arrival times; record completions.
 
     The load starts once the starting plans serve (as one would switch traffic on), so the
     rejections counted are the control loop's, not the start-up's. Every admitted sequence goes
-    into ``ledger``, which takes its figures when the load stops.
+    into ``ledger``, which takes its figures when the load stops; ``on_demand`` follows the
+    on-demand deployments' requests (a request held for a load may still be refused).
     """
     from sim.loadgen import generate, rates_from_workload
 
@@ -230,11 +235,20 @@ async def drive_load(
                 pass
         admission, fut = await worker.submit(dep, request)
         record.admissions[(dep, str(admission.reason))] += 1
+        tracked = on_demand if on_demand is not None and dep in on_demand.slo_ms else None
+        if tracked is not None:
+            tracked.offer(dep, request.max_output_tokens)
         if fut is None:
             record.rejections.append((worker.now_s(), dep, str(admission.reason)))
+            if tracked is not None:
+                tracked.refuse(dep, request.arrival_s, worker.now_s(), str(admission.reason))
             continue
         ledger.admit(dep, request.request_id, fut)
-        task = asyncio.create_task(_complete(dep, request.request_id, fut, record, torch))
+        task = asyncio.create_task(
+            _complete(
+                dep, request, fut, record, torch, (tracked, worker.now_s) if tracked else None
+            )
+        )
         ledger.waiters.add(task)
         task.add_done_callback(ledger.waiters.discard)
     record.load_end_s = worker.now_s()
@@ -243,28 +257,54 @@ async def drive_load(
 
 async def _complete(
     dep: str,
-    request_id: str,
+    request: Any,
     fut: asyncio.Future[Any],
     record: RunRecord,
     torch: TorchServing | None = None,
+    on_demand: tuple[OnDemandLedger, Callable[[], float]] | None = None,
 ) -> None:
-    done = await fut
+    from runtime.types import RequestRefused
+
+    try:
+        done = await fut
+    except RequestRefused as refused:  # held for its model's load, then refused
+        now_s = on_demand[1]() if on_demand is not None else request.arrival_s
+        record.admissions[(dep, str(refused.reason))] += 1
+        record.rejections.append((now_s, dep, str(refused.reason)))
+        if on_demand is not None:
+            on_demand[0].refuse(dep, request.arrival_s, now_s, str(refused.reason))
+        return
     if torch is not None:
         torch.completed(dep, done)
     tbt_s = (done.finish_s - done.first_token_s) / max(1, done.output_tokens - 1)
     record.served.append(
-        Served(dep, done.finish_s, done.ttft_s, tbt_s, done.output_tokens, request_id)
+        Served(dep, done.finish_s, done.ttft_s, tbt_s, done.output_tokens, request.request_id)
     )
+    if on_demand is not None:
+        on_demand[0].finished(
+            dep, request.arrival_s, done.finish_s, done.ttft_s, tbt_s, done.output_tokens
+        )
 
 
-async def drain(worker: Any, timeout_s: float) -> None:
+async def drain(worker: Any, timeout_s: float, quiet_s: float = 0.0) -> None:
     """Wait (at most ``timeout_s`` wall seconds) until no runtime has a transition in flight
-    or waiting; the checks then name any left unfinished."""
+    or waiting, nor a request held for a model's load, for ``quiet_s`` wall seconds in a row;
+    the checks then name any left unfinished.
+
+    NOTE: ``quiet_s`` for on-demand models: a request held at the load's end is a load the
+    stream decides next, from a serving report up to ``runtime.serving_publish_s`` old.
+    """
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(
-        rt.state.active is not None or rt.state.pending is not None
-        for rt in worker.runtimes.values()
-    ):
+    quiet_since: float | None = None
+    while time.monotonic() < deadline:
+        busy = any(
+            rt.state.active is not None or rt.state.pending is not None or rt.core.held()
+            for rt in worker.runtimes.values()
+        )
+        now = time.monotonic()
+        quiet_since = None if busy else (quiet_since if quiet_since is not None else now)
+        if quiet_since is not None and now - quiet_since >= quiet_s:
+            return
         await asyncio.sleep(0.1)
 
 
@@ -410,6 +450,8 @@ async def run_loop(
         cfg, scenario.epoch_ms, fleet, clock.now_s, lambda ms: (ms / 1000.0 - wall0) * speed
     )
     ledger = SequenceLedger()
+    slo = {d.name: d.slo_ms(cfg.gearbox) for d in cfg.deployments if d.residency == "on_demand"}
+    on_demand = OnDemandLedger(slo) if slo else None
     chaos = (
         Chaos(chaos_plan(duration_s), streams, local, worker, clock.now_s, cfg) if local else None
     )
@@ -418,10 +460,26 @@ async def run_loop(
         helpers = [
             asyncio.create_task(timeline.follow(stop)),
             asyncio.create_task(
-                drive_load(worker, scenario, seed, duration_s, timeline.record, stop, ledger, torch)
+                drive_load(
+                    worker,
+                    scenario,
+                    seed,
+                    duration_s,
+                    timeline.record,
+                    stop,
+                    ledger,
+                    torch,
+                    on_demand,
+                )
             ),
             asyncio.create_task(status_loop(timeline, worker, STATUS_EVERY_S, stop)),
         ]
+        if on_demand is not None:
+            helpers.append(
+                asyncio.create_task(
+                    follow_memory(worker, fleet, cfg, footprints_of(cfg), on_demand, stop)
+                )
+            )
         agents = asyncio.create_task(
             publish_buffered(cfg, fleet.events(0.0, duration_s), speed, scenario.epoch_ms, t0)
         )
@@ -438,7 +496,8 @@ async def run_loop(
             await supervise(helpers[1], watchdogs)  # the load stops: its ledger is taken
             if faults is not None and chaos is not None:
                 await chaos.settle(faults)
-            await supervise(asyncio.create_task(drain(worker, DRAIN_S)), watchdogs)
+            quiet_s = 0.0 if on_demand is None else cfg.runtime.serving_publish_s + QUIET_EXTRA_S
+            await supervise(asyncio.create_task(drain(worker, DRAIN_S, quiet_s)), watchdogs)
             timeline.record.sequences = ledger.settle(worker)
         finally:
             await ledger.close()
@@ -453,6 +512,8 @@ async def run_loop(
                 raise result
         active = tuple(d for d, rt in worker.runtimes.items() if rt.state.active is not None)
         outcome = await gather(cfg, timeline.record, scenario.epoch_ms, clock.now_s())
+        if on_demand is not None:
+            outcome.on_demand = on_demand_figures(on_demand, outcome.transitions, worker)
     outcome.active_at_exit = active
     outcome.failed_ticks, outcome.failed_ticks_source = await streams.failed_ticks()
     outcome.outages = list(chaos.outages) if chaos else []

@@ -69,6 +69,7 @@ class Pumped:
 
     completions: tuple[Completion, ...]
     records: tuple[GearTransition, ...]  # persisted (folded and acknowledged), in order
+    refused: tuple[tuple[str, str], ...] = ()  # (request id, reason): held for a load, refused
 
 
 class World:
@@ -168,11 +169,13 @@ class World:
         rt = self.host.runtimes[deployment]
         completions: list[Completion] = []
         records: list[GearTransition] = []
+        refused: list[tuple[str, str]] = []
         while True:
             out = rt.drain()
             completions += out.completions
+            refused += [(rid, str(why)) for rid, why in out.refused]
             if not out.records:
-                return Pumped(tuple(completions), tuple(records))
+                return Pumped(tuple(completions), tuple(records), tuple(refused))
             for record in out.records:
                 self.replayer.fold(self._wrap(record, t_s))
                 rt.on_persisted(record, t_s)

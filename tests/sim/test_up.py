@@ -208,6 +208,9 @@ class _Core:
     def unplaced(self) -> tuple[str, ...]:
         return ()
 
+    def held(self) -> tuple[str, ...]:
+        return ()
+
 
 class _Runtime:
     def __init__(self, core: _Core) -> None:

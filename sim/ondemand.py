@@ -1,0 +1,292 @@
+"""On-demand models in a `flexpipe up` run: what the load saw, and the checks it adds.
+
+A scenario whose deployments are ``on_demand`` (``sim/scenarios/many-models.yaml``) is served by
+loads and evictions the stream decides (:mod:`gearbox.residency`). :class:`OnDemandLedger`
+follows every request the load generator offered — its span from arrival to completion or
+refusal, its tokens, whether it met its deployment's SLOs — and samples the GPUs' memory;
+:func:`on_demand_figures` turns that and the transitions read back into ``summary.json``'s
+``on_demand`` section and :func:`on_demand_checks` into three invariants:
+
+* ``no_eviction_with_active``: no eviction finished while a request of its model was in flight
+  through its whole switch phase (from the freeze of the model's entry to the swap);
+* ``no_oom``: no simulated allocation failed at a GPU's memory limit, no engine ran out of KV;
+* ``every_requested_model_served``: a model that got requests served at least one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexpipe.config import FlexPipeConfig
+from flexpipe.schemas import GearTransition, PhaseStatus, TransitionPhase
+from gearbox.placement import ModelFootprint, dead_memory
+from gearbox.types import Gpu, TopologySnapshot
+from sim.fleet import SimFleet
+from sim.summary import Check, OnDemandInvariant
+from streams.ondemand import FOOTPRINT_BATCH
+
+__all__ = [
+    "DEAD_MEMORY_EVERY_S",
+    "OnDemandLedger",
+    "evicted_with_active",
+    "on_demand_checks",
+    "on_demand_figures",
+    "on_demand_lines",
+    "sample_memory",
+]
+
+DEAD_MEMORY_EVERY_S = 30.0  # simulated seconds between memory samples
+
+
+@dataclass
+class OnDemandLedger:
+    """Every offered request of the on-demand deployments, and the memory samples."""
+
+    slo_ms: Mapping[str, tuple[float, float]]  # deployment → (TTFT, TBT) SLO
+    requests: Counter[str] = field(default_factory=Counter)
+    served: Counter[str] = field(default_factory=Counter)
+    offered_tokens: Counter[str] = field(default_factory=Counter)
+    good_tokens: Counter[str] = field(default_factory=Counter)  # of requests within both SLOs
+    refused: Counter[str] = field(default_factory=Counter)  # 429s etc. by reason
+    spans: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+    memory: list[tuple[float, float, float]] = field(default_factory=list)  # (t, dead, stranded)
+
+    def offer(self, deployment: str, output_tokens: int) -> None:
+        """A request arrived for ``deployment``."""
+        self.requests[deployment] += 1
+        self.offered_tokens[deployment] += output_tokens
+
+    def finished(
+        self,
+        deployment: str,
+        arrival_s: float,
+        finish_s: float,
+        ttft_s: float,
+        tbt_s: float,
+        tokens: int,
+    ) -> None:
+        """A request completed."""
+        self.served[deployment] += 1
+        self.spans[deployment].append((arrival_s, finish_s))
+        ttft_slo, tbt_slo = self.slo_ms[deployment]
+        if ttft_s * 1000.0 <= ttft_slo and tbt_s * 1000.0 <= tbt_slo:
+            self.good_tokens[deployment] += tokens
+
+    def refuse(self, deployment: str, arrival_s: float, t_s: float, reason: str) -> None:
+        """A request was refused (at once, or after waiting for its model's load)."""
+        self.refused[reason] += 1
+        if t_s > arrival_s:  # NOTE: it was held: in flight for its model meanwhile
+            self.spans[deployment].append((arrival_s, t_s))
+
+
+def sample_memory(
+    worker: Any, fleet: SimFleet, cfg: FlexPipeConfig, footprints: Sequence[ModelFootprint]
+) -> tuple[float, float]:
+    """(dead, stranded) shares of the free memory on schedulable GPUs now.
+
+    Dead: free memory no model fits in (:func:`gearbox.placement.dead_memory`, the simulated
+    GPUs' allocations as free memory). Stranded: free memory on GPUs that serve a model —
+    usable by that model's KV only, since a GPU serves one model.
+    """
+    now_s = float(worker.now_s())
+    classes = cfg.catalog.gpu_class_specs()
+    serving = {
+        u
+        for rt in worker.runtimes.values()
+        for rid in rt.core.replica_ids()
+        for u in rt.core.plan_of(rid).gpu_uuids
+    }
+    gpus = []
+    for spec in fleet.scenario.gpus:
+        if not fleet.cluster.is_schedulable(spec.uuid):
+            continue
+        cls = classes[spec.gpu_class]
+        free = max(0, cls.memory_bytes - worker.pool.used_bytes(spec.uuid))
+        gpus.append(
+            Gpu(
+                spec.uuid,
+                spec.node,
+                cls,
+                spec.domain,
+                cls.memory_bytes,
+                free,
+                True,
+                True,
+                0.0,
+                now_s,
+            )
+        )
+    link = cfg.catalog.link_specs()[fleet.scenario.inter_domain_link]
+    report = dead_memory(TopologySnapshot(now_s, tuple(gpus), (), link), footprints, cfg.placement)
+    stranded = sum(g.free_memory_bytes for g in gpus if g.uuid in serving)
+    free = report.free_bytes
+    return report.dead_share, (stranded / free if free else 0.0)
+
+
+async def follow_memory(
+    worker: Any,
+    fleet: SimFleet,
+    cfg: FlexPipeConfig,
+    footprints: Sequence[ModelFootprint],
+    ledger: OnDemandLedger,
+    stop: asyncio.Event,
+) -> None:
+    """Sample the memory every ``DEAD_MEMORY_EVERY_S`` simulated seconds until ``stop``."""
+    while not stop.is_set():
+        dead, stranded = sample_memory(worker, fleet, cfg, footprints)
+        ledger.memory.append((float(worker.now_s()), dead, stranded))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), DEAD_MEMORY_EVERY_S / worker.clock.speed)
+
+
+def footprints_of(cfg: FlexPipeConfig) -> list[ModelFootprint]:
+    """The on-demand models' placement footprints (as the stream computes them)."""
+    models = cfg.catalog.model_specs()
+    return [
+        ModelFootprint.from_spec(
+            models[d.model], FOOTPRINT_BATCH, max(1, round(d.prompt_tokens + d.output_tokens))
+        )
+        for d in cfg.deployments
+        if d.residency == "on_demand"
+    ]
+
+
+def _switch_windows(
+    transitions: Sequence[tuple[float, GearTransition]],
+) -> list[tuple[str, int, float, float]]:
+    """(deployment, seq, switch started, switch completed) of every finished eviction."""
+    started: dict[tuple[str, int], float] = {}
+    completed: dict[tuple[str, int], float] = {}
+    evicted: set[tuple[str, int]] = set()
+    for t_s, rec in transitions:
+        key = (rec.deployment, rec.transition_seq)
+        if rec.phase is TransitionPhase.SWITCH and rec.status is PhaseStatus.STARTED:
+            started[key] = t_s  # NOTE: the last attempt's
+        if rec.phase is TransitionPhase.SWITCH and rec.status is PhaseStatus.COMPLETED:
+            completed[key] = t_s
+        if rec.phase is TransitionPhase.DONE and rec.plan is not None and not rec.plan.replicas:
+            evicted.add(key)
+    return [
+        (d, seq, started[(d, seq)], completed[(d, seq)])
+        for d, seq in sorted(evicted)
+        if (d, seq) in started and (d, seq) in completed
+    ]
+
+
+def evicted_with_active(
+    transitions: Sequence[tuple[float, GearTransition]],
+    spans: Mapping[str, Sequence[tuple[float, float]]],
+) -> list[str]:
+    """Finished evictions during whose whole switch phase a request of the model was in flight
+    (arrived before the switch started, ended after it completed), as "deployment #seq"."""
+    out = []
+    for dep, seq, t0, t1 in _switch_windows(transitions):
+        if any(start < t0 and end > t1 for start, end in spans.get(dep, ())):
+            out.append(f"{dep} #{seq}")
+    return out
+
+
+def _counts(transitions: Sequence[tuple[float, GearTransition]], names: set[str]) -> dict[str, int]:
+    last: dict[tuple[str, int], GearTransition] = {}
+    for _, rec in transitions:
+        if rec.deployment in names:
+            last[(rec.deployment, rec.transition_seq)] = rec
+    done = [r for r in last.values() if r.phase is TransitionPhase.DONE and r.plan is not None]
+    undone = [r for r in last.values() if r.phase is TransitionPhase.ROLLED_BACK]
+    return {
+        "loads": sum(1 for r in done if r.plan is not None and r.plan.replicas),
+        "evictions": sum(1 for r in done if r.plan is not None and not r.plan.replicas),
+        "rolled_back": len(undone),
+    }
+
+
+def on_demand_figures(
+    ledger: OnDemandLedger,
+    transitions: Sequence[tuple[float, GearTransition]],
+    worker: Any,
+) -> dict[str, Any]:
+    """``summary.json``'s ``on_demand`` section."""
+    names = set(ledger.slo_ms)
+    evicted = evicted_with_active(transitions, ledger.spans)
+    oom = int(worker.pool.oom_events) + sum(
+        int(rt.core.engine_oom_events) for rt in worker.runtimes.values()
+    )
+    samples = ledger.memory
+    models = {
+        d: {
+            "requests": ledger.requests[d],
+            "served": ledger.served[d],
+            "goodput": round(ledger.good_tokens[d] / ledger.offered_tokens[d], 3)
+            if ledger.offered_tokens[d]
+            else None,
+        }
+        for d in sorted(names)
+    }
+    return {
+        **_counts(transitions, names),
+        "evicted_with_active": len(evicted),
+        "evicted_with_active_detail": evicted,
+        "rejections_by_reason": dict(sorted(ledger.refused.items())),
+        "oom": oom,
+        "dead_memory_share_mean": round(sum(s[1] for s in samples) / len(samples), 3)
+        if samples
+        else None,
+        "dead_memory_share_max": round(max(s[1] for s in samples), 3) if samples else None,
+        "stranded_memory_share_mean": round(sum(s[2] for s in samples) / len(samples), 3)
+        if samples
+        else None,
+        "goodput": round(
+            sum(ledger.good_tokens.values()) / max(1, sum(ledger.offered_tokens.values())), 3
+        ),
+        "models": models,
+    }
+
+
+def on_demand_lines(figures: Mapping[str, Any]) -> list[str]:
+    """The figures as the run's printed summary shows them."""
+    f = figures
+    worst = sorted(((m["goodput"], d) for d, m in f["models"].items() if m["goodput"] is not None))[
+        :3
+    ]
+    return [
+        "",
+        f"== on demand: {f['loads']} loads, {f['evictions']} evictions ({f['rolled_back']}"
+        f" rolled back), evicted with a request in flight {f['evicted_with_active']}, "
+        f"OOM {f['oom']}",
+        f"   refused by reason: {f['rejections_by_reason'] or 'none'}",
+        f"   dead memory share mean {f['dead_memory_share_mean']} max "
+        f"{f['dead_memory_share_max']}; stranded on serving GPUs mean "
+        f"{f['stranded_memory_share_mean']}",
+        f"   goodput {f['goodput']} (lowest: " + ", ".join(f"{d} {g}" for g, d in worst) + ")",
+    ]
+
+
+def on_demand_checks(figures: Mapping[str, Any]) -> tuple[Check, ...]:
+    """The three on-demand invariants (see the module docstring) over ``figures``."""
+    evicted = figures["evicted_with_active_detail"]
+    never = [d for d, m in figures["models"].items() if m["requests"] and not m["served"]]
+    return (
+        Check(
+            OnDemandInvariant.NO_EVICTION_WITH_ACTIVE,
+            not evicted,
+            f"evicted with a request in flight: {', '.join(evicted)}"
+            if evicted
+            else f"{figures['evictions']} evictions, none with a request in flight",
+        ),
+        Check(
+            OnDemandInvariant.NO_OOM, figures["oom"] == 0, f"{figures['oom']} out-of-memory events"
+        ),
+        Check(
+            OnDemandInvariant.EVERY_REQUESTED_MODEL_SERVED,
+            not never,
+            f"requested but never served: {', '.join(never)}"
+            if never
+            else f"{sum(1 for m in figures['models'].values() if m['requests'])} requested "
+            "models, each served",
+        ),
+    )
