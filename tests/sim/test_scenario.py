@@ -40,7 +40,7 @@ def test_seed_matches_the_articles_cluster() -> None:
     fastest = max(sc.gpu_classes, key=lambda c: c.peak_bf16_tflops)
     assert {g.gpu_class for g in blocks["A"].gpus} == {fastest.name}
     baseline = sc.deployments[0]
-    assert (baseline.plan.block, baseline.plan.tp) == ("A", 8)
+    assert baseline.plan is not None and (baseline.plan.block, baseline.plan.tp) == ("A", 8)
     assert baseline.model.preset == "llama-70b-class"
     assert {d.model.preset for d in sc.deployments} == {"llama-70b-class", "llama-7b-class"}
     assert all(d.workload.phases and d.workload.swing.amplitude > 0 for d in sc.deployments)
