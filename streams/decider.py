@@ -16,10 +16,10 @@ that cannot be decided now (worker not ready, log unreadable, a send unresolved)
 decided first once it can be.
 
 A round decides the deployments whose plan the view disturbs first, in the replay's order
-(:func:`streams.step.decision_order`), and sends each decision as soon as its step ends. The
-others follow; one for which a cluster event folded meanwhile is already pending is left to that
-next round (its trigger merged in), for at most ``intervals.decision_s`` of event time, so a
-stream of events cannot starve it.
+(:func:`streams.step.decision_order`), and sends each decision as soon as its step ends. A
+topology change for a deployment whose plan it did not disturb is decided ``LATER_S`` later,
+merged with the changes that came meanwhile, and gives way to a topology round that is pending
+then — but not once it has waited ``intervals.decision_s`` of event time (a tick's interval).
 
 A topology trigger the cursor refuses (not newer than the last trigger decided) is still decided
 when the view holds cluster events that no decision of the deployment saw yet: cluster events
@@ -52,6 +52,7 @@ from streams.ports import DecisionLog, Message, TableName, TriggerMessage
 from streams.processor import StreamProcessor
 from streams.snapshot import TopologyBuilder
 from streams.step import (
+    TRIGGER_RANK,
     Cursor,
     DeploymentTables,
     LoggedDecision,
@@ -78,6 +79,12 @@ GEAR_STATE_EVERY_S = 30.0  # event time between block-history writes when nothin
 PUBLISH_WAIT_S = 2.0  # wall seconds to wait for a decision's acknowledgement under the lock
 LOG_READ_S = 5.0  # wall seconds a read of the decisions topic may take before it is retried
 REVOKE_WAIT_S = 30.0  # wall seconds a revocation waits for unacknowledged decisions
+# NOTE: a step costs ~25 ms of CPU on 1,000 GPUs, on the interpreter lock the event loop folds
+# telemetry with: deciding every deployment on every cluster event (16/s in bench.pipeline) made
+# the worker CPU-bound and a forced switch queue behind the others' steps. Those others may
+# gain from freed GPUs, never lose a plan: a second costs them little, and it merges the
+# changes of that second into one step each.
+LATER_S = 1.0  # wall seconds an undisturbed deployment's topology change waits for more
 # NOTE: one thread runs every decision step of the process, one at a time: gearbox's caches
 # are touched by that thread only, and the event loop stays free to fold telemetry. The step is
 # pure Python, so it shares the interpreter lock with the loop (switched every few ms) rather
@@ -118,8 +125,10 @@ class Decider:
         self._gear_unwritten: set[str] = set()
         self._unacked: dict[str, asyncio.Future[None]] = {}  # sends past PUBLISH_WAIT_S
         self._deferred: dict[str, TriggerInfo] = {}  # triggers to decide first when possible
-        # deployment → event time of the oldest trigger left to a later round (see _coalesce)
-        self._coalesced_ms: dict[str, int] = {}
+        self._later: dict[str, list[TriggerInfo]] = {}  # topology changes left for later
+        self._later_task: asyncio.Task[None] | None = None
+        # deployment → event time of the oldest topology change left for later, not decided yet
+        self._later_since_ms: dict[str, int] = {}
         # deployment → the view's ``nodes_version`` its last stored decision saw
         self._nodes_seen: dict[str, int] = {}
         self._log_lock = asyncio.Lock()  # NOTE: one consumer reads the log: one read at a time
@@ -137,7 +146,8 @@ class Decider:
         self.accepting = False
         self._pending.clear()
         self._deferred.clear()
-        self._coalesced_ms.clear()
+        self._later.clear()
+        self._later_since_ms.clear()
         self._nodes_seen.clear()
         if self._unacked:  # NOTE: the next owner must find them on the topic
             await asyncio.wait(list(self._unacked.values()), timeout=REVOKE_WAIT_S)
@@ -189,6 +199,17 @@ class Decider:
                 )
             except Exception:  # NOTE: the triggers topic still carries these triggers
                 log.exception("debounced decision failed")
+
+    async def _after_later(self) -> None:
+        """Decide the topology changes left for later, ``LATER_S`` after they were left."""
+        while self._later:
+            await asyncio.sleep(LATER_S)
+            later, self._later = self._later, {}
+            try:
+                merged = {name: _merge(triggers) for name, triggers in later.items()}
+                await self.evaluate_many(merged, self.engine.wall(), later=True)
+            except Exception:  # NOTE: the triggers topic still carries these triggers
+                log.exception("later decision failed")
 
     async def on_triggers(self, batch: Sequence[Message], received_wall_s: float) -> None:
         """A debounced batch from the triggers topic: one decision per deployment in it."""
@@ -281,9 +302,12 @@ class Decider:
         return out
 
     async def evaluate_many(
-        self, triggers: Mapping[str, TriggerInfo], received_wall_s: float
+        self, triggers: Mapping[str, TriggerInfo], received_wall_s: float, *, later: bool = False
     ) -> None:
-        """Decide for each (deployment, trigger); publish all, then store each acknowledged one."""
+        """Decide for each (deployment, trigger); publish all, then store each acknowledged one.
+
+        ``later``: the round of the topology changes left for later (see the module docstring).
+        """
         wanted = self._admissible(triggers)
         if not wanted:
             return
@@ -308,9 +332,9 @@ class Decider:
             # later one plans.
             first, then = self._order(wanted)
             for name in first + then:
-                trigger = wanted[name]
-                if name in then and self._coalesce(name, trigger):
+                if name in then and self._leave(name, wanted[name], later):
                     continue
+                trigger = self._with_left(name, wanted[name])
                 # NOTE: read with the input, before the step and the sends are awaited, which
                 # let more cluster events fold
                 nodes_version = e.view.nodes_version
@@ -325,7 +349,7 @@ class Decider:
                     e.metrics.skipped.labels("already_decided").inc()
                     continue
                 decided[name] = out.plan
-                self._coalesced_ms.pop(name, None)
+                self._later_since_ms.pop(name, None)
                 outs.append((name, out, trigger, nodes_version))
                 # NOTE: sent at once: a decision does not wait for the batch's later steps
                 sends.append(asyncio.ensure_future(self._send(name, out)))
@@ -355,19 +379,29 @@ class Decider:
         now_ms = max(e.now_ms(), *(t.time_ms for t in wanted.values()))
         return decision_order(names, plans, self._topology_at(now_ms))
 
-    def _coalesce(self, name: str, trigger: TriggerInfo) -> bool:
-        """Leave an undisturbed deployment's ``trigger`` to the round pending for it (a cluster
-        event folded while this round decided), merged into that round's trigger; not once its
-        oldest trigger left so has waited ``intervals.decision_s`` of event time."""
-        pending = self._pending.get(name)
-        if pending is None:
+    def _leave(self, name: str, trigger: TriggerInfo, later: bool) -> bool:
+        """Leave undisturbed ``name``'s topology ``trigger`` for later: from its own round, and
+        from the later round while a topology round is pending; not once the oldest change left
+        has waited ``intervals.decision_s`` of event time."""
+        if trigger.kind is not Trigger.TOPOLOGY_CHANGE or (later and not self._pending):
             return False
-        since_ms = self._coalesced_ms.setdefault(name, trigger.time_ms)
+        since_ms = self._later_since_ms.setdefault(name, trigger.time_ms)
         if self.engine.now_ms() - since_ms >= self.engine.cfg.intervals.decision_s * 1000:
             return False
-        pending.insert(0, trigger)
-        self.engine.metrics.skipped.labels("coalesced").inc()
+        self._later.setdefault(name, []).append(trigger)
+        if self._later_task is None or self._later_task.done():
+            self._later_task = asyncio.ensure_future(self._after_later())
+        self.engine.metrics.skipped.labels("later").inc()
         return True
+
+    def _with_left(self, name: str, trigger: TriggerInfo) -> TriggerInfo:
+        """``trigger`` merged with the topology changes left for later for ``name``: the step
+        decided now answers them too."""
+        left = self._later.pop(name, None)
+        if left is None:
+            return trigger
+        # NOTE: as the newest of them (a tick's boundary can be older than a change left)
+        return _merge(sorted([*left, trigger], key=lambda t: (t.time_ms, TRIGGER_RANK[t.kind])))
 
     def _can_decide(self, name: str, logged: tuple[int, LoggedDecision | None] | None) -> bool:
         """After the lock was taken: still accepting, no send of its unresolved, and verified

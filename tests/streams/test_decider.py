@@ -1,5 +1,5 @@
-"""The live decider's rounds: the deployment a cluster event disturbed is decided and sent
-first; the others follow, or join the next round when a cluster event is already pending."""
+"""The live decider's rounds: the deployment a cluster event disturbed is decided and sent at
+once; the others are decided ``LATER_S`` later, merged with the changes that came meanwhile."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from flexpipe.config import DeploymentConfig
 from flexpipe.envelope import Envelope
 from flexpipe.schemas import ClusterEventType, GearDecision
+from streams import decider as decider_module
 from streams.decider import Decider
 from streams.deployments import resolve_deployments
 from streams.ports import TableName
@@ -102,44 +103,51 @@ def while_deciding(
     monkeypatch.setattr(decider, "_step", stepped)
 
 
-async def test_the_disturbed_deployment_is_decided_and_sent_first() -> None:
-    engine, broker, wall = await ticked()
-    await feed(engine, [preempt_one_of(engine, "batch", T1_MS, 500)], wall)
-    decisions = (await until(broker, 4))[2:]
-    assert [d.decision_id for d in decisions] == ["batch:2", "chat:2"]
-    assert decisions[0].forced and not decisions[1].forced
-    assert engine.metrics.skipped.labels("coalesced")._value.get() == 0
-
-
-async def test_an_undisturbed_deployment_joins_the_round_an_event_folded_meanwhile_starts(
+async def test_the_disturbed_deployment_is_decided_at_once_the_others_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(decider_module, "LATER_S", 0.2)
+    engine, broker, wall = await ticked()
+    started_s = time.monotonic()
+    await feed(engine, [preempt_one_of(engine, "batch", T1_MS, 500)], wall)
+    decisions = (await until(broker, 3))[2:]
+    assert [(d.decision_id, d.forced) for d in decisions] == [("batch:2", True)]
+    decisions = (await until(broker, 4))[2:]
+    assert time.monotonic() - started_s >= 0.2, "chat's step waited LATER_S"
+    assert [(d.decision_id, d.forced) for d in decisions] == [("batch:2", True), ("chat:2", False)]
+    assert decisions[1].context.trigger_time_ms == T1_MS
+    assert engine.metrics.skipped.labels("later")._value.get() == 1
+
+
+async def test_changes_left_for_later_are_merged_into_one_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(decider_module, "LATER_S", 0.2)
     engine, broker, wall = await ticked()
     while_deciding(
         monkeypatch, engine, "batch", lambda: feed(engine, [quiet_event(T1_MS + 1000)], wall)
     )
     await feed(engine, [preempt_one_of(engine, "batch", T1_MS, 500)], wall)
     decisions = (await until(broker, 5))[2:]
-    # chat's step for the first event was left to the round of the second: one decision for both
+    # chat's step for both events, and batch's for the second, in the configured order
     assert [d.decision_id for d in decisions] == ["batch:2", "chat:2", "batch:3"]
     assert decisions[1].context.trigger_time_ms == T1_MS + 1000
     assert "preempt on node-" in decisions[1].explanation
     assert "node_up on node-x1" in decisions[1].explanation
-    assert engine.metrics.skipped.labels("coalesced")._value.get() == 1
+    assert engine.metrics.skipped.labels("later")._value.get() == 3
 
 
-async def test_a_deployment_left_for_decision_s_is_decided_in_the_round_it_is_in(
+async def test_a_change_left_for_decision_s_is_decided_in_the_next_round(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(decider_module, "LATER_S", 60.0)  # only the bound decides chat
     engine, broker, wall = await ticked()
-    late_ms = T1_MS + round(CFG.intervals.decision_s * 1000)
-
-    async def much_later() -> None:
-        await feed(engine, [*heartbeats(late_ms, 600), quiet_event(late_ms)], wall)
-
-    while_deciding(monkeypatch, engine, "batch", much_later)
     await feed(engine, [preempt_one_of(engine, "batch", T1_MS, 500)], wall)
-    decisions = (await until(broker, 6))[2:]
-    assert [d.decision_id for d in decisions] == ["batch:2", "chat:2", "chat:3", "batch:3"]
-    assert decisions[1].context.trigger_time_ms == T1_MS
-    assert engine.metrics.skipped.labels("coalesced")._value.get() == 0
+    await until(broker, 3)  # batch:2; chat's step left for later
+    late_ms = T1_MS + round(CFG.intervals.decision_s * 1000)
+    await feed(engine, [*heartbeats(late_ms, 600), quiet_event(late_ms)], wall)
+    decisions = (await until(broker, 4))[2:]
+    assert [d.decision_id for d in decisions] == ["batch:2", "chat:2"]
+    assert decisions[1].context.trigger_time_ms == late_ms
+    assert "preempt on node-" in decisions[1].explanation, "with the change it left"
+    assert engine.metrics.skipped.labels("later")._value.get() == 2  # chat, then batch

@@ -250,7 +250,10 @@ async def test_restart_after_ack_before_table_write_rolls_forward_from_the_log()
     assert ids == ["chat:1", "chat:2", "chat:3"]
 
 
-async def test_topology_trigger_decides_immediately_and_revocation_stops_deciding() -> None:
+async def test_a_topology_trigger_is_decided_and_revocation_stops_deciding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(decider_module, "LATER_S", 0.05)  # chat's plan is not disturbed
     engine, _, broker, wall = await started()
     await engine.decider.tick()
     info = TriggerInfo(Trigger.TOPOLOGY_CHANGE, T0_MS + 2000, "preempt")
@@ -261,6 +264,10 @@ async def test_topology_trigger_decides_immediately_and_revocation_stops_decidin
     engine.decider.on_assigned()
     await feed(engine, heartbeats(T0_MS + 2000, 700), wall)
     await engine.decider.evaluate("chat", info, wall[0])
+    deadline_s = time.monotonic() + 30
+    while len(broker.decisions()) < 2:
+        assert time.monotonic() < deadline_s, "the topology trigger was never decided"
+        await asyncio.sleep(0.01)
     assert [d.trigger for d in broker.decisions()] == ["timer", "topology_change"]
     assert engine.decider.decision_log.reads == reads + 1  # type: ignore[attr-defined]
 
