@@ -83,19 +83,17 @@ _KEY_OF: dict[SourceTopic, Callable[[Any], str]] = {
 }
 
 
-def _other_keys(topic: SourceTopic, env: Any, sequenced: frozenset[str]) -> tuple[bytes, ...]:
+def _other_keys(topic: SourceTopic, env: Any) -> tuple[bytes, ...]:
     """Keys besides the entity's a topic's records may carry: ``deployment/seq`` on the
-    transitions topic, for the deployments in ``sequenced``.
+    transitions topic.
 
-    NOTE: the runtime keys every transition record ``deployment/seq`` (the compacted topic keeps
-    the last record of each transition, which its recovery reads), and this check refused that
-    key, so the stream never folded a transition; resident deployments lived with it (a switch
-    leaves flight after ``streams.transition_timeout_s``). On-demand deployments need each load
-    and eviction to finish before the next residency decision, so their records are accepted;
-    accepting everyone's changes how soon the default demo switches again (see the report).
+    NOTE: the runtime keys every transition record ``deployment/seq`` so the compacted topic keeps
+    the last record of each transition, which its recovery reads. This check once refused that
+    key for every resident deployment: the live stream folded no transition (each one left flight
+    only after ``streams.transition_timeout_s``) while the offline replay, fed directly, did.
     """
-    payload = env.payload
-    if topic is SourceTopic.TRANSITIONS and payload.deployment in sequenced:
+    if topic is SourceTopic.TRANSITIONS:
+        payload = env.payload
         return (f"{payload.deployment}/{payload.transition_seq}".encode(),)
     return ()
 
@@ -136,14 +134,12 @@ def admit(
     clock_s: float,
     max_future_skew_s: float,
     deployments: frozenset[str] | None = None,
-    sequenced: frozenset[str] = frozenset(),
 ) -> Accepted | Rejected:
     """Decode and check one message from ``topic``.
 
     Event times more than ``max_future_skew_s`` past both the wall clock and the stream clock
     are refused: one bad timestamp would otherwise mark every GPU's heartbeat as timed out.
-    ``deployments`` (when given) is the set of names deployment-keyed topics may carry;
-    ``sequenced`` those whose transition records may be keyed ``deployment/seq`` (on demand).
+    ``deployments`` (when given) is the set of names deployment-keyed topics may carry.
     """
     if not value:
         return Rejected(DeadLetterReason.EMPTY, "", "empty message (tombstone or zero bytes)")
@@ -157,7 +153,7 @@ def admit(
             DeadLetterReason.WRONG_TOPIC, "kind", f"{env.kind.value} on the {topic.value} topic"
         )
     entity = _KEY_OF[topic](env.payload)
-    if key is None or (key != entity.encode() and key not in _other_keys(topic, env, sequenced)):
+    if key is None or (key != entity.encode() and key not in _other_keys(topic, env)):
         shown = "none" if key is None else repr(key[:80])
         return Rejected(DeadLetterReason.KEY_MISMATCH, "key", f"key {shown} != {entity[:80]!r}")
     if topic is SourceTopic.NODE:

@@ -37,7 +37,6 @@ from streams.deployments import Deployment
 from streams.intake import Accepted, Rejected, SourceTopic, admit, dead_letter
 from streams.load import LaunchWindow, ServingWindows, fold_launches, fold_serving
 from streams.metrics import StreamsMetrics
-from streams.ondemand import is_on_demand
 from streams.ports import Decisions, Message, Sender, TableName, Tables, TriggerMessage
 from streams.state import (
     FoldOutcome,
@@ -96,7 +95,6 @@ class StreamProcessor:
         self.catalog = catalog
         self.deployments = deployments
         self.names = frozenset(d.name for d in deployments)
-        self.on_demand_names = frozenset(d.name for d in deployments if is_on_demand(d))
         self.tables = tables
         self.send = send
         self.topics = topics
@@ -177,7 +175,6 @@ class StreamProcessor:
             self.clock.watermark_ms / 1000.0,
             self.cfg.streams.max_future_skew_s,
             self.names,
-            self.on_demand_names,
         )
         # NOTE: every consumed message advances the partition's position, a rejected one too:
         # otherwise a partition ending in bad input would count as unread forever (not ready).

@@ -7,7 +7,14 @@ import base64
 import orjson
 import pytest
 
-from flexpipe.schemas import ControlAction, ControlCommand
+from flexpipe import envelope
+from flexpipe.schemas import (
+    ControlAction,
+    ControlCommand,
+    GearTransition,
+    PhaseStatus,
+    TransitionPhase,
+)
 from streams.intake import Accepted, DeadLetterReason, Rejected, SourceTopic, admit, dead_letter
 from tests.streams.builders import T0_MS, make_load, make_sample, raw
 
@@ -60,6 +67,25 @@ def test_wrong_topic_wrong_key_future_and_unknown_deployment() -> None:
     assert reason(SourceTopic.SERVING, b"other", raw(make_load("other"))) is R.UNKNOWN_DEPLOYMENT
     cmd = ControlCommand("other", ControlAction.PIN)
     assert reason(SourceTopic.CONTROL, b"other", raw(cmd)) is R.UNKNOWN_DEPLOYMENT
+
+
+def test_transition_records_pass_under_the_runtimes_key_and_no_other() -> None:
+    # The runtime keys each transition record deployment/seq (its compacted topic keeps each
+    # transition's last record); refusing that key once left the live stream blind to every switch.
+    record = GearTransition(
+        deployment="chat",
+        transition_seq=3,
+        decision_id="d-3",
+        phase=TransitionPhase.DONE,
+        status=PhaseStatus.COMPLETED,
+        from_plan_id="a",
+        to_plan_id="b",
+    )
+    value = envelope.encode(envelope.make(record, event_time_ms=T0_MS, source="rt", seq=1))
+    assert isinstance(verdict(SourceTopic.TRANSITIONS, b"chat/3", value), Accepted)
+    assert isinstance(verdict(SourceTopic.TRANSITIONS, b"chat", value), Accepted)
+    assert reason(SourceTopic.TRANSITIONS, b"chat/4", value) is R.KEY_MISMATCH
+    assert reason(SourceTopic.TRANSITIONS, b"other/3", value) is R.KEY_MISMATCH
 
 
 def test_dead_letter_record_keeps_the_original_bytes() -> None:

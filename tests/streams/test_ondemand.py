@@ -92,10 +92,8 @@ def test_demand_loads_done_makes_resident_and_a_waiting_model_evicts_the_lru() -
             envelope.make(record, event_time_ms=T0_MS + 20_000, source="rt", seq=seq)
         )
         now_s = T0_MS / 1000.0
-        ok = admit(SourceTopic.TRANSITIONS, key, raw, now_s, now_s, 300.0, None, frozenset(NAMES))
+        ok = admit(SourceTopic.TRANSITIONS, key, raw, now_s, now_s, 300.0, frozenset(NAMES))
         assert isinstance(ok, Accepted), ok  # the runtime's key reaches the fold
-        resident = admit(SourceTopic.TRANSITIONS, key, raw, now_s, now_s, 300.0, None)
-        assert not isinstance(resident, Accepted)  # NOTE: unchanged for resident deployments
         r.fold(ok.env)
         plan = r.tables[n].plan
         assert residency_of(plan.current, plan.confirmed, plan.in_flight is not None)[0] is (
