@@ -71,6 +71,7 @@ def evaluate(facts: RunFacts, limits: Limits = DEFAULT_LIMITS) -> Summary:
         _check_ticks(facts.failed_ticks, facts.failed_ticks_source),
         _check_unfinished(unfinished, facts.transitions),
         _check_sequences(deployments),
+        _check_dead_letters(facts.dead_letters),
     )
     return Summary(
         checks=checks,
@@ -379,6 +380,14 @@ def _check_ticks(failed: int | None, source: str) -> Check:
         return Check(name, False, "the stream worker's failed ticks could not be read")
     where = "the stream worker's metric" if source == "metric" else f"the stream worker's {source}"
     return Check(name, failed == 0, f"{failed} failed decision runs ({where})")
+
+
+def _check_dead_letters(dead_letters: Mapping[str, int]) -> Check:
+    name = Invariant.NOTHING_DEAD_LETTERED
+    if not dead_letters:
+        return Check(name, True, "0 records refused by the stream")
+    shown = ", ".join(f"{n} {what}" for what, n in sorted(dead_letters.items()))
+    return Check(name, False, f"{sum(dead_letters.values())} records refused: {shown}")
 
 
 def _check_unfinished(

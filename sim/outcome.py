@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import ValidationError
@@ -58,6 +60,7 @@ class RunOutcome:
     active_at_exit: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)  # scenario, seed, speed … for the JSON
     on_demand: dict[str, Any] | None = None  # on-demand scenarios: sim.ondemand's figures
+    dead_letters: dict[str, int] = field(default_factory=dict)  # "topic reason" → records
 
 
 async def read_back(
@@ -87,6 +90,7 @@ async def gather(cfg: FlexPipeConfig, record: RunRecord, epoch_ms: int, end_s: f
     decisions = await read_back(cfg, Topic.DECISIONS, epoch_ms, dedupe=False)
     transitions = await read_back(cfg, Topic.TRANSITIONS, epoch_ms, dedupe=False)
     cluster = await read_back(cfg, Topic.CLUSTER, epoch_ms, dedupe=True)
+    dead_letters = await read_dead_letters(cfg)
     events = [
         EventFact(t, p.type.value, p.node, p.gpu_uuids, p.xid)
         for t, p in cluster
@@ -98,7 +102,24 @@ async def gather(cfg: FlexPipeConfig, record: RunRecord, epoch_ms: int, end_s: f
         transitions=[(t, p) for t, p in transitions if isinstance(p, GearTransition)],
         events=events,
         end_s=end_s,
+        dead_letters=dead_letters,
     )
+
+
+async def read_dead_letters(cfg: FlexPipeConfig) -> dict[str, int]:
+    """The run's dead-letter records counted by "source topic reason" (topics unprefixed)."""
+    from runtime.journal import read_to_end
+
+    logical = {topic_name(cfg, t): t.value for t in Topic}
+    out: Counter[str] = Counter()
+    for _, value in await read_to_end(cfg, topic_name(cfg, Topic.DEADLETTER)):
+        try:
+            record = orjson.loads(value or b"")
+            where = logical.get(record["topic"], record["topic"])
+            out[f"{where} {record['reason']}"] += 1
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            out["unreadable dead-letter record"] += 1
+    return dict(out)
 
 
 def _account(futures: Mapping[str, Any], core: Any) -> tuple[SequenceFacts, set[str]]:
@@ -215,6 +236,7 @@ def run_facts(outcome: RunOutcome, scenario: Scenario) -> RunFacts:
         failed_ticks=outcome.failed_ticks,
         failed_ticks_source=outcome.failed_ticks_source,
         active_at_exit=outcome.active_at_exit,
+        dead_letters=outcome.dead_letters,
     )
 
 

@@ -43,6 +43,7 @@ class Invariant(StrEnum):
     NO_FAILED_TICKS = "no_failed_ticks"  # the stream worker's decision runs never raised
     TRANSITIONS_FINISHED = "transitions_finished"  # none left without done / rolled_back
     SEQUENCES_ACCOUNTED = "sequences_accounted"  # every admitted sequence done or in flight, once
+    NOTHING_DEAD_LETTERED = "nothing_dead_lettered"  # the stream refused no record of the run's
 
 
 class OnDemandInvariant(StrEnum):
@@ -139,6 +140,9 @@ class RunFacts:
     failed_ticks: int | None = 0  # None: neither the metric nor the log could be read
     failed_ticks_source: str = "metric"  # "metric" | "log" | "none"
     active_at_exit: tuple[str, ...] = ()  # deployments whose runtime still ran a transition
+    # the stream's refusals, "topic reason" → count: every record of the run comes from its own
+    # agents and runtime, so one refused is a contract broken between them
+    dead_letters: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

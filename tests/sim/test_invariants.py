@@ -126,7 +126,7 @@ def test_a_healthy_run_holds_every_invariant_with_its_figures() -> None:
     assert (dep.shifts, dep.rolled_back, dep.flaps_10min) == (1, 0, 0)
     assert dep.rejected == {"no_serving_plan": 12} and dep.unserved_s == 13.0
     assert summary.broken_line() == ""
-    assert summary.lines()[0] == "== invariants: 7 of 7 held (all held)"
+    assert summary.lines()[0] == "== invariants: 8 of 8 held (all held)"
 
 
 def test_a_late_answer_is_named_with_its_event() -> None:
@@ -295,3 +295,10 @@ def test_unserved_time_and_flaps() -> None:
     assert unserved_s(samples, start_s=50.0, end_s=520.0) == pytest.approx(50.0)
     shifts = [(100.0, "p1", "p2"), (300.0, "p2", "p1"), (1000.0, "p1", "p2"), (1900.0, "p2", "p1")]
     assert count_flaps(shifts, window_s=600.0) == 1
+
+
+def test_a_record_the_stream_refused_breaks_the_run_and_is_named() -> None:
+    refused = {"flexpipe.gear.transitions key_mismatch": 28}
+    summary = evaluate(make_run(dead_letters=refused))
+    assert broken(summary) == {Invariant.NOTHING_DEAD_LETTERED}
+    assert "28 flexpipe.gear.transitions key_mismatch" in summary.broken_line()

@@ -78,7 +78,7 @@ def test_up_shifts_chat_70b_after_the_preemption_and_writes_the_report(
     events = summary["events"]
     assert isinstance(events, list) and events, "the 08:00 preemption hits chat-70b's plan"
     assert events[0]["deployment"] == "chat-70b" and events[0]["answered_after_s"] <= 40
-    assert "== invariants: 7 of 7 held" in out
+    assert "== invariants: 8 of 8 held" in out
     # Start-up: the starting plan is loaded as transition 0, before any decision.
     assert re.search(r"↳ chat-70b #0 done [\d.]+ s ✓", out), out[-3000:]
     # The preemption, a decision for chat-70b, and a shift with all three phases after it.
@@ -98,7 +98,7 @@ def test_up_shifts_chat_70b_after_the_preemption_and_writes_the_report(
     # The summary, the report and the figure.
     assert "== shifts" in out and "== throughput and admission" in out
     report = (tmp_path / "report.md").read_text()
-    assert report.splitlines()[3] == "== invariants: 7 of 7 held (all held)"
+    assert report.splitlines()[3] == "== invariants: 8 of 8 held (all held)"
     assert "## Decisions that changed a plan" in report and "chat-70b" in report
     png = (tmp_path / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
@@ -162,7 +162,7 @@ def test_an_injected_violation_exits_1_naming_it(
     data = _summary(tmp_path)
     assert data["invariants_ok"] is False and data["broken"] == ["unique_decision_ids"]
     assert "BROKEN  unique_decision_ids" in (tmp_path / "report.md").read_text()
-    assert "== invariants: 6 of 7 held (1 BROKEN)" in captured.out
+    assert "== invariants: 7 of 8 held (1 BROKEN)" in captured.out
 
 
 @pytest.mark.unit
