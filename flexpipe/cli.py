@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         " broker for 10 s during a shift; the invariants must still hold",
     )
     p.add_argument(
+        "--keep-topics",
+        action="store_true",
+        help="keep the run's topics on the broker (default: deleted once read back), e.g. to"
+        " audit its decisions afterwards with `flexpipe audit`",
+    )
+    p.add_argument(
         "--engine",
         choices=["sim", "torch"],
         default="sim",

@@ -169,3 +169,41 @@ async def wait_topics_visible(
             )
         await asyncio.sleep(delay_s)
         delay_s = min(1.0, delay_s * 2)
+
+
+async def delete_topics_with_prefix(cfg: FlexPipeConfig, prefix: str) -> list[str]:
+    """Delete every topic whose name starts with ``prefix`` (a run's own, e.g.
+    ``up1764612345.``); return the names deleted."""
+    if not prefix.strip("."):
+        raise FlexPipeError(f"refusing to delete topics under the empty prefix {prefix!r}")
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg))
+    await admin.start()
+    try:
+        names = sorted(t for t in await admin.list_topics() if t.startswith(prefix))
+        if names:
+            # NOTE: aiokafka returns per-topic error codes instead of raising them.
+            response = await admin.delete_topics(names)
+            codes = response.topic_error_codes
+            failed = [f"{n}: {for_code(c).__name__}" for n, c, *_ in codes if c]
+            if failed:
+                raise FlexPipeError("cannot delete topics: " + ", ".join(failed))
+            await _wait_topics_gone(admin, prefix)
+        return names
+    finally:
+        await admin.close()
+
+
+async def _wait_topics_gone(
+    admin: AIOKafkaAdminClient, prefix: str, timeout_s: float = TOPIC_VISIBLE_S
+) -> None:
+    # NOTE: a deletion is acknowledged before every metadata view drops the topics
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    delay_s = 0.05
+    while left := [t for t in await admin.list_topics() if t.startswith(prefix)]:
+        if loop.time() >= deadline:
+            raise FlexPipeError(
+                f"topics still listed {timeout_s:.0f} s after their deletion: " + ", ".join(left)
+            )
+        await asyncio.sleep(delay_s)
+        delay_s = min(1.0, delay_s * 2)

@@ -44,7 +44,7 @@ from aiokafka.errors import KafkaError
 
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import FlexPipeError
-from flexpipe.kafka import client_kwargs, create_topics
+from flexpipe.kafka import client_kwargs, create_topics, delete_topics_with_prefix
 from flexpipe.kafka_local import LocalKafka
 from gearbox.plans import DeploymentPlan
 from sim.catalog import with_scenario, write_config
@@ -350,7 +350,15 @@ async def run_up(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
     try:
         outcome = await _run_with_broker(
-            cfg, scenario, args.seed, duration_s, speed, out_dir, chaos, torch
+            cfg,
+            scenario,
+            args.seed,
+            duration_s,
+            speed,
+            out_dir,
+            chaos,
+            torch,
+            keep_topics=bool(getattr(args, "keep_topics", False)),
         )
     except KafkaError as exc:
         raise FlexPipeError(f"Kafka: {exc}") from exc
@@ -394,8 +402,10 @@ async def _run_with_broker(
     out_dir: Path,
     chaos: bool,
     torch: TorchServing | None = None,
+    keep_topics: bool = False,
 ) -> RunOutcome:
-    """Broker, topics and stream worker around :func:`run_loop`; all stopped afterwards."""
+    """Broker, topics and stream worker around :func:`run_loop`; all stopped afterwards, and the
+    run's topics deleted unless ``keep_topics`` (a chaos run's broker is removed whole)."""
     async with _kafka(cfg, chaos) as (address, local):
         cfg = run_config(cfg, address, scenario, speed, chaos=chaos)
         config_path = write_config(cfg, out_dir / RUN_CONFIG)
@@ -410,11 +420,23 @@ async def _run_with_broker(
                 f" {streams.pid}, log {streams.log_path}" + ("; chaos" if chaos else ""),
                 flush=True,
             )
-            return await run_loop(cfg, scenario, seed, duration_s, speed, streams, local, torch)
+            outcome = await run_loop(cfg, scenario, seed, duration_s, speed, streams, local, torch)
         finally:
             streams.stop()
             # NOTE: the worker's tables live in memory; faust leaves an empty data dir behind.
             shutil.rmtree(out_dir / f"{app_id(cfg)}-data", ignore_errors=True)
+        if not keep_topics and local is None:
+            # NOTE: what the checks need was read back; left behind, every run's ~110
+            # partitions pile up and each later broker start recovers them all.
+            deleted = await delete_topics_with_prefix(cfg, cfg.topics.prefix)
+            print(
+                f"up: deleted this run's {len(deleted)} topics ({cfg.topics.prefix}*;"
+                " --keep-topics keeps them)",
+                flush=True,
+            )
+        elif local is None:
+            print(f"up: kept this run's topics ({cfg.topics.prefix}*)", flush=True)
+        return outcome
 
 
 async def run_loop(

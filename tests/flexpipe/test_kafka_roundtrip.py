@@ -12,7 +12,13 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import FlexPipeError
-from flexpipe.kafka import client_kwargs, create_topics, make_consumer, make_producer
+from flexpipe.kafka import (
+    client_kwargs,
+    create_topics,
+    delete_topics_with_prefix,
+    make_consumer,
+    make_producer,
+)
 from flexpipe.schemas import ServingLoad
 from flexpipe.topics import CATALOG, Topic, topic_name
 
@@ -55,6 +61,26 @@ async def test_topics_create_names_a_topic_the_broker_refuses(kafka_cfg: FlexPip
     bad = NewTopic("bad topic name!", num_partitions=1, replication_factor=1)
     with pytest.raises(FlexPipeError, match=r"cannot create topic bad topic name!: InvalidTopic"):
         await create_topics(kafka_cfg, [bad])
+
+
+async def test_a_runs_topics_are_deleted_by_prefix_and_no_others(kafka_cfg: FlexPipeConfig) -> None:
+    run_prefix = f"{kafka_cfg.topics.prefix}up1."  # as `flexpipe up` nests a run's prefix
+    run_cfg = kafka_cfg.model_copy(
+        update={"topics": kafka_cfg.topics.model_copy(update={"prefix": run_prefix})}
+    )
+    other = await create_topics(kafka_cfg)
+    ours = await create_topics(run_cfg)
+    assert await delete_topics_with_prefix(run_cfg, run_prefix) == sorted(ours)
+    admin = AIOKafkaAdminClient(**client_kwargs(kafka_cfg))
+    await admin.start()
+    try:
+        left = set(await admin.list_topics())
+    finally:
+        await admin.close()
+    assert not any(t.startswith(run_prefix) for t in left)
+    assert set(other) <= left, "a topic outside the prefix was deleted"
+    with pytest.raises(FlexPipeError, match="empty prefix"):
+        await delete_topics_with_prefix(run_cfg, "")
 
 
 async def _cleanup_policy(cfg: FlexPipeConfig, topic: Topic) -> str:
