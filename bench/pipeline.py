@@ -18,8 +18,10 @@ Phases, each with the load it applies printed in the result:
    overloaded worker is measured at saturation with a bounded backlog instead of hanging the run.
    ``events_per_s`` is what the worker folded per second.
 2. **latency** — offers ``min(0.7 × capacity, goal)`` events/s (the p99 is measured while the
-   worker keeps up) plus ``--triggers-per-s`` **forced-switch triggers**: each preempts one GPU
-   of the plan a deployment serves (read back from the decisions topic), which makes that plan
+   worker keeps up; ``--latency-events-per-s`` fixes the rate instead, so that paired runs of
+   two versions offer the same load however their capacity phases came out) plus
+   ``--triggers-per-s`` **forced-switch triggers**: each preempts one GPU of the plan a
+   deployment serves (read back from the decisions topic), which makes that plan
    infeasible; the GPU is released once the trigger was answered, and no sooner than
    ``--release-after-s`` after it (a worker that trails by more than that would otherwise fold
    the release before deciding, and rightly hold a plan whose GPUs are all back). A deployment
@@ -598,7 +600,9 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
             capacity = await drive(cfg, cluster, backlog, args.offered, args)
             target = backlog.folded + capacity.backlog_end
             capacity_left = await drained(backlog, target, args.drain_timeout_s)
-            steady_rate = min(STEADY_SHARE * capacity.folded_per_s, GOAL_EVENTS_PER_S)
+            steady_rate = args.latency_events_per_s or min(
+                STEADY_SHARE * capacity.folded_per_s, GOAL_EVENTS_PER_S
+            )
             poller = asyncio.create_task(poll_baseline(cfg, stop))
             names = tuple(d.name for d in cfg.deployments)
             triggers = Triggers(runtime, names, args.release_after_s)
@@ -708,6 +712,12 @@ def main() -> int:
     )
     parser.add_argument("--triggers-per-s", type=float, default=8.0)
     parser.add_argument("--min-triggers", type=int, default=1000)
+    parser.add_argument(
+        "--latency-events-per-s",
+        type=float,
+        default=None,
+        help="telemetry events/s in the latency phase (default: 0.7 x capacity, 10,000 at most)",
+    )
     parser.add_argument("--max-duration-s", type=float, default=300.0, help="latency phase cap")
     parser.add_argument(
         "--release-after-s",
