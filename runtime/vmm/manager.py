@@ -2,8 +2,9 @@
 
 A replica reserves address space on each of its GPUs (prepare) and commits its weight shard;
 each request then commits its KV pages on every GPU of the replica at once — all or nothing, so
-a request never holds pages on half a pipeline. The manager's ledger is what the watermark
-throttle reads.
+a request never holds pages on half a pipeline — and may extend them as it generates tokens
+(paged KV, :mod:`runtime.engine.paging`). The manager's ledger is what the watermark throttle
+reads.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class ReservationManager:
         self._factory = factory
         self._backends: dict[str, ReservationBackend] = {}
         self._reservations: dict[str, dict[str, Reservation]] = {}  # replica → gpu → resv
-        self._commits: dict[tuple[str, str], dict[str, Commit]] = {}  # (replica, req) → gpu → c
+        # (replica, request) → gpu → its commits: the first, then one per extension
+        self._commits: dict[tuple[str, str], dict[str, list[Commit]]] = {}
         self.last_failure: CommitFailure | None = None
 
     def backend(self, gpu_uuid: str, capacity_bytes: int) -> ReservationBackend | None:
@@ -101,6 +103,32 @@ class ReservationManager:
         key = (replica_id, request_id)
         if resv is None or key in self._commits:
             return resv is not None
+        done = self._commit_all(resv, request_id, bytes_per_gpu)
+        if done is None:
+            return False
+        self._commits[key] = {u: [c] for u, c in done.items()}
+        return True
+
+    def extend(self, replica_id: str, request_id: str, bytes_per_gpu: Mapping[str, int]) -> bool:
+        """Commit ``bytes_per_gpu`` more for a request (its first commit when it holds none);
+        all or nothing. False = the pages are not there (the caller preempts, never crashes)."""
+        key = (replica_id, request_id)
+        held = self._commits.get(key)
+        resv = self._reservations.get(replica_id)
+        if held is None or resv is None:
+            return self.commit(replica_id, request_id, bytes_per_gpu)
+        # NOTE: a backend keeps one commit per request id; an extension is the n-th chunk.
+        chunk = f"{request_id}#{max(len(c) for c in held.values())}"
+        done = self._commit_all(resv, chunk, bytes_per_gpu)
+        if done is None:
+            return False
+        for uuid, c in done.items():
+            held.setdefault(uuid, []).append(c)
+        return True
+
+    def _commit_all(
+        self, resv: dict[str, Reservation], request_id: str, bytes_per_gpu: Mapping[str, int]
+    ) -> dict[str, Commit] | None:
         done: dict[str, Commit] = {}
         for uuid in sorted(bytes_per_gpu):
             backend = self._backends.get(uuid)
@@ -111,10 +139,14 @@ class ReservationManager:
                 self.last_failure = CommitFailure(uuid, backend.last_error if backend else None)
                 for gpu, c in done.items():
                     self._backends[gpu].release_commit(c)
-                return False
+                return None
             done[uuid] = commit
-        self._commits[key] = done
-        return True
+        return done
+
+    def held_bytes(self, replica_id: str, request_id: str) -> dict[str, int]:
+        """Bytes committed for the request on each GPU (rounded up by the backends)."""
+        held = self._commits.get((replica_id, request_id), {})
+        return {uuid: sum(c.size_bytes for c in commits) for uuid, commits in held.items()}
 
     def holds(self, replica_id: str, request_id: str) -> bool:
         """True when the request has pages committed on the replica."""
@@ -122,8 +154,9 @@ class ReservationManager:
 
     def release(self, replica_id: str, request_id: str) -> None:
         """Return a request's pages on a replica; idempotent."""
-        for uuid, commit in self._commits.pop((replica_id, request_id), {}).items():
-            self._backends[uuid].release_commit(commit)
+        for uuid, commits in self._commits.pop((replica_id, request_id), {}).items():
+            for commit in commits:
+                self._backends[uuid].release_commit(commit)
 
     def unreserve_replica(self, replica_id: str) -> None:
         """Release every commit and reservation of the replica; idempotent."""

@@ -297,3 +297,17 @@ def test_cuda_vmm_on_a_real_gpu() -> None:
     backend.release_commit(commit)
     backend.unreserve(resv)
     assert backend.committed_bytes() == 0
+
+
+@pytest.mark.unit
+def test_a_request_extends_its_pages_all_or_nothing_and_gives_them_all_back() -> None:
+    manager = ReservationManager(lambda uuid, cap: HostReservationBackend(uuid, cap))
+    assert manager.reserve_replica("rep", {"g0": (10 * GIB, 10 * GIB), "g1": (GIB, GIB)})
+    assert manager.extend("rep", "r1", {"g0": 3 * MIB, "g1": MIB})  # no commit yet: the first
+    assert manager.extend("rep", "r1", {"g0": 2 * MIB})
+    assert manager.held_bytes("rep", "r1") == {"g0": 6 * MIB, "g1": 2 * MIB}
+    assert not manager.extend("rep", "r1", {"g0": MIB, "g1": 2 * GIB})  # g1 has no room
+    assert manager.held_bytes("rep", "r1") == {"g0": 6 * MIB, "g1": 2 * MIB}  # g0's undone
+    manager.release("rep", "r1")
+    assert not manager.holds("rep", "r1") and manager.held_bytes("rep", "r1") == {}
+    assert {u: m.committed_bytes for u, m in manager.memory().items()} == {"g0": 0, "g1": 0}
