@@ -287,6 +287,12 @@ class RuntimeConfig(_Section):
     short_sequence_tokens: int = Field(32, ge=0, description="finish on the old plan below this")
     max_handovers_per_tick: int = Field(64, ge=1)
     max_queue_per_replica: int = Field(1024, ge=1)
+    kv_admission: Literal["incremental", "max_tokens"] = Field(
+        "incremental",
+        description="KV a request commits when admitted: incremental = its prompt's pages + "
+        "one, grown as it generates (youngest preempted when a page is refused); max_tokens = "
+        "prompt + the client's stated max_tokens",
+    )
     inter_domain_link: Literal[
         "nvlink", "nvlink-a100", "rdma", "pcie-local", "pcie", "ethernet"
     ] = Field("ethernet", description="link class between blocks (KV hand-over)")

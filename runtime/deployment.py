@@ -309,6 +309,7 @@ class DeploymentRuntime:
             "invariant_violations": core.router.check_invariants(),
             "rejections": {str(k): v for k, v in core.rejections.items()},
             "engine_oom_events": core.engine_oom_events,
+            "preemptions": core.preemptions,
             "sim_oom_events": self.pool.oom_events,
         }
         if a is not None:

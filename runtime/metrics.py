@@ -65,6 +65,14 @@ class RuntimeMetrics:
         self.kv_bytes = Gauge(
             "flexpipe_runtime_kv_bytes", "KV bytes held by engines", ["deployment"], registry=r
         )
+        # NOTE: a gauge set from the serving core's running count (a counter would need the
+        # increments; the core keeps the total, as it does for OOM events)
+        self.preemptions = Gauge(
+            "flexpipe_runtime_kv_preemptions",
+            "Running sequences preempted for KV pages and recomputed later (paged admission)",
+            ["deployment"],
+            registry=r,
+        )
         self.oom = Gauge(
             "flexpipe_runtime_oom_events",
             "Simulated-GPU allocations refused at the memory limit (should stay 0)",

@@ -8,6 +8,13 @@ lifecycle and hand-over methods; it never touches engines or the router directly
 
 Admission: candidates in predicted-completion order; a replica is skipped when its GPUs would
 pass the watermark or its queue is full; the first whose VMM commit succeeds owns the request.
+What a request commits is the paged-KV rule's (:mod:`runtime.engine.paging`,
+``ServingSettings.kv_admission``): on an engine that pages (:class:`PagedEngine`, the
+SimEngine) its prompt's pages + one, grown through the VMM by the engine as it generates
+(:class:`runtime.kvpager.VmmPager`; youngest-first preemption when a page is refused), or
+prompt + the client's stated ``max_tokens``; never the output length it will turn out to have.
+An engine that does not page this way (the torch engine pages its own pool) commits prompt +
+``max_tokens``.
 No candidate → a rejection naming the rule (``THROTTLED_WATERMARK``, ``REJECTED_OOM_RISK``...),
 which the HTTP layer turns into 429. Sequences moved by a hand-over or a failure are never
 rejected: they wait in their new owner's queue until its VMM can commit them.
@@ -34,6 +41,8 @@ from runtime.engine.base import (
     SeqState,
     StepOutput,
 )
+from runtime.engine.paging import PagedEngine, admission_tokens
+from runtime.kvpager import VmmPager
 from runtime.router import ROUTABLE, ReplicaRole, Router
 from runtime.stats import ServingWindow
 from runtime.throttle import check_watermark
@@ -75,6 +84,7 @@ class _Slot:
     plan: ExecutionPlan
     timing: ReplicaTiming
     engine: Engine
+    pager: VmmPager | None = None  # the engine pages its KV through the VMM (None: up front)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +116,7 @@ class ServingCore:
         self.completions: list[Completion] = []
         self.rejections: Counter[Reason] = Counter()
         self.engine_oom_events = 0
+        self.preemptions = 0  # running sequences preempted for KV pages (recomputed later)
         self._factory = engine_factory
         self._slots: dict[str, _Slot] = {}
         self._live: dict[str, _Live] = {}
@@ -137,6 +148,10 @@ class ServingCore:
             self.vmm.unreserve_replica(rid)
             return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=self._vmm_detail())
         engine = self._factory(timing)
+        pager = None
+        if isinstance(engine, PagedEngine):
+            pager = VmmPager(self.vmm, rid, timing)
+            engine.attach_pager(pager, self.settings.kv_admission)
         ready = 0.0
         for index in range(len(timing.plan.stages)):
             result = engine.load_shard(index, now_s)
@@ -148,7 +163,7 @@ class ServingCore:
             self._discard(rid, engine, timing)
             return result
         ready = result.ready_at_s
-        self._slots[rid] = _Slot(timing.plan, timing, engine)
+        self._slots[rid] = _Slot(timing.plan, timing, engine, pager)
         self.router.add_replica(timing, role)
         self.model_name = timing.model.name
         return OpResult(True, ready)
@@ -251,8 +266,9 @@ class ServingCore:
         refused: set[Reason] = set()
         memory = self.vmm.memory()
         for choice in choices:
-            timing = self._slots[choice.replica_id].timing
-            need = timing.kv_bytes_for(request.total_tokens)
+            slot = self._slots[choice.replica_id]
+            timing = slot.timing
+            need = self._kv_need(slot, request, 0)
             if request.total_tokens > timing.kv_capacity_tokens:
                 refused.add(Reason.TOO_LONG)
             elif len(self.router.queued(choice.replica_id)) >= self.settings.max_queue_per_replica:
@@ -296,6 +312,23 @@ class ServingCore:
             self.router.transfer(seq_id, target, running=False, prompt_tokens=self._ctx(live))
         return True
 
+    def _kv_need(self, slot: _Slot, request: Request, generated: int) -> dict[str, int]:
+        """KV bytes per GPU a request commits when (re)admitted on the slot's replica."""
+        tokens = request.total_tokens
+        if slot.pager is not None:
+            mode = self.settings.kv_admission
+            tokens = admission_tokens(
+                mode, request.prompt_tokens, generated, request.max_output_tokens
+            )
+        return slot.timing.kv_bytes_for(tokens)
+
+    def _release(self, replica_id: str, seq_id: str) -> None:
+        """Give back the sequence's KV commit on the replica (and what its pager knew)."""
+        slot = self._slots.get(replica_id)
+        if slot is not None and slot.pager is not None:
+            slot.pager.forget(seq_id)
+        self.vmm.release(replica_id, seq_id)
+
     @staticmethod
     def _ctx(live: _Live) -> int:
         return live.request.prompt_tokens + live.generated
@@ -324,7 +357,7 @@ class ServingCore:
             live = self._live[seq_id]
             req = live.request
             if not self.vmm.holds(rid, seq_id):
-                need = slot.timing.kv_bytes_for(req.total_tokens)
+                need = self._kv_need(slot, req, live.generated)
                 if not self.vmm.commit(rid, seq_id, need):
                     continue  # waits for memory; later queue entries may still fit
             spec = SeqSpec(seq_id, req.prompt_tokens, req.max_output_tokens, live.generated)
@@ -335,6 +368,9 @@ class ServingCore:
 
     def _absorb(self, rid: str, out: StepOutput) -> None:
         self.window.on_step(out.prefill_tokens, out.decode_tokens, out.decode_step_s)
+        if out.preempted:
+            self.preemptions += len(out.preempted)
+            self.window.on_preempted(len(out.preempted))
         for first in out.first_tokens:
             live = self._live.get(first.seq_id)
             if live is not None and live.first_token_s is None:
@@ -348,7 +384,7 @@ class ServingCore:
             if failed.fault is EngineFault.OUT_OF_MEMORY:
                 self.engine_oom_events += 1
             live.generated = max(live.generated, failed.generated_tokens)
-            self.vmm.release(rid, failed.seq_id)
+            self._release(rid, failed.seq_id)
             self.router.mark_waiting(failed.seq_id, self._ctx(live))
 
     def _finish(self, rid: str, seq_id: str, t_s: float, output_tokens: int) -> None:
@@ -356,7 +392,7 @@ class ServingCore:
         if live is None:
             return
         self.router.finish(seq_id)
-        self.vmm.release(rid, seq_id)
+        self._release(rid, seq_id)
         req = live.request
         done = Completion(
             request_id=seq_id,
@@ -377,6 +413,9 @@ class ServingCore:
         """An engine died: its memory is gone; its sequences wait for replay elsewhere."""
         self.router.set_role(rid, ReplicaRole.FAILED)
         self.vmm.unreserve_replica(rid)
+        pager = self._slots[rid].pager
+        if pager is not None:
+            pager.forget_all()
         for seq_id, staged in list(self._staged.items()):
             # NOTE: a hand-over touching the dead replica is abandoned: the sequence is replayed
             # from the queue below (or resumes at a live source), never kept in two places.
@@ -416,12 +455,17 @@ class ServingCore:
         """
         src, dst = self._slots[source].engine, self._slots[target]
         live = self._live[seq_id]
-        need = dst.timing.kv_bytes_for(live.request.total_tokens)
+        generated = live.generated
+        if dst.pager is not None:
+            # NOTE: the target takes the pages the sequence holds by now, not its admission's.
+            now = [p.generated_tokens for p in src.progress() if p.seq_id == seq_id]
+            generated = max(now, default=generated)
+        need = self._kv_need(dst, live.request, generated)
         if not self.vmm.commit(target, seq_id, need):
             return None
         exports = src.export_kv([seq_id], now_s)  # pauses it at the source until commit/abort
         if not exports:
-            self.vmm.release(target, seq_id)
+            self._release(target, seq_id)
             return None
         if action is KvAction.MIGRATE:
             ok = dst.engine.import_kv(exports, now_s, transfer_s).ok
@@ -429,7 +473,7 @@ class ServingCore:
             ok = dst.engine.admit(exports[0].spec, now_s, staged=True) is None
         if not ok:
             src.resume([seq_id])
-            self.vmm.release(target, seq_id)
+            self._release(target, seq_id)
             return None
         self._staged[seq_id] = _Staged(source, target, action)
         return exports[0].num_bytes if action is KvAction.MIGRATE else 0
@@ -453,7 +497,7 @@ class ServingCore:
             self.router.transfer(seq_id, s.target, running=True)
             self._slots[s.target].engine.activate([seq_id])
             self._slots[s.source].engine.drop([seq_id])
-            self.vmm.release(s.source, seq_id)
+            self._release(s.source, seq_id)
             live.admissions += 1
         count = len(self._staged)
         self._staged.clear()
@@ -466,7 +510,7 @@ class ServingCore:
 
     def _unstage(self, seq_id: str, s: _Staged) -> None:
         self._slots[s.target].engine.drop([seq_id])
-        self.vmm.release(s.target, seq_id)
+        self._release(s.target, seq_id)
         self._slots[s.source].engine.resume([seq_id])
         del self._staged[seq_id]
 
@@ -476,7 +520,7 @@ class ServingCore:
             return 0
         moved = 0
         for seq_id in self.router.queued(source):
-            self.vmm.release(source, seq_id)
+            self._release(source, seq_id)
             if self._place(seq_id, self._live[seq_id], now_s, exclude=source):
                 moved += 1
         return moved
@@ -526,7 +570,7 @@ class ServingCore:
             live = self._live.pop(seq_id)
             if slot is not None:
                 slot.engine.drop([seq_id])
-            self.vmm.release(source, seq_id)
+            self._release(source, seq_id)
             self.router.finish(seq_id)
             self._unplaced[seq_id] = live
             moved += 1

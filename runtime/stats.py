@@ -36,6 +36,7 @@ class ServingWindow:
     completions: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    preemptions: int = 0  # running sequences preempted for KV pages (runtime.engine.paging)
     rejections: dict[Reason, int] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)
     tbt_ms: list[float] = field(default_factory=list)
@@ -70,6 +71,10 @@ class ServingWindow:
         self.decode_tokens += decode_tokens
         room = MAX_SAMPLES - len(self.tbt_ms)
         self.tbt_ms.extend(s * 1000.0 for s in decode_step_s[:room])
+
+    def on_preempted(self, count: int) -> None:
+        """Count running sequences an engine preempted for KV pages."""
+        self.preemptions += count
 
     def report(
         self,

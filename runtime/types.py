@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from flexpipe.schemas import RequestKind
+from runtime.engine.paging import KvAdmission
 from runtime.throttle import DEFAULT_WATERMARK
 
 __all__ = [
@@ -120,6 +121,9 @@ class ServingSettings:
 
     watermark: float = DEFAULT_WATERMARK  # committed share of GPU memory that stops admission
     max_queue_per_replica: int = 1024
+    # KV a request commits when admitted: its prompt's pages + one, grown as it generates
+    # (incremental), or prompt + the client's stated max_tokens (runtime.engine.paging)
+    kv_admission: KvAdmission = KvAdmission.INCREMENTAL
 
 
 @dataclass

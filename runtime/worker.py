@@ -44,6 +44,7 @@ from gearbox.plans import DeploymentPlan
 from gearbox.presets import LINK_CLASSES
 from runtime.clock import SimClock
 from runtime.deployment import DeploymentRuntime, EngineFactory, Outbox, RuntimeSettings
+from runtime.engine.paging import KvAdmission
 from runtime.engines import WorkerEngines, worker_engines
 from runtime.executor import ExecutorSettings
 from runtime.host import DecisionOutcome, RuntimeHost
@@ -89,7 +90,9 @@ def runtime_settings(rc: RuntimeConfig) -> RuntimeSettings:
             drain_timeout_s=rc.drain_timeout_s,
             inter_domain_link=LINK_CLASSES[rc.inter_domain_link],
         ),
-        serving=ServingSettings(rc.watermark, rc.max_queue_per_replica),
+        serving=ServingSettings(
+            rc.watermark, rc.max_queue_per_replica, KvAdmission(rc.kv_admission)
+        ),
         canary_share=rc.canary_share,
     )
 
@@ -405,6 +408,7 @@ class RuntimeWorker:
         self.metrics.migration_queue.labels(deployment).set(ex["migration_queue"] + ex["staged"])
         self.metrics.owned.labels(deployment).set(len(rt.core.router.ownership()))
         self.metrics.kv_bytes.labels(deployment).set(rt.core.kv_bytes())
+        self.metrics.preemptions.labels(deployment).set(rt.core.preemptions)
         self.metrics.oom.set(self.pool.oom_events)
 
     async def _commit_offsets(self) -> None:

@@ -134,6 +134,9 @@ class StepOutput:
     finished: tuple[Finished, ...] = ()
     failed: tuple[Failed, ...] = ()
     decode_step_s: tuple[float, ...] = ()  # duration of each iteration that decoded (TBT)
+    # running sequences preempted for KV pages (runtime.engine.paging): still held, waiting
+    # first in line to be prefilled again with their generated tokens
+    preempted: tuple[str, ...] = ()
 
 
 class Engine(Protocol):

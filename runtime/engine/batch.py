@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from runtime.engine.base import Failed, Finished, FirstToken, SeqSpec, SeqState, StepOutput
+from runtime.engine.paging import preemption_victim
 from runtime.timing import TOKEN_BUCKET
 
 EPS_S = 1e-12  # float slack when fitting whole iterations before ``now_s``
@@ -40,6 +41,10 @@ class SeqRecord:
     ready_at_s: float = 0.0  # admission (waiting) or KV arrival (importing)
     finish_v: int = 0  # decode counter at which it finishes (running only)
     heap_serial: int = 0  # its live entry in the finish heap (older entries are stale)
+
+
+def _order(q: SeqRecord) -> int:
+    return q.order
 
 
 def context_bucket(context: float) -> int:
@@ -146,6 +151,10 @@ class RunningBatch:
                 done.append(q)
         return sorted(done, key=lambda s: s.order)
 
+    def youngest(self) -> SeqRecord:
+        """The running sequence admitted last (the one preempted first for KV pages)."""
+        return preemption_victim(self.seqs.values(), _order)
+
     def largest(self) -> SeqRecord:
         """The running sequence holding the most KV (ties: the latest admitted)."""
         return max(self.seqs.values(), key=lambda q: (self.kv_tokens(q), q.order))
@@ -218,6 +227,7 @@ class EngineStats:
     decode_tokens: int = 0
     prefill_tokens: int = 0
     kv_imported_bytes: int = 0  # migrated KV received
+    preemptions: int = 0  # running sequences preempted for KV pages (recomputed when resumed)
 
 
 EMPTY_STEP = StepOutput()
@@ -234,10 +244,11 @@ class StepAcc:
     finished: list[Finished] = field(default_factory=list)
     failed: list[Failed] = field(default_factory=list)
     decode_step_s: list[float] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
     def output(self) -> StepOutput:
         """The accumulated output (the shared empty one when nothing happened)."""
-        if not (self.iterations or self.failed or self.prefill_tokens):
+        if not (self.iterations or self.failed or self.prefill_tokens or self.preempted):
             return EMPTY_STEP  # (a split replica's prefill stage completes outside iterations)
         return StepOutput(
             self.iterations,
@@ -247,4 +258,5 @@ class StepAcc:
             tuple(self.finished),
             tuple(self.failed),
             tuple(self.decode_step_s),
+            tuple(self.preempted),
         )

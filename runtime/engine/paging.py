@@ -12,19 +12,28 @@ turn out to have:
 When a page cannot be had, the engine preempts the youngest running sequence
 (:func:`preemption_victim`): its pages are freed and it waits first in line; when resumed it
 prefills prompt + the tokens it already generated again (recompute), and those stay as they were.
-Pure functions, no I/O.
+Pure functions, no I/O; :class:`KvPager` is the seam through which an engine holds its pages in
+the runtime's VMM ledger (:class:`runtime.serving.ServingCore` implements it per replica).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from enum import StrEnum
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from _typeshed import SupportsRichComparison
 
-__all__ = ["PAGE_TOKENS", "KvAdmission", "admission_tokens", "paged", "preemption_victim"]
+__all__ = [
+    "PAGE_TOKENS",
+    "KvAdmission",
+    "KvPager",
+    "PagedEngine",
+    "admission_tokens",
+    "paged",
+    "preemption_victim",
+]
 
 PAGE_TOKENS = 16  # vLLM's default block size
 
@@ -59,3 +68,25 @@ def preemption_victim(running: Iterable[T], age: Callable[[T], SupportsRichCompa
     eventually finishes; preempting the largest would starve long contexts.
     """
     return max(running, key=age)
+
+
+class KvPager(Protocol):
+    """Where one replica's engine holds its sequences' KV pages (the runtime's VMM ledger)."""
+
+    def hold(self, seq_id: str, tokens: int) -> bool:
+        """Hold KV for at least ``tokens`` tokens of the sequence (it may already hold more);
+        False when the pages are not there — the engine then preempts, never crashes."""
+        ...
+
+    def release(self, seq_id: str) -> None:
+        """Give back every page the sequence holds (a preemption); idempotent."""
+        ...
+
+
+@runtime_checkable
+class PagedEngine(Protocol):
+    """An engine that applies this rule itself, holding its pages through a :class:`KvPager`."""
+
+    def attach_pager(self, pager: KvPager, mode: KvAdmission) -> None:
+        """From now on hold KV through ``pager`` under ``mode``, preempting when refused."""
+        ...

@@ -21,7 +21,14 @@ and finish times against a token-by-token oracle.
 
 KV is allocated against each simulated GPU's memory (:class:`SimGpuPool`), so a runtime that
 over-admits sees out-of-memory events where a real engine would (a run's KV is allocated at
-once; when it does not fit, the largest sequence fails first). Faults injected into the pool
+once; when it does not fit, the largest sequence fails first). With a pager attached
+(:meth:`SimEngine.attach_pager`, the runtime's VMM ledger) the engine applies the paged-KV rule
+of :mod:`runtime.engine.paging`: a sequence takes its admission pages before its prefill (the
+head of the line waits until they are there) and its pages grow before each run of decode
+iterations — for the whole run when they are there, else for the longest run (halved down to one
+iteration) they are there for; when not even one iteration's page is there, the youngest running
+sequence is preempted (its pages given back, its generated tokens kept, first in line to be
+prefilled again) until it is. Faults injected into the pool
 (lost GPUs, failing loads or transfers) surface as :class:`EngineFault` values. Time is an
 input: ``step(now_s)`` runs the iterations that complete by ``now_s`` and nothing else.
 ``stats`` (busy time, FLOPs, tokens, KV imported) and an optional decode observer serve
@@ -57,6 +64,7 @@ from runtime.engine.batch import (
     context_bucket,
     decode_segments,
 )
+from runtime.engine.paging import KvAdmission, KvPager, admission_tokens, paged
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
 
@@ -112,6 +120,13 @@ class SimEngine:
         self._pending = StepAcc()  # output found while catching up outside ``step``
         self._pool_version = -1  # pool fault state last checked
         self._prefilling: list[SeqRecord] = []  # the split prefill stage's current batch
+        self._pager: KvPager | None = None  # KV pages held through the runtime's VMM ledger
+        self._kv_admission = KvAdmission.INCREMENTAL
+
+    def attach_pager(self, pager: KvPager, mode: KvAdmission) -> None:
+        """Hold KV pages through ``pager`` under ``mode`` (see the module docstring)."""
+        self._pager = pager
+        self._kv_admission = mode
 
     # ---- weights and groups --------------------------------------------------------------------
 
@@ -473,9 +488,56 @@ class SimEngine:
                 tokens = q.spec.prompt_tokens + q.gen0
                 if picked and tokens > budget:
                     break
+                if not self._hold_admission(q):
+                    break  # the head of the line waits for its pages, as vLLM's FCFS does
                 picked.append(q)
                 budget -= tokens
         return picked
+
+    def _hold_admission(self, q: SeqRecord) -> bool:
+        """Pages a sequence takes when admitted or resumed (no pager: nothing to hold)."""
+        if self._pager is None:
+            return True
+        spec = q.spec
+        tokens = admission_tokens(
+            self._kv_admission, spec.prompt_tokens, q.gen0, spec.max_output_tokens
+        )
+        return self._pager.hold(spec.seq_id, tokens)
+
+    def _grow_batch(self, runs: int, acc: StepAcc) -> tuple[int, bool]:
+        """Pages for ``runs`` more tokens of every running sequence, oldest first.
+
+        Returns the iterations every sequence holds pages for (``runs``, or fewer: halved until
+        they are there; 0 once every sequence was preempted) and whether any was preempted.
+        """
+        pager, batch = self._pager, self._batch
+        if pager is None:
+            return runs, False
+        preempted = False
+        while batch:
+            fits = runs
+            for q in sorted(batch.seqs.values(), key=lambda r: r.order):
+                while fits and not pager.hold(q.spec.seq_id, paged(batch.kv_tokens(q) + fits)):
+                    fits //= 2
+                if not fits:
+                    break
+            if fits:
+                return fits, preempted
+            self._preempt(batch.youngest(), acc)
+            preempted = True
+        return 0, preempted
+
+    def _preempt(self, q: SeqRecord, acc: StepAcc) -> None:
+        """Recompute preemption: free the sequence's KV, keep its tokens, queue it first."""
+        assert self._pager is not None
+        sid = q.spec.seq_id
+        self._batch.stop(q, SeqState.WAITING)
+        self._free_kv(q.kv0)
+        q.kv0 = 0
+        self._pager.release(sid)
+        self._waiting = {sid: q, **self._waiting}
+        acc.preempted.append(sid)
+        self.stats.preemptions += 1
 
     def _mixed_iteration(
         self, picked: list[SeqRecord], clock: float, now_s: float, acc: StepAcc
@@ -483,6 +545,8 @@ class SimEngine:
         """One iteration with prefills (exact); None if it ends after ``now_s``."""
         t = self._clock_timing
         duration = sum(t.prefill_s(q.spec.prompt_tokens + q.gen0) for q in picked)
+        if self._batch:
+            self._grow_batch(1, acc)
         n = len(self._batch)
         if n:
             duration += self._step_s(n, self._batch.mean_context())
@@ -507,6 +571,12 @@ class SimEngine:
         segments, end, timed_out = decode_segments(self._batch, self._steps, clock, now_s, arrival)
         if not segments or (timed_out and not partial):
             return None
+        runs = sum(seg.runs for seg in segments)
+        fits, preempted = self._grow_batch(runs, acc)
+        if preempted:
+            return clock  # the batch changed: plan again (a resumed prefill may come first)
+        if fits < runs:
+            segments, end = _first_runs(segments, fits, clock)
         self._commit_decode(segments, clock, acc)
         return end
 
@@ -576,3 +646,17 @@ class SimEngine:
                 self._drop([sid])
                 return
         self._batch.start(q)
+
+
+def _first_runs(segments: list[Segment], runs: int, start_s: float) -> tuple[list[Segment], float]:
+    """The first ``runs`` iterations of a planned run, and the clock after them."""
+    out: list[Segment] = []
+    end = start_s
+    for seg in segments:
+        take = min(seg.runs, runs)
+        if take <= 0:
+            break
+        out.append(Segment(take, seg.step_s, seg.context))
+        end += take * seg.step_s
+        runs -= take
+    return out, end

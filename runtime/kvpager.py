@@ -1,0 +1,60 @@
+"""KV pages held through the VMM ledger: the :class:`runtime.engine.paging.KvPager` a serving
+core gives each replica's paged engine.
+
+A sequence's first pages are committed by the serving core when it admits the request (so the
+watermark and 429s apply to them); the engine then grows them here, page by page, as it
+generates, and gives them back when it preempts the sequence. Growth is not held to the
+watermark — it is what admitted sequences need — only to the GPU's memory: a refused extension
+makes the engine preempt its youngest sequence, never crash.
+"""
+
+from __future__ import annotations
+
+from runtime.timing import ReplicaTiming
+from runtime.vmm.manager import ReservationManager
+
+__all__ = ["VmmPager"]
+
+
+class VmmPager:
+    """One replica's KV pages in the VMM ledger, under the request ids the serving core uses."""
+
+    def __init__(self, vmm: ReservationManager, replica_id: str, timing: ReplicaTiming) -> None:
+        self._vmm = vmm
+        self._replica_id = replica_id
+        self._per_token = {u: b for u, b in timing.kv_bytes_per_token_per_gpu.items() if b > 0}
+        self._covered: dict[str, int] = {}  # tokens each sequence's commits hold (a cache)
+
+    def hold(self, seq_id: str, tokens: int) -> bool:
+        """Commit what the sequence lacks for ``tokens`` tokens; False when the VMM refuses."""
+        vmm, rid = self._vmm, self._replica_id
+        # NOTE: the cache spares the ledger a look-up per sequence and decode run; it is only
+        # trusted while the sequence still holds its commit (the core may have released it).
+        if vmm.holds(rid, seq_id) and tokens <= self._covered.get(seq_id, -1):
+            return True
+        held = vmm.held_bytes(rid, seq_id)
+        lack = {
+            u: per * tokens - held.get(u, 0)
+            for u, per in self._per_token.items()
+            if per * tokens > held.get(u, 0)
+        }
+        if lack and not vmm.extend(rid, seq_id, lack):
+            return False
+        held = vmm.held_bytes(rid, seq_id)
+        self._covered[seq_id] = min(
+            (held.get(u, 0) // per for u, per in self._per_token.items()), default=tokens
+        )
+        return True
+
+    def release(self, seq_id: str) -> None:
+        """Give back every page the sequence holds; idempotent."""
+        self.forget(seq_id)
+        self._vmm.release(self._replica_id, seq_id)
+
+    def forget(self, seq_id: str) -> None:
+        """Drop what is known of the sequence (the core released its commit itself)."""
+        self._covered.pop(seq_id, None)
+
+    def forget_all(self) -> None:
+        """Drop everything known (the replica's reservation is gone)."""
+        self._covered.clear()
