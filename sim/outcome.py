@@ -177,7 +177,10 @@ class SequenceLedger:
             now, unaccounted = _account(self.futures.get(dep, {}), worker.runtimes[dep].core)
             lost = self._unaccounted[dep] & unaccounted
             out[dep] = replace(
-                facts, lost=len(lost), owned_twice=max(facts.owned_twice, now.owned_twice)
+                facts,
+                lost=len(lost),
+                owned_twice=max(facts.owned_twice, now.owned_twice),
+                preemptions=worker.runtimes[dep].core.preemptions,
             )
         return out
 

@@ -113,6 +113,7 @@ class SequenceFacts:
     in_flight: int = 0  # owned by a replica or waiting for one
     lost: int = 0  # admitted, not completed, not in flight
     owned_twice: int = 0  # in flight twice, or completed and still in flight
+    preemptions: int = 0  # running sequences preempted for KV pages, recomputed later
 
 
 @dataclass(frozen=True, slots=True)

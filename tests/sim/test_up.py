@@ -204,6 +204,7 @@ class _Router:
 class _Core:
     def __init__(self, owned: dict[str, str]) -> None:
         self.router = _Router(owned)
+        self.preemptions = 0
 
     def unplaced(self) -> tuple[str, ...]:
         return ()
