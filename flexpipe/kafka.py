@@ -11,6 +11,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
+from aiokafka.partitioner import murmur2
 
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import FlexPipeError
@@ -20,6 +21,11 @@ from flexpipe.topics import CATALOG, topic_name
 
 class NoBrokerError(FlexPipeError):
     """No broker is configured and the local one is not running."""
+
+
+def partition_for(key: str, num_partitions: int) -> int:
+    """The partition Kafka's default partitioner (murmur2, as aiokafka and Java) picks."""
+    return (murmur2(key.encode()) & 0x7FFFFFFF) % num_partitions
 
 
 def bootstrap_servers(cfg: FlexPipeConfig) -> str:

@@ -29,7 +29,7 @@ from aiokafka.errors import KafkaError
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig, RuntimeConfig
 from flexpipe.errors import FlexPipeError, ValidationError
-from flexpipe.kafka import create_topics, make_consumer, make_producer
+from flexpipe.kafka import create_topics, make_consumer, make_producer, partition_for
 from flexpipe.schemas import (
     ClusterEvent,
     ControlCommand,
@@ -386,7 +386,14 @@ class RuntimeWorker:
         )
         key = f"{record.deployment}/{record.transition_seq}".encode()
         topic = topic_name(self.cfg, Topic.TRANSITIONS)
-        await self._producer.send_and_wait(topic, envelope.encode(env), key=key)
+        # NOTE: keyed per transition so compaction keeps each one's last record, but written to
+        # the deployment's own partition (as its serving reports): the stream worker that owns
+        # the deployment is the one that folds it. Hashing this key spread them over workers.
+        partitions = await self._producer.partitions_for(topic)
+        partition = partition_for(record.deployment, len(partitions))
+        await self._producer.send_and_wait(
+            topic, envelope.encode(env), key=key, partition=partition
+        )
         self.metrics.on_record(record)
         log.info(
             "transition %s #%d %s %s (attempt %d) %s",

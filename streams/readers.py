@@ -16,12 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.partitioner import murmur2
 
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import ValidationError
-from flexpipe.kafka import make_consumer
+from flexpipe.kafka import make_consumer, partition_for
 from flexpipe.schemas import GearDecision
 from streams import codec
 from streams.state import GpuState, NodeState
@@ -32,11 +31,6 @@ __all__ = ["KafkaDecisionLog", "ViewReader", "partition_for"]
 
 log = logging.getLogger(__name__)
 TOPIC_WAIT_S = 0.2
-
-
-def partition_for(key: str, num_partitions: int) -> int:
-    """The partition Kafka's default partitioner (murmur2, as aiokafka and Java) picks."""
-    return (murmur2(key.encode()) & 0x7FFFFFFF) % num_partitions
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str, timeout_s: float) -> set[int]:

@@ -7,10 +7,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aiokafka import TopicPartition
+
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
 from flexpipe.errors import ValidationError
-from flexpipe.kafka import make_producer
+from flexpipe.kafka import make_consumer, make_producer
 from flexpipe.schemas import GearTransition
 from flexpipe.topics import Topic, topic_name
 from runtime.journal import ownership_topic, read_to_end
@@ -40,6 +42,27 @@ async def transitions(cfg: FlexPipeConfig, deployment: str) -> list[GearTransiti
         if isinstance(payload, GearTransition) and payload.deployment == deployment:
             out.append(payload)
     return sorted(out, key=lambda r: r.transition_seq)  # stable: per-seq order is kept
+
+
+async def transition_partitions(cfg: FlexPipeConfig) -> dict[str, set[int]]:
+    """Per deployment, the partitions of the transitions topic its records were written to."""
+    topic = topic_name(cfg, Topic.TRANSITIONS)
+    consumer = make_consumer(cfg, topic, group_id=None, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        end = await consumer.end_offsets(tps)
+        out: dict[str, set[int]] = {}
+        async with asyncio.timeout(30):
+            for tp in tps:
+                consumer.seek(tp, 0)
+                while await consumer.position(tp) < end[tp]:
+                    for record in (await consumer.getmany(tp, timeout_ms=200)).get(tp, []):
+                        payload = envelope.decode(record.value or b"").payload
+                        out.setdefault(payload.deployment, set()).add(tp.partition)
+        return out
+    finally:
+        await consumer.stop()
 
 
 async def journal_unfinished(cfg: FlexPipeConfig, deployment: str) -> list[Request]:

@@ -15,6 +15,7 @@ import pytest
 
 from flexpipe import envelope
 from flexpipe.config import FlexPipeConfig
+from flexpipe.kafka import partition_for
 from flexpipe.schemas import (
     ClusterEvent,
     ClusterEventType,
@@ -28,7 +29,7 @@ from flexpipe.topics import Topic, topic_name
 from runtime.journal import read_to_end
 from runtime.worker import RuntimeWorker
 from tests.runtime.builders import DEPLOYMENT, make_decision, make_plan, make_replica
-from tests.runtime.kafka_helpers import publish, transitions, wait_for
+from tests.runtime.kafka_helpers import publish, transition_partitions, transitions, wait_for
 from tests.runtime.logcheck import validate_log
 
 pytestmark = pytest.mark.integration
@@ -97,6 +98,9 @@ async def test_decisions_become_persisted_transitions(worker: RuntimeWorker) -> 
     assert validate_log(log) == []
     assert [r.transition_seq for r in log if r.phase is TransitionPhase.DONE] == [1, 2]
     assert all(r.plan is not None and r.plan.plan_id == r.to_plan_id for r in log)
+    # keyed deployment/seq, but in the deployment's partition: its stream worker folds them
+    partitions = cfg.topics.partitions
+    assert await transition_partitions(cfg) == {DEPLOYMENT: {partition_for(DEPLOYMENT, partitions)}}
     metrics = await _metrics(worker)
     assert 'outcome="ignored_stale"' in metrics
     loads = [
