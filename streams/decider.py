@@ -494,6 +494,7 @@ class Decider:
             e.load(TableName.SERVING, name, ServingWindows) or ServingWindows(),
         )
         now_ms = max(e.now_ms(), trigger.time_ms)
+        plans = self._plans(decided)
         return make_input(
             self._by_name[name],
             e.deployments,
@@ -508,8 +509,8 @@ class Decider:
             e.worker,
             topology=self._topology_at(now_ms),
             transition_timeout_s=e.cfg.streams.transition_timeout_s,
-            claims=self._claims(name, decided),
-            on_demand=self._on_demand(decided, now_ms),
+            claims=claimed_gpus(plans, name),
+            on_demand=self._on_demand(plans, now_ms),
             placement=e.cfg.placement,
         )
 
@@ -540,32 +541,29 @@ class Decider:
         )
         return TriggerInfo(trigger.kind, time_ms, text[:MAX_TRIGGER_TEXT])
 
-    def _claims(self, name: str, decided: dict[str, PlanState]) -> frozenset[str]:
-        """GPUs the other deployments this worker can read hold.
+    def _plans(self, decided: dict[str, PlanState]) -> dict[str, PlanState]:
+        """Every deployment's plan state this worker can read, this batch's decisions first:
+        the other deployments' claims and the on-demand view both come from it.
 
         NOTE: tables are partitioned by deployment, so a worker sees the plans of the
         deployments it owns; with several workers, another worker's deployments are known only
         through telemetry (their GPUs' memory), as before.
         """
         e = self.engine
-        plans = {
+        loaded = {
             d.name: p
             for d in e.deployments
-            if d.name != name and (p := e.load(TableName.PLANS, d.name, PlanState)) is not None
+            if d.name not in decided
+            and (p := e.load(TableName.PLANS, d.name, PlanState)) is not None
         }
-        return claimed_gpus(plans | decided, name)
+        return loaded | decided
 
-    def _on_demand(self, decided: dict[str, PlanState], now_ms: int) -> tuple[OnDemandModel, ...]:
-        """Every on-demand deployment's view from the tables this worker reads (this batch's
-        plans first), as the replay builds it; empty when none is on demand."""
+    def _on_demand(self, plans: dict[str, PlanState], now_ms: int) -> tuple[OnDemandModel, ...]:
+        """Every on-demand deployment's view from ``plans`` (:meth:`_plans`) and the serving
+        tables, as the replay builds it; empty when none is on demand."""
         e = self.engine
         if not self._has_on_demand:
             return ()
-        plans = {
-            d.name: p
-            for d in e.deployments
-            if (p := decided.get(d.name) or e.load(TableName.PLANS, d.name, PlanState))
-        }
         serving = {
             d.name: s
             for d in e.deployments
