@@ -30,6 +30,7 @@ __all__ = [
     "natural_key",
     "starting_plan",
     "starting_plans",
+    "unified_stage",
 ]
 
 GpuGroups = tuple[tuple[str, ...], ...]  # one tuple of GPU uuids per replica, stage by stage
@@ -100,9 +101,15 @@ def _live_by_block(snapshot: TopologySnapshot) -> dict[str, list[str]]:
     return out
 
 
-def _stage(
-    gpus: Sequence[Gpu], layers: tuple[int, int], snap: TopologySnapshot, block_of: dict[str, str]
+def unified_stage(
+    gpus: Sequence[Gpu],
+    layers: tuple[int, int],
+    snap: TopologySnapshot,
+    block_of: Mapping[str, str] | None = None,
 ) -> Stage:
+    """One unified (prefill + decode) stage of ``layers`` over ``gpus`` (one TP group), in the
+    first GPU's domain; its block is ``block_of``'s for that GPU, else the domain."""
+    block_of = block_of or {}
     domain = gpus[0].domain
     return Stage(
         block_id=block_of.get(gpus[0].uuid, domain),
@@ -132,7 +139,7 @@ def _plan(
         for group in groups:
             gpus = [by_uuid[u] for u in group]
             stages = tuple(
-                _stage(gpus[i * hint.tp : (i + 1) * hint.tp], bounds[i], snap, block_of)
+                unified_stage(gpus[i * hint.tp : (i + 1) * hint.tp], bounds[i], snap, block_of)
                 for i in range(hint.pp)
             )
             first, last = stages[0].domain_id, stages[-1].domain_id

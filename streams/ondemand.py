@@ -20,13 +20,14 @@ from gearbox.decisions import DecideResult, Decision, Trigger
 from gearbox.history import GearState
 from gearbox.model import ModelSpec
 from gearbox.placement import ModelFootprint
-from gearbox.plans import DeploymentPlan, ExecutionPlan, Stage, StageRole
+from gearbox.plans import DeploymentPlan, ExecutionPlan
 from gearbox.residency import (
     OnDemandModel,
     Residency,
     ResidencyAction,
     decide_residency,
 )
+from gearbox.starting import unified_stage
 from gearbox.switch import SwitchCost
 from gearbox.types import TopologySnapshot
 from streams.deployments import Deployment
@@ -156,17 +157,7 @@ def on_demand_view(
 
 def _replica(model: ModelSpec, uuid: str, snapshot: TopologySnapshot) -> ExecutionPlan:
     gpu = next(g for g in snapshot.gpus if g.uuid == uuid)
-    stage = Stage(
-        block_id=gpu.domain,
-        domain_id=gpu.domain,
-        gpu_uuids=(uuid,),
-        layer_start=0,
-        layer_end=model.num_layers,
-        role=StageRole.UNIFIED,
-        gpu_class=gpu.gpu_class,
-        tp_link=snapshot.domain_link(gpu.domain),
-    )
-    return ExecutionPlan(model.name, (stage,))
+    return ExecutionPlan(model.name, (unified_stage([gpu], (0, model.num_layers), snapshot),))
 
 
 def residency_result(
