@@ -153,9 +153,9 @@ class Decider:
             await asyncio.wait(list(self._unacked.values()), timeout=REVOKE_WAIT_S)
         async with self._lock:
             for name in sorted(self._gear_unwritten):
-                gear = self.engine.load(TableName.GEAR_STATE, name, GearState)
+                gear = self.engine.load_gear(name)
                 if gear is not None:
-                    self.engine.store(TableName.GEAR_STATE, name, gear)
+                    self.engine.store_gear(name, gear)
             self._gear_unwritten.clear()
             self._gear_written.clear()
             self.engine.flush()
@@ -441,7 +441,7 @@ class Decider:
         e = self.engine
         cursor = e.load(TableName.CURSORS, name, Cursor) or Cursor()
         plan = e.load(TableName.PLANS, name, PlanState) or PlanState()
-        gear = e.load(TableName.GEAR_STATE, name, GearState) or GearState()
+        gear = e.load_gear(name) or GearState()
         if self._verified.get(name) != self.generation and logged is not None:
             fixed = reconcile(cursor, plan, gear, logged[1])
             if fixed != (cursor, plan, gear):
@@ -449,7 +449,7 @@ class Decider:
                 cursor, plan, gear = fixed
                 e.store(TableName.CURSORS, name, cursor)
                 e.store(TableName.PLANS, name, plan)
-                e.store(TableName.GEAR_STATE, name, gear)
+                e.store_gear(name, gear)
             self._verified[name] = self.generation
         return cursor, plan, gear
 
@@ -606,14 +606,15 @@ class Decider:
         log.info("%s %s: %s", d.decision_id, d.reason, d.to_plan_id)
 
     def _store_gear(self, name: str, gear: GearState, t_ms: int) -> None:
-        """Write the block history when blocks or the last switch changed, else at most every
+        """Write the gear state when blocks or the last switch changed, else at most every
         ``GEAR_STATE_EVERY_S`` of event time (the topic restores the last switch after a crash;
-        a few lost history samples do not matter)."""
+        a few lost history samples do not matter). A write carries the block history as its
+        difference from the last base (:mod:`streams.gearstore`), not the whole ≈ 1 MB."""
         e = self.engine
         last = self._gear_written.get(name)
         changed = last is None or (last[1], last[2]) != (gear.blocks, gear.last_switch_s)
         if changed or last is None or t_ms - last[0] >= GEAR_STATE_EVERY_S * 1000:
-            e.store(TableName.GEAR_STATE, name, gear)
+            e.store_gear(name, gear)
             self._gear_written[name] = (t_ms, gear.blocks, gear.last_switch_s)
             self._gear_unwritten.discard(name)
         else:

@@ -37,7 +37,10 @@ class TableName(StrEnum):
     SERVING = "serving"  # deployment → ServingWindows: serving load over hopping windows
     PLANS = "plans"  # deployment → PlanState: current plan (transitions topic, own decisions)
     OVERRIDES = "overrides"  # deployment → OverrideState: pins and emergency downshifts
-    GEAR_STATE = "gear_state"  # deployment → GearState: blocks, block history, TTFT corrections
+    # deployment → streams.gearstore.GearRecord: GearState less its block history (blocks, last
+    # switch, quarantine, TTFT corrections) + the history as a difference from BLOCK_HISTORY's
+    GEAR_STATE = "gear_state"
+    BLOCK_HISTORY = "block_history"  # deployment → streams.gearstore.HistoryBase
     CURSORS = "cursors"  # deployment → Cursor: last decision's sequence and trigger time
 
 

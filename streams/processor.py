@@ -34,6 +34,7 @@ from streams import codec
 from streams.catalog import Catalog
 from streams.clock import EventClock
 from streams.deployments import Deployment
+from streams.gearstore import GearStore
 from streams.intake import Accepted, Rejected, SourceTopic, admit, dead_letter
 from streams.load import LaunchWindow, ServingWindows, fold_launches, fold_serving
 from streams.metrics import StreamsMetrics
@@ -118,6 +119,7 @@ class StreamProcessor:
         self._load_written_ms: dict[str, int] = {}
         self._dirty_loads: set[str] = set()
         self._cache: dict[tuple[TableName, str], Any] = {}
+        self._gear = GearStore(tables)
         self._kinds = {k: metrics.events.labels(k.value) for k in Kind}
         self.decider = decisions(self)  # NOTE: a factory: the decider reads this processor
 
@@ -148,6 +150,27 @@ class StreamProcessor:
     def remember(self, table: TableName, key: str, value: object) -> None:
         """Update the cache only; the caller writes the table later (or accepts losing it)."""
         self._cache[(table, key)] = value
+
+    def load_gear(self, name: str) -> GearState | None:
+        """``name``'s gear state through the decode cache (:mod:`streams.gearstore`: two tables);
+        None when absent or unreadable."""
+        hit = self._cache.get((TableName.GEAR_STATE, name))
+        if hit is not None:
+            gear: GearState = hit
+            return gear
+        try:
+            loaded = self._gear.load(name)
+        except ValueError as exc:  # a changelog record from an older layout: start afresh
+            log.warning("gear state of %s unreadable, reset: %s", name, exc)
+            return None
+        if loaded is not None:
+            self._cache[(TableName.GEAR_STATE, name)] = loaded
+        return loaded
+
+    def store_gear(self, name: str, gear: GearState) -> None:
+        """Write ``gear`` through the cache: its history as a difference from the last base."""
+        self._cache[(TableName.GEAR_STATE, name)] = gear
+        self._gear.store(name, gear)
 
     def _gpu(self, uuid: str) -> GpuState | None:
         if uuid in self._gpus:
@@ -332,10 +355,10 @@ class StreamProcessor:
                 self.decider.show_plan(tr.deployment, new)
             if tr.phase is TransitionPhase.ROLLED_BACK:
                 # gearbox quarantines the failed target: the next ticks do not re-propose it
-                gear = self.load(TableName.GEAR_STATE, tr.deployment, GearState) or GearState()
+                gear = self.load_gear(tr.deployment) or GearState()
                 config = self.decider.gearbox_config
                 rolled = fold_rollback(gear, tr, env.event_time_ms, config)
-                self.store(TableName.GEAR_STATE, tr.deployment, rolled)
+                self.store_gear(tr.deployment, rolled)
         self._count(env, True)
 
     async def _fold_control(self, env: Envelope[Any], wall_s: float) -> None:
@@ -456,6 +479,7 @@ class StreamProcessor:
         self._dirty_loads.clear()
         self._load_written_ms.clear()
         self._cache.clear()
+        self._gear.forget()
         self._newest_ms.clear()
         # NOTE: _next_offset stays: a partition this worker keeps through the rebalance was read
         # up to there, and faust does not deliver its records again; forgetting it left a worker
