@@ -469,9 +469,10 @@ class OwnershipRecord:
     request_id: str
     replica_id: str | None  # the replica that owns it; None while queued
     prompt_tokens: int
-    max_output_tokens: int
+    max_output_tokens: int  # the client's stated cap
     arrival_s: float
     kind: RequestKind = RequestKind.CHAT
+    sim_output_tokens: int | None = None  # SIMULATED: the simulated model's stop (Request's)
 
 
 PAYLOAD_TYPES: dict[Kind, type] = {

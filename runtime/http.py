@@ -1,9 +1,13 @@
 """HTTP API of a runtime worker (aiohttp).
 
 * ``POST /v1/completions`` — completions-style; body ``{"deployment", "prompt" | "prompt_tokens",
-  "max_tokens", "request_id"?}``. 200 when served (the SIMULATED engine returns token counts and
-  timings, no text), 429 when throttled or the VMM refuses (body names the reason, e.g.
-  ``throttled_watermark``), 503 without a serving plan, 404 for a deployment not served here.
+  "max_tokens", "request_id"?, "simulated_output_tokens"?}``. ``max_tokens`` is the client's cap,
+  all that admission and routing see. ``simulated_output_tokens`` (SIMULATED engine only, e.g.
+  the load generator's drawn length) is where the simulated model stops, as a real one stops at
+  its end-of-sequence token: at most ``max_tokens``; without it the answer runs to the cap.
+  200 when served (the SIMULATED engine returns token counts and timings, no text), 429 when
+  throttled or the VMM refuses (body names the reason, e.g. ``throttled_watermark``), 503
+  without a serving plan, 404 for a deployment not served here.
 * ``GET /status`` — per deployment: serving plan, transition phase, migration queue, shadow plan
   state, replicas, ownership counts (``?ownership=1`` adds the map) and invariant violations.
 * ``POST /control/downshift`` / ``POST /control/pin`` — need ``Authorization: Bearer <token>``
@@ -93,11 +97,14 @@ def parse_completion(body: Any, deployments: tuple[str, ...], now_s: float) -> t
     else:
         raise BadRequest("prompt: a non-empty string or prompt_tokens is required")
     max_tokens = _int_field(body, "max_tokens", 16)
+    stop: int | None = None  # SIMULATED: the simulated model's EOS, for the engine's stop only
+    if "simulated_output_tokens" in body:
+        stop = min(max_tokens, _int_field(body, "simulated_output_tokens", None))
     request_id = body.get("request_id") or f"cmpl-{uuid.uuid4().hex[:16]}"
     if not isinstance(request_id, str) or len(request_id) > 200:
         raise BadRequest("request_id: must be a string of at most 200 characters")
     kind = RequestKind.SUMMARISATION if prompt_tokens >= 2048 else RequestKind.CHAT
-    return deployment, Request(request_id, prompt_tokens, max_tokens, now_s, kind)
+    return deployment, Request(request_id, prompt_tokens, max_tokens, now_s, kind, stop)
 
 
 def _error(status: int, reason: str, message: str, **headers: str) -> web.Response:
@@ -139,7 +146,7 @@ class _Api:
             status = _STATUS_FOR.get(exc.reason, 429)
             headers = {"Retry-After": "1"} if status in (429, 503) else {}
             return _error(status, exc.reason, f"request {req.request_id} refused", **headers)
-        return web.json_response(_completion_body(deployment, result))
+        return web.json_response(_completion_body(deployment, result, req.max_output_tokens))
 
     async def status(self, request: web.Request) -> web.Response:
         """The worker's status (``?ownership=1`` adds the ownership map)."""
@@ -236,7 +243,8 @@ def _command_body(command: ControlCommand) -> dict[str, Any]:
     }
 
 
-def _completion_body(deployment: str, c: Completion) -> dict[str, Any]:
+def _completion_body(deployment: str, c: Completion, max_tokens: int) -> dict[str, Any]:
+    finish = "length" if c.output_tokens >= max_tokens else "stop"  # cap reached, or model's EOS
     return {
         "id": c.request_id,
         "object": "text_completion",
@@ -244,7 +252,7 @@ def _completion_body(deployment: str, c: Completion) -> dict[str, Any]:
         "plan_id": c.plan_id,
         "replica_id": c.replica_id,
         "simulated": True,
-        "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+        "choices": [{"index": 0, "text": "", "finish_reason": finish}],
         "usage": {
             "prompt_tokens": c.prompt_tokens,
             "completion_tokens": c.output_tokens,

@@ -37,6 +37,7 @@ def encode_event(
         req.max_output_tokens,
         req.arrival_s,
         req.kind,
+        req.sim_output_tokens,
     )
     env = envelope.make(record, event_time_ms=now_ms, source=source, seq=seq)
     return key, envelope.encode(env)
@@ -58,6 +59,7 @@ def _request(record: OwnershipRecord) -> Request:
         record.max_output_tokens,
         record.arrival_s,
         record.kind,
+        record.sim_output_tokens,
     )
 
 

@@ -360,7 +360,10 @@ class ServingCore:
                 need = self._kv_need(slot, req, live.generated)
                 if not self.vmm.commit(rid, seq_id, need):
                     continue  # waits for memory; later queue entries may still fit
-            spec = SeqSpec(seq_id, req.prompt_tokens, req.max_output_tokens, live.generated)
+            spec = SeqSpec(
+                seq_id, req.prompt_tokens, req.max_output_tokens, live.generated,
+                req.sim_output_tokens,  # SIMULATED: for the simulated engine's stop only
+            )  # fmt: skip
             if slot.engine.admit(spec, now_s) is not None:
                 return
             live.admissions += 1

@@ -53,13 +53,17 @@ class Request:
 
     request_id: str
     prompt_tokens: int
-    max_output_tokens: int
+    max_output_tokens: int  # the client's stated cap (``max_tokens``), not its future
     arrival_s: float  # simulated or wall time the request arrived, in the caller's clock
     kind: RequestKind = RequestKind.CHAT
+    # SIMULATED ONLY: where the simulated model stops (its EOS), ≤ the cap; None = at the cap.
+    # The simulated engine alone reads it (``SeqSpec.stop_tokens``); no admission, routing,
+    # estimate or scheduling rule may, as no server knows an answer's length before it is out.
+    sim_output_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:
-        """Context length when the request completes."""
+        """Context length if the request runs to its stated cap."""
         return self.prompt_tokens + self.max_output_tokens
 
 

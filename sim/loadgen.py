@@ -10,6 +10,14 @@ mean (σ 0.5 prompts, 0.4 outputs; the mean is preserved), clipped to [16, 4 × 
 request is longer than any plan's KV could hold. Lengths are drawn for every candidate arrival,
 accepted or not, so a change of rate never shifts other requests' lengths.
 
+No foresight: a request states what a client states — its prompt and a ``max_tokens`` cap — and
+not the length its answer will have. The cap is the class's (:func:`client_max_tokens`: the
+longest answer a client of the class accepts, ``4 × the class's mean output``, the same for every
+request of the class) or a fixed ``client_max_tokens``; the drawn length travels apart, as
+:attr:`runtime.types.Request.sim_output_tokens`, to the SIMULATED engine alone, which stops the
+answer there as a real model stops at its end-of-sequence token (over HTTP:
+``simulated_output_tokens``). Admission, routing and estimates see the cap only.
+
 Every (deployment, class) has its own ``random.Random`` seeded from a string (Python hashes
 string seeds with SHA-512: the same requests in every process), so two deployments' arrivals
 are independent. :func:`generate` serves ``flexpipe up`` and the CLI; :func:`scenario_trace`
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -118,6 +127,12 @@ def _tokens(rng: random.Random, mean: float, sigma: float, cap: int) -> int:
     return int(min(max(round(draw), MIN_TOKENS), round(mean * MAX_OVER_MEAN), cap))
 
 
+def client_max_tokens(output_tokens_mean: float, cap: int = 32_768) -> int:
+    """The ``max_tokens`` a client of a class with this mean output states on every request: the
+    longest answer it accepts (the draw's upper clip, so no answer is cut)."""
+    return int(min(round(output_tokens_mean * MAX_OVER_MEAN), cap))
+
+
 def _peak(rates: MixRates | RatesAt, kind: RequestKind, start_s: float, duration_s: float) -> float:
     if isinstance(rates, WorkloadRates):
         return rates.peak(kind)
@@ -136,9 +151,14 @@ def class_arrivals(
     start_s: float = 0.0,
     duration_s: float = 60.0,
     max_tokens: int = 32_768,
+    client_cap: int | None = None,
 ) -> Iterator[Request]:
     """One class's arrivals in ``[start_s, start_s + duration_s)`` from stream ``stream``
-    (a deployment's name), in order; request ids are left empty for the caller to name."""
+    (a deployment's name), in order; request ids are left empty for the caller to name.
+
+    Each states the client's cap as ``max_output_tokens`` (``client_cap``, or the class's
+    :func:`client_max_tokens`) and carries the drawn length, at most the cap, as the SIMULATED
+    ``sim_output_tokens``. ``max_tokens`` clips the drawn lengths (prompt and output)."""
     rates_at = rates if callable(rates) else _constant(rates)
     peak_rps = _peak(rates, kind, start_s, duration_s)
     if peak_rps <= 0:
@@ -154,7 +174,8 @@ def class_arrivals(
         prompt = _tokens(rng, now.prompt_tokens_mean, SIGMA_PROMPT, max_tokens)
         output = _tokens(rng, now.output_tokens_mean, SIGMA_OUTPUT, max_tokens)
         if accept:
-            yield Request("", prompt, output, t, kind)
+            cap = client_cap or client_max_tokens(now.output_tokens_mean, max_tokens)
+            yield Request("", prompt, cap, t, kind, sim_output_tokens=min(output, cap))
 
 
 def generate(
@@ -165,9 +186,11 @@ def generate(
     duration_s: float = 60.0,
     prefix: str = "lg",
     max_tokens: int = 32_768,
+    client_cap: int | None = None,
 ) -> Iterator[Request]:
     """Both classes' requests in ``[start_s, start_s + duration_s)``, in arrival order, named
-    ``<prefix>-<n>``; ``prefix`` (a deployment's name) also picks the random streams."""
+    ``<prefix>-<n>``; ``prefix`` (a deployment's name) also picks the random streams. Each states
+    a client's cap, not its length (see :func:`class_arrivals`)."""
     streams = [
         class_arrivals(
             rates,
@@ -177,6 +200,7 @@ def generate(
             start_s=start_s,
             duration_s=duration_s,
             max_tokens=max_tokens,
+            client_cap=client_cap,
         )
         for kind in (RequestKind.CHAT, RequestKind.SUMMARISATION)
     ]
@@ -186,13 +210,7 @@ def generate(
     while heads:
         heads.sort(key=lambda h: (h[0].arrival_s, h[0].kind))
         request, stream = heads.pop(0)
-        yield Request(
-            f"{prefix}-{count}",
-            request.prompt_tokens,
-            request.max_output_tokens,
-            request.arrival_s,
-            request.kind,
-        )
+        yield dataclasses.replace(request, request_id=f"{prefix}-{count}")
         count += 1
         following = next(stream, None)
         if following is not None:
@@ -201,7 +219,11 @@ def generate(
 
 def scenario_trace(scenario: Scenario, duration_s: float, seed: int) -> dict[str, list[Request]]:
     """Every deployment's arrivals over ``[0, duration_s)``, both classes merged in arrival
-    order (ties by id); ids ``<deployment>/<c|s><n>``. The same for every system of a run."""
+    order (ties by id); ids ``<deployment>/<c|s><n>``. The same for every system of a run.
+
+    NOTE: this trace (``bench.fragmented``'s, through ``runtime.host``) still states each drawn
+    length as ``max_output_tokens``, as before the live load generator stated a cap; its bytes,
+    and the committed results, are kept."""
     out: dict[str, list[Request]] = {}
     for dep in scenario.deployments:
         rates = rates_from_workload(dep.workload)
@@ -214,7 +236,7 @@ def scenario_trace(scenario: Scenario, duration_s: float, seed: int) -> dict[str
                 Request(
                     f"{dep.name}/{kind.value[0]}{i}",
                     r.prompt_tokens,
-                    r.max_output_tokens,
+                    r.sim_output_tokens or r.max_output_tokens,
                     r.arrival_s,
                     kind,
                 )
@@ -300,8 +322,10 @@ async def _post(
     body: dict[str, Any] = {
         "request_id": request.request_id,
         "prompt_tokens": request.prompt_tokens,
-        "max_tokens": request.max_output_tokens,
+        "max_tokens": request.max_output_tokens,  # the client's cap
     }
+    if request.sim_output_tokens is not None:  # SIMULATED: where the simulated model stops
+        body["simulated_output_tokens"] = request.sim_output_tokens
     if deployment is not None:
         body["deployment"] = deployment
     report.sent += 1
@@ -333,6 +357,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scenario", default=None, help="take rates from this scenario file")
     parser.add_argument("--chat-rps", type=float, default=None)
     parser.add_argument("--summarisation-rps", type=float, default=None)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="the cap every request states (default: "
+        "the class's, 4 × its mean output); answers longer than it are cut there",
+    )
     args = parser.parse_args(argv)
     rates: MixRates | RatesAt = MixRates.default()
     if args.scenario:
@@ -348,7 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         chat = (args.chat_rps or 0.0) / base.chat.arrival_rps
         summ = (args.summarisation_rps or 0.0) / base.summarisation.arrival_rps
         rates = base.scaled(chat, summ)
-    requests = generate(rates, seed=args.seed, start_s=args.start, duration_s=args.duration)
+    requests = generate(
+        rates, seed=args.seed, start_s=args.start, duration_s=args.duration,
+        client_cap=args.max_tokens,
+    )  # fmt: skip
     report = asyncio.run(run_http(args.url, requests, deployment=args.deployment, speed=args.speed))
     print(json.dumps(report.summary(), indent=2))
     return 0

@@ -237,7 +237,8 @@ async def drive_load(
         record.admissions[(dep, str(admission.reason))] += 1
         tracked = on_demand if on_demand is not None and dep in on_demand.slo_ms else None
         if tracked is not None:
-            tracked.offer(dep, request.max_output_tokens)
+            # the answer's simulated length (the ledger's truth), not the cap the client stated
+            tracked.offer(dep, request.sim_output_tokens or request.max_output_tokens)
         if fut is None:
             record.rejections.append((worker.now_s(), dep, str(admission.reason)))
             if tracked is not None:

@@ -54,13 +54,22 @@ class SeqSpec:
 
     seq_id: str
     prompt_tokens: int
-    max_output_tokens: int
+    max_output_tokens: int  # the client's stated cap: what admission and progress report
     generated_tokens: int = 0  # a replay re-prefills prompt + these and continues after them
+    sim_output_tokens: int | None = None  # SIMULATED: the simulated model's EOS (Request's)
 
     @property
     def context_tokens(self) -> int:
         """Tokens whose KV the sequence holds."""
         return self.prompt_tokens + self.generated_tokens
+
+    @property
+    def stop_tokens(self) -> int:
+        """SIMULATED: the output length at which a simulated engine finishes the sequence (the
+        simulated model's EOS, or the cap). Only an engine's stopping may read it."""
+        if self.sim_output_tokens is None:
+            return self.max_output_tokens
+        return max(1, min(self.max_output_tokens, self.sim_output_tokens))
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,7 +109,7 @@ class RunningBatch:
         q.v0 = self.v
         # NOTE: as in a token-by-token engine, a running sequence decodes at least once more
         # before it finishes.
-        q.finish_v = self.v + max(1, q.spec.max_output_tokens - q.gen0)
+        q.finish_v = self.v + max(1, q.spec.stop_tokens - q.gen0)
         self.seqs[q.spec.seq_id] = q
         self._a_sum += q.kv0 - q.v0
         self._serial += 1

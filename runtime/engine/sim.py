@@ -38,6 +38,7 @@ utilisation and latency measurements.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from runtime.engine.base import (
     EngineFault,
@@ -299,7 +300,7 @@ class SimEngine:
             if q is None or q.state is not SeqState.RUNNING:
                 continue
             self._batch.stop(q, SeqState.PAUSED)
-            spec = SeqSpec(sid, q.spec.prompt_tokens, q.spec.max_output_tokens, q.gen0)
+            spec = replace(q.spec, generated_tokens=q.gen0)
             out.append(KvExport(spec, q.kv0 * self._kv_total_per_token))
         self._mutated()
         return tuple(out)
@@ -641,7 +642,7 @@ class SimEngine:
         if q.gen0 == 0:  # the prefill's logits give the first output token
             q.gen0 = 1
             acc.first_tokens.append(FirstToken(sid, end_s))
-            if q.gen0 >= q.spec.max_output_tokens:
+            if q.gen0 >= q.spec.stop_tokens:  # the simulated model's EOS
                 acc.finished.append(Finished(sid, end_s, q.gen0))
                 self._drop([sid])
                 return

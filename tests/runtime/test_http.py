@@ -46,7 +46,7 @@ class FakeWorker:
                 "xp-1",
                 "dp-1",
                 request.prompt_tokens,
-                request.max_output_tokens,
+                request.sim_output_tokens or request.max_output_tokens,  # the simulated stop
                 0.0,
                 0.25,
                 1.0,
@@ -163,7 +163,23 @@ async def test_completion_body(client: TestClient[Any, Any], worker: FakeWorker)
     assert resp.status == 200 and body["id"] == "abc" and body["simulated"] is True
     assert body["usage"] == {"prompt_tokens": 100, "completion_tokens": 32, "total_tokens": 132}
     assert body["timing"]["ttft_ms"] == 250.0
+    assert body["choices"][0]["finish_reason"] == "length"
     assert worker.requests[0].prompt_tokens == 100
+
+
+async def test_the_simulated_length_reaches_the_engine_apart_from_the_cap(
+    client: TestClient[Any, Any], worker: FakeWorker
+) -> None:
+    body = {"prompt_tokens": 40, "max_tokens": 512, "simulated_output_tokens": 7}
+    resp = await client.post("/v1/completions", json=body)
+    out = await resp.json()
+    assert resp.status == 200 and out["usage"]["completion_tokens"] == 7
+    assert out["choices"][0]["finish_reason"] == "stop"  # the simulated model's EOS
+    req = worker.requests[0]
+    assert (req.max_output_tokens, req.sim_output_tokens) == (512, 7)
+    body = {"prompt_tokens": 40, "max_tokens": 5, "simulated_output_tokens": 70}
+    await client.post("/v1/completions", json=body)
+    assert worker.requests[1].sim_output_tokens == 5  # never past the client's cap
 
 
 @pytest.mark.parametrize(
@@ -173,6 +189,7 @@ async def test_completion_body(client: TestClient[Any, Any], worker: FakeWorker)
         ({"max_tokens": 5}, 400),
         ({"prompt_tokens": 0}, 400),
         ({"prompt_tokens": 10, "max_tokens": "many"}, 400),
+        ({"prompt_tokens": 10, "simulated_output_tokens": 0}, 400),
         ({"prompt_tokens": 10, "deployment": "elsewhere"}, 404),
     ],
 )

@@ -14,6 +14,7 @@ from sim.loadgen import (
     MIN_TOKENS,
     ClassRate,
     MixRates,
+    client_max_tokens,
     generate,
     rates_from_workload,
     run_http,
@@ -43,8 +44,33 @@ def test_rates_and_token_means_follow_the_mix() -> None:
     assert len(chat) / 2000 == pytest.approx(5.0, rel=0.05)
     assert len(summ) / 2000 == pytest.approx(1.0, rel=0.1)
     assert sum(r.prompt_tokens for r in summ) / len(summ) == pytest.approx(6000, rel=0.1)
-    assert sum(r.max_output_tokens for r in chat) / len(chat) == pytest.approx(200, rel=0.1)
+    lengths = [r.sim_output_tokens or 0 for r in chat]
+    assert sum(lengths) / len(chat) == pytest.approx(200, rel=0.1)
     assert min(r.prompt_tokens for r in requests) >= 1
+
+
+@pytest.mark.unit
+def test_a_request_states_its_classs_cap_not_its_length() -> None:
+    requests = list(generate(RATES, seed=1, duration_s=600))
+    for kind, mean in ((RequestKind.CHAT, 200), (RequestKind.SUMMARISATION, 400)):
+        some = [r for r in requests if r.kind is kind]
+        assert {r.max_output_tokens for r in some} == {client_max_tokens(mean)}  # one cap a class
+        lengths = [r.sim_output_tokens for r in some]
+        assert all(x is not None and MIN_TOKENS <= x <= r.max_output_tokens
+                   for x, r in zip(lengths, some, strict=True))  # fmt: skip
+        assert len(set(lengths)) > 50  # the lengths vary; the cap does not
+    fixed = list(generate(RATES, seed=1, duration_s=600, client_cap=300))
+    assert {r.max_output_tokens for r in fixed} == {300}
+    assert max(r.sim_output_tokens or 0 for r in fixed) == 300  # longer answers cut at the cap
+    assert [r.arrival_s for r in fixed] == [r.arrival_s for r in requests]
+
+
+@pytest.mark.unit
+def test_the_scenario_trace_keeps_its_bytes() -> None:
+    # bench.fragmented's trace still carries each drawn length as max_output_tokens
+    trace = scenario_trace(load_scenario(SEED_FRAGMENTED), 600.0, seed=4)["chat-70b"]
+    assert all(r.sim_output_tokens is None for r in trace)
+    assert len({r.max_output_tokens for r in trace}) > 50
 
 
 @pytest.mark.unit
@@ -68,6 +94,12 @@ async def test_replays_requests_over_http() -> None:
         requests = list(generate(RATES, seed=5, duration_s=4))
         report = await run_http(url, requests, speed=40.0)
         assert report.sent == len(requests) == report.ok
+        # the body states the cap as max_tokens; the drawn length goes to the simulated engine
+        # apart (simulated_output_tokens), the way a real model's EOS would end the answer
+        sent = {r.request_id: r for r in requests}
+        for got in worker.requests:
+            assert got.max_output_tokens == sent[got.request_id].max_output_tokens
+            assert got.sim_output_tokens == sent[got.request_id].sim_output_tokens
         worker.reason = Reason.THROTTLED_WATERMARK
         refused = await run_http(url, requests[:5], speed=40.0)
         assert refused.statuses[429] == 5 and refused.reasons["throttled_watermark"] == 5
