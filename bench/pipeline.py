@@ -650,6 +650,7 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
         "decision_processing_s_mean": _mean_seconds(
             metrics, "flexpipe_streams_decision_processing_seconds"
         ),
+        "topology_stages_ms": _stages_ms(metrics, "flexpipe_streams_topology_stage_seconds"),
         "polling_baseline_p99_ms": _ms(_percentile(poll_latencies, 0.99)),
         "polling_baseline_p50_ms": _ms(_percentile(poll_latencies, 0.50)),
         "polling_baseline_preemptions": len(poll_latencies),
@@ -674,6 +675,49 @@ def _mean_seconds(metrics: dict[str, float], name: str) -> float | None:
     total = sum(v for k, v in metrics.items() if k.startswith(f"{name}_sum"))
     count = sum(v for k, v in metrics.items() if k.startswith(f"{name}_count"))
     return round(total / count, 4) if count else None
+
+
+_STAGE = re.compile(r'stage="(?P<stage>[^"]+)"')
+_LE = re.compile(r'le="(?P<le>[^"]+)"')
+
+
+def _stages_ms(metrics: dict[str, float], name: str) -> dict[str, dict[str, float | None]]:
+    """Each stage of the worker's histogram ``name``: count, mean, p50 and p99 (interpolated
+    inside its bucket, as Prometheus' ``histogram_quantile``), in ms."""
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    for key, value in metrics.items():
+        if not key.startswith(f"{name}_bucket{{"):
+            continue
+        label, le = _STAGE.search(key), _LE.search(key)
+        if label and le:
+            buckets.setdefault(label["stage"], []).append((float(le["le"]), value))
+    out: dict[str, dict[str, float | None]] = {}
+    for stage, rows in sorted(buckets.items()):
+        rows.sort()
+        count = rows[-1][1]
+        total = metrics.get(f'{name}_sum{{stage="{stage}"}}', 0.0)
+        out[stage] = {
+            "count": count,
+            "mean": _ms(1000 * total / count) if count else None,
+            "p50": _ms(1000 * _bucket_quantile(rows, 0.50)),
+            "p99": _ms(1000 * _bucket_quantile(rows, 0.99)),
+        }
+    return out
+
+
+def _bucket_quantile(rows: list[tuple[float, float]], q: float) -> float:
+    count = rows[-1][1] if rows else 0.0
+    if not count:
+        return float("nan")
+    rank = q * count
+    lower, below = 0.0, 0.0
+    for le, cumulative in rows:
+        if cumulative >= rank:
+            if le == float("inf"):
+                return lower  # past the last finite bucket: its bound, a lower bound
+            return lower + (le - lower) * (rank - below) / max(cumulative - below, 1e-12)
+        lower, below = le, cumulative
+    return lower
 
 
 async def _answered(triggers: Triggers, timeout_s: float) -> None:

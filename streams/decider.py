@@ -342,7 +342,9 @@ class Decider:
                 # NOTE: the step (gearbox) runs off the event loop, so telemetry keeps folding
                 # meanwhile: its input is an immutable snapshot taken here, and the lock keeps
                 # the tables it writes from changing until its result is stored.
+                started_s = e.wall()
                 out = None if inp is None else await self._step(inp)
+                stepped_s = e.wall()
                 if not self.accepting:
                     break  # NOTE: revoked meanwhile: what was sent is still awaited and stored
                 if out is None:
@@ -353,6 +355,8 @@ class Decider:
                 outs.append((name, out, trigger, nodes_version))
                 # NOTE: sent at once: a decision does not wait for the batch's later steps
                 sends.append(asyncio.ensure_future(self._send(name, out)))
+                if name in first and trigger.kind is Trigger.TOPOLOGY_CHANGE:
+                    self._time_stages(sends[-1], received_wall_s, started_s, stepped_s)
             if not outs:
                 return
             await asyncio.wait(sends, timeout=PUBLISH_WAIT_S)
@@ -370,6 +374,21 @@ class Decider:
                 else:
                     self._stored(name, out, trigger, received_wall_s)
                     self._nodes_seen[name] = nodes_version
+
+    def _time_stages(
+        self, sent: asyncio.Future[None], received_s: float, started_s: float, stepped_s: float
+    ) -> None:
+        """Observe a disturbed deployment's wait, step and publish stages once ``sent`` ends."""
+        stage = self.engine.metrics.forced_stage
+
+        def acknowledged(fut: asyncio.Future[None]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                return
+            stage.labels("wait").observe(max(0.0, started_s - received_s))
+            stage.labels("step").observe(max(0.0, stepped_s - started_s))
+            stage.labels("publish").observe(max(0.0, self.engine.wall() - stepped_s))
+
+        sent.add_done_callback(acknowledged)
 
     def _order(self, wanted: Mapping[str, TriggerInfo]) -> RoundOrder:
         """The round's order (:func:`streams.step.decision_order`) on the view now."""

@@ -55,6 +55,16 @@ class StreamsMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=registry,
         )
+        self.forced_stage = Histogram(
+            "flexpipe_streams_topology_stage_seconds",
+            "Where a topology decision's time went: fold (a cluster event's event time to its"
+            " fold, every applied event), and for the deployments whose plan it disturbed, wait"
+            " (folded to its step's start: debounce, the round before, earlier steps), step,"
+            " publish (step's end to the broker's acknowledgement)",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
         self.decisions = Counter(
             "flexpipe_streams_decisions",
             "Decisions published, by outcome and trigger",

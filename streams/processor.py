@@ -320,9 +320,13 @@ class StreamProcessor:
         self.view.apply_node(new)
         description = _describe(ev)
         info = TriggerInfo(Trigger.TOPOLOGY_CHANGE, env.event_time_ms, description)
+        wall_s = self.wall()
+        self.metrics.forced_stage.labels("fold").observe(
+            max(0.0, wall_s - env.event_time_ms / 1000)
+        )
         for dep in self.deployments:
             if self.decider.owns(dep.name):
-                self.decider.submit(dep.name, info, self.wall())
+                self.decider.submit(dep.name, info, wall_s)
         for dep in self.deployments:
             message = TriggerMessage(
                 dep.name, Trigger.TOPOLOGY_CHANGE, env.event_time_ms, description, new
