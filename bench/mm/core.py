@@ -85,6 +85,8 @@ class Seq:
     preemptions: int = 0
     spans: list[tuple[float, float]] = field(default_factory=list)  # engine steps it ran in
     kv_byte_s: float = 0.0  # ∫ KV bytes held while running
+    computed: bool = False  # ran a step: a later prefill of it recomputes thrown-away KV
+    useful_gpu_s: float = 0.0  # its first prefill + its share of the decode cycles it ran in
 
     @property
     def request_id(self) -> str:
@@ -116,6 +118,8 @@ class _Step:
     cycle_s: float  # one decode cycle, before sharing
     sharing: int  # instances time-slicing the GPU when it started
     end_s: float
+    first_prefill_s: dict[str, float] = field(default_factory=dict)  # seq → its first prefill
+    recompute_s: float = 0.0  # prefill of preempted sequences' context, computed before
 
     def token_end_s(self, k: int) -> float:
         """When the step's ``k``-th decode token is out."""
@@ -319,6 +323,7 @@ class Simulator:
         self._serial += 1
         iid = f"{profile.name}@{gpu_uuid}"
         ready_s = self.now_s + timing.weight_load_s()
+        self.metrics.load_gpu_s += timing.weight_load_s()
         inst = Instance(iid, self._serial, profile, gpu_uuid, timing, weight_bytes, ready_s)
         inst.kv_pool_bytes = kv_pool_bytes
         inst.last_request_s = self.now_s
@@ -526,7 +531,10 @@ class Simulator:
         if not inst.running:
             return  # everything preempted: it resumes when memory frees on the GPU
         batch = list(inst.running.values())
-        prefill_s = sum(inst.timing.prefill_s(s.context) for s in batch if not s.prefilled)
+        prefills = {
+            s.request_id: inst.timing.prefill_s(s.context) for s in batch if not s.prefilled
+        }
+        prefill_s = sum(prefills.values())
         mean_context = sum(s.context for s in batch) / len(batch) + tokens / 2
         cycle_s = inst.timing.decode_cycle_s(len(batch), mean_context)
         sharing = sum(1 for i in self.instances_on(inst.gpu_uuid) if i.step or i is inst)
@@ -534,6 +542,12 @@ class Simulator:
             if seq.first_token_s is None:
                 seq.first_token_s = self.now_s + (prefill_s + cycle_s) * sharing
         step = _Step(self.now_s, tokens, prefill_s, cycle_s, sharing, 0.0)
+        for seq in batch:
+            if seq.request_id in prefills:
+                if seq.computed:
+                    step.recompute_s += prefills[seq.request_id]
+                else:
+                    step.first_prefill_s[seq.request_id] = prefills[seq.request_id]
         step.end_s = step.token_end_s(tokens)
         inst.step = step
         self._push(step.end_s, _Kind.STEP_END, (inst.iid, inst.serial))
@@ -556,11 +570,18 @@ class Simulator:
         self._push(step.end_s, _Kind.STEP_END, (inst.iid, inst.serial))
 
     def _on_step_end(self, inst: Instance) -> None:
-        assert inst.step is not None
-        start_s, tokens = inst.step.start_s, inst.step.tokens
+        step = inst.step
+        assert step is not None
+        start_s, tokens = step.start_s, step.tokens
         inst.step = None
         finished = False
+        decode_gpu_s = tokens * step.cycle_s  # GPU time, before time-slicing stretched it
+        self.metrics.step_gpu_s += step.prefill_s + decode_gpu_s
+        self.metrics.recompute_gpu_s += step.recompute_s
+        share_s = decode_gpu_s / max(1, len(inst.running))
         for seq in list(inst.running.values()):
+            seq.useful_gpu_s += step.first_prefill_s.get(seq.request_id, 0.0) + share_s
+            seq.computed = True
             seq.kv_byte_s += seq.kv_tokens * inst.kv_bytes_per_token * (self.now_s - start_s)
             seq.generated += tokens
             seq.prefilled = True
@@ -578,6 +599,7 @@ class Simulator:
         m.served_requests += 1
         m.served_tokens += request.prompt_tokens + request.output_tokens
         m.busy.setdefault(inst.gpu_uuid, []).extend(seq.spans)
+        m.useful_gpu_s += seq.useful_gpu_s
         m.kv_byte_s += seq.kv_byte_s
         assert seq.first_token_s is not None
         ttft_s = seq.first_token_s - request.arrival_s

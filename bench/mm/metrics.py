@@ -7,6 +7,16 @@ Definitions (the same for every system):
   ``nvidia-smi`` "GPU utilisation" notion: kernel time, not FLOP efficiency). Work of requests
   that time out or are lost to an eviction does not count; recomputation after a preemption
   does (the GPU was busy with it).
+* ``useful_frac`` — useful utilisation: GPU-seconds of work that delivered tokens / (GPUs ×
+  duration). A request that completes contributes its first prefill and, of every engine step it
+  ran in, an equal share of the step's decode time (time before a time-sliced GPU stretched it).
+  Not counted: the prefill that recomputes a preempted sequence's context (``recompute_frac``),
+  model loads (``load_frac``), and the shares of requests that never completed (timed out,
+  evicted, unfinished). It is a share of GPU time, as ``busy_frac`` is; it does not credit a
+  bigger batch (a step at batch 1 that delivers one token a sequence counts in full).
+* ``engine_frac`` — GPU-seconds of every engine step, served or not, recompute included / (GPUs
+  × duration); ``recompute_frac`` its recompute prefill part; ``load_frac`` — GPU-seconds spent
+  loading weights (every load and reload) / (GPUs × duration), counted in neither figure above.
 * ``tokens_per_busy_gpu_s`` — served tokens per busy GPU-second: how much the busy time bought
   (spreading a model thin keeps more GPUs busy at smaller batches).
 * ``mem_util`` — memory utilisation by served work: the time-average of (weights of ready
@@ -67,6 +77,10 @@ class Metrics:
     evicted_with_active: int = 0  # evicted while holding running or queued requests (must be 0)
     placement_queued: int = 0  # placement attempts that found no GPU
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # gpu → served spans
+    useful_gpu_s: float = 0.0  # GPU time of work that delivered tokens (see useful_frac)
+    step_gpu_s: float = 0.0  # GPU time of every engine step
+    recompute_gpu_s: float = 0.0  # its prefill of preempted sequences' context, computed before
+    load_gpu_s: float = 0.0  # weight loads, reloads included
     kv_byte_s: float = 0.0  # ∫ KV bytes of served requests dt
     weight_byte_s: float = 0.0  # ∫ weight bytes of ready instances dt
     dead_frac_sum: float = 0.0
@@ -101,6 +115,10 @@ class Metrics:
             "placement_queued": self.placement_queued,
             "busy_frac": busy_s / (num_gpus * duration_s),
             "tokens_per_busy_gpu_s": self.served_tokens / busy_s if busy_s else 0.0,
+            "useful_frac": self.useful_gpu_s / (num_gpus * duration_s),
+            "engine_frac": self.step_gpu_s / (num_gpus * duration_s),
+            "recompute_frac": self.recompute_gpu_s / (num_gpus * duration_s),
+            "load_frac": self.load_gpu_s / (num_gpus * duration_s),
             "mem_util": (self.kv_byte_s + self.weight_byte_s) / (capacity_bytes * duration_s),
             "dead_frac": self.dead_frac_sum / samples,
             "dead_share": self.dead_share_sum / samples,

@@ -120,6 +120,29 @@ def test_kv_growth_past_memory_preempts_instead_of_crashing(system: str) -> None
 
 
 @pytest.mark.unit
+def test_useful_utilisation_leaves_out_recompute_loads_and_unserved_work() -> None:
+    # The preemption case above: the younger sequence's context is prefilled twice.
+    prompt = A10_KV_ROOM // KV_PER_TOKEN // 2 - 600
+    requests = (request(0, prompt, 1000, 100.0), request(1, prompt, 1000, 100.5))
+    scenario = make_single_gpu_scenario(requests)
+    sim = Simulator(scenario, PlacementConfig())
+    metrics = sim.run(ModelAwareRoundRobin(sim))
+    assert metrics.preemptions >= 1 and metrics.served_requests == 2
+    assert metrics.recompute_gpu_s > 0  # the second prefill of the preempted context …
+    # … is engine time but not useful time; with nothing lost, the rest is useful
+    assert metrics.useful_gpu_s == pytest.approx(metrics.step_gpu_s - metrics.recompute_gpu_s)
+    timing = sim.timing(scenario.models[0], scenario.cluster.gpus[0].uuid)
+    assert metrics.load_gpu_s == pytest.approx(metrics.loads * timing.weight_load_s())
+    figures = metrics.summary(24 * GIB, 1, scenario.duration_s)
+    assert figures["useful_frac"] < figures["engine_frac"]
+    # a request that never completes adds engine time and no useful time
+    lost = dataclasses.replace(scenario, duration_s=110.0)
+    sim = Simulator(lost, PlacementConfig())
+    cut = sim.run(ModelAwareRoundRobin(sim))
+    assert cut.served_requests == 0 and cut.step_gpu_s > 0 and cut.useful_gpu_s == 0
+
+
+@pytest.mark.unit
 def test_an_arrival_joins_the_batch_at_the_next_token_not_the_next_chunk() -> None:
     # A long generation is mid-chunk (32 tokens, ~0.7 s on an A10) when a short one arrives.
     requests = (request(0, 100, 1000, 100.0), request(1, 100, 10, 100.3))
@@ -226,6 +249,12 @@ def test_json_line_matches_results_file(tmp_path: Path, capsys: pytest.CaptureFi
         "calibration_ms",
     }
     assert required <= set(last)
+    reported = {
+        "useful_util_ratio_vs_naive_rr_median",
+        "useful_util_ratio_vs_model_aware_rr_median",
+    }
+    assert reported <= set(last) and {"busy_frac", "useful_frac"} <= set(last["definitions"])
+    assert set(last["targets"]) == {f for f in required if f != "calibration_ms"}  # no new target
     del last["wall_s"], last["calibration_ms"]
     written = json.loads(out.read_text())
     assert last == written["summary"]
