@@ -134,7 +134,7 @@ def test_useful_utilisation_leaves_out_recompute_loads_and_unserved_work() -> No
     timing = sim.timing(scenario.models[0], scenario.cluster.gpus[0].uuid)
     assert metrics.load_gpu_s == pytest.approx(metrics.loads * timing.weight_load_s())
     figures = metrics.summary(24 * GIB, 1, scenario.duration_s)
-    assert figures["useful_frac"] < figures["engine_frac"]
+    assert float(figures["useful_frac"]) < float(figures["engine_frac"])  # type: ignore[arg-type]
     # a request that never completes adds engine time and no useful time
     lost = dataclasses.replace(scenario, duration_s=110.0)
     sim = Simulator(lost, PlacementConfig())
