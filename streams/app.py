@@ -46,6 +46,7 @@ from streams.health import (
 )
 from streams.intake import DeadLetterReason, Rejected, SourceTopic
 from streams.metrics import StreamsMetrics
+from streams.peek import ClusterPeek
 from streams.ports import Message, TableName
 from streams.processor import ProcessorTopics, StreamProcessor
 from streams.readers import KafkaDecisionLog, ViewReader, partition_for
@@ -317,17 +318,26 @@ def create_app(
         worker=worker,
     )
     failures = FailureLog(cfg.streams.max_tick_failures)
+    cluster_topic = topic_name(cfg, Topic.CLUSTER)
+    peek = ClusterPeek(cfg, engine, cluster_topic)
     _agents(app, cfg, engine)
     _triggers_agent(app, cfg, engine, triggers, failures)
     _housekeeping(app, cfg, engine, tables, decision_log, failures)
 
     async def _revoked(_sender: Any, /, *_args: Any, signal: Any, **_kwargs: Any) -> None:
+        peek.revoked()
         await engine.decider.on_revoked()
 
     async def _assigned(_sender: Any, /, *_args: Any, signal: Any, **_kwargs: Any) -> None:
         current = app.consumer.assignment()  # the whole assignment, not only the news
         owned["partitions"] = {tp.partition for tp in current if tp.topic == triggers}
         engine.decider.on_assigned()
+        peek.assigned({tp.partition for tp in current if tp.topic == cluster_topic})
+
+    @app.task
+    async def _peek() -> None:
+        await app.writable.wait()
+        await peek.run()
 
     app.on_partitions_revoked.connect(_revoked)
     app.on_partitions_assigned.connect(_assigned)

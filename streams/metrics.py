@@ -65,6 +65,11 @@ class StreamsMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=registry,
         )
+        self.cluster_peeked = Counter(
+            "flexpipe_streams_cluster_peeked",
+            "Cluster events folded by the worker's own cluster consumer, ahead of faust's delivery",
+            registry=registry,
+        )
         self.decisions = Counter(
             "flexpipe_streams_decisions",
             "Decisions published, by outcome and trigger",

@@ -112,6 +112,7 @@ class StreamProcessor:
         self.input_current = True
         self._newest_ms: dict[tuple[str, int], int] = {}  # per input partition: newest event
         self._next_offset: dict[tuple[str, int], int] = {}  # per input partition: next to process
+        self._peeked_to: dict[tuple[str, int], int] = {}  # per cluster partition: after the peek
         self._gpus: dict[str, GpuState] = {}
         self._published: dict[str, GpuState] = {}
         self._dirty_gpus: set[str] = set()
@@ -187,8 +188,18 @@ class StreamProcessor:
 
     # ---- intake -----------------------------------------------------------------------------
 
-    async def on_message(self, src: SourceTopic, msg: Message) -> None:
-        """Admit, fold and route one consumed message; bad input ends in the dead-letter topic."""
+    async def on_message(self, src: SourceTopic, msg: Message, *, peeked: bool = False) -> None:
+        """Admit, fold and route one consumed message; bad input ends in the dead-letter topic.
+
+        ``peeked``: a cluster event read ahead of faust's delivery (:mod:`streams.peek`); faust's
+        delivery of it later is passed over (until the next rebalance, see :meth:`forget`).
+        """
+        if src is SourceTopic.CLUSTER:
+            where = (msg.topic, msg.partition)
+            if peeked:
+                self._peeked_to[where] = msg.offset + 1
+            elif msg.offset < self._peeked_to.get(where, -1):
+                return
         wall_s = self.wall()
         verdict = admit(
             src,
@@ -484,6 +495,9 @@ class StreamProcessor:
         self._load_written_ms.clear()
         self._cache.clear()
         self._gear.forget()
+        # NOTE: faust delivers again from the committed offset what another worker may have
+        # folded since: it folds once more (folds drop duplicates), not passed over
+        self._peeked_to.clear()
         self._newest_ms.clear()
         # NOTE: _next_offset stays: a partition this worker keeps through the rebalance was read
         # up to there, and faust does not deliver its records again; forgetting it left a worker
