@@ -9,6 +9,8 @@ the true length, the commits or the routers' estimates below would differ.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gearbox.config import DEFAULT_CONFIG
@@ -93,3 +95,31 @@ def test_the_engine_stops_at_the_simulated_length_and_reports_the_cap(mode: KvAd
     else:
         assert pager.held["s"] < paged(100 + 400)
     assert [(f.seq_id, f.output_tokens) for f in finished] == [("s", 30)]
+
+
+# Where the simulated length may be named at all: carried (the request, the journal, the HTTP
+# body, the serving core building the engine's spec) or read by a simulated engine's stop.
+ALLOWED = {
+    "runtime/types.py",
+    "runtime/engine/base.py",
+    "runtime/engine/batch.py",
+    "runtime/engine/sim.py",
+    "runtime/serving.py",
+    "runtime/ownership.py",
+    "runtime/http.py",
+    "flexpipe/schemas.py",
+}
+
+
+def test_only_the_carriers_and_the_simulated_engine_name_the_true_length() -> None:
+    root = Path(__file__).resolve().parents[2]
+    names = ("sim_output_tokens", "stop_tokens", "simulated_output_tokens")
+    naming = {
+        str(path.relative_to(root))
+        for package in ("runtime", "gearbox", "streams", "flexpipe")
+        for path in (root / package).rglob("*.py")
+        if any(name in path.read_text() for name in names)
+    }
+    assert naming <= ALLOWED, f"reads the true output length: {sorted(naming - ALLOWED)}"
+    serving = (root / "runtime/serving.py").read_text()
+    assert serving.count("sim_output_tokens") == 1  # only into the engine's SeqSpec
