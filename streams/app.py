@@ -348,16 +348,11 @@ def create_app(
 def _agents(app: StreamsApp, cfg: FlexPipeConfig, engine: StreamProcessor) -> None:
     by_topic = {topic_name(cfg, topic): src for src, topic in _SOURCES.items()}
 
-    hot = (SourceTopic.GPU, SourceTopic.LAUNCHES, SourceTopic.NODE)
-    intake_open = engine.decider.intake_open
-
     async def agent(stream: Any) -> None:
         await app.writable.wait()
         async for event in stream.events():
             m = event.message
             src = by_topic[m.topic]
-            if src in hot and not intake_open.is_set():
-                await intake_open.wait()  # NOTE: a forced decision's step runs meanwhile
             msg = Message(m.topic, m.partition, m.offset, event.key, event.value)
             try:
                 await engine.on_message(src, msg)
@@ -371,6 +366,7 @@ def _agents(app: StreamsApp, cfg: FlexPipeConfig, engine: StreamProcessor) -> No
     # topology triggers) and one over the rest: a trigger never queues behind a telemetry
     # backlog inside an agent's buffer, nor behind a transition that waits for the decider's
     # lock while a decision is being published (the runtime answers every decision with one).
+    hot = (SourceTopic.GPU, SourceTopic.LAUNCHES, SourceTopic.NODE)
     for name, sources in (
         ("telemetry", hot),
         ("cluster", (SourceTopic.CLUSTER,)),

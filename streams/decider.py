@@ -132,18 +132,6 @@ class Decider:
         # deployment → the view's ``nodes_version`` its last stored decision saw
         self._nodes_seen: dict[str, int] = {}
         self._log_lock = asyncio.Lock()  # NOTE: one consumer reads the log: one read at a time
-        # NOTE: cleared while the step of a deployment whose plan the view disturbed runs: the
-        # telemetry agent waits for it (see :attr:`intake_open`)
-        self._intake_open = asyncio.Event()
-        self._intake_open.set()
-
-    @property
-    def intake_open(self) -> asyncio.Event:
-        """Set unless a forced decision's step is running. The step runs on the decision thread
-        and shares the interpreter lock with the event loop, which switches between them every
-        few ms: while the loop folds a telemetry backlog, the step took twice its CPU time or
-        more. Telemetry waits for it instead (cluster events do not: :mod:`streams.peek`)."""
-        return self._intake_open
 
     @property
     def lock(self) -> asyncio.Lock:
@@ -355,12 +343,7 @@ class Decider:
                 # meanwhile: its input is an immutable snapshot taken here, and the lock keeps
                 # the tables it writes from changing until its result is stored.
                 started_s = e.wall()
-                if name in first:
-                    self._intake_open.clear()
-                try:
-                    out = None if inp is None else await self._step(inp)
-                finally:
-                    self._intake_open.set()
+                out = None if inp is None else await self._step(inp)
                 stepped_s = e.wall()
                 if not self.accepting:
                     break  # NOTE: revoked meanwhile: what was sent is still awaited and stored

@@ -110,11 +110,6 @@ class Decisions(Protocol):
         """Held while deciding; table writes that a decision reads take it too."""
         ...
 
-    @property
-    def intake_open(self) -> asyncio.Event:
-        """Cleared while a forced decision's step runs: telemetry intake waits for it."""
-        ...
-
     owns: Callable[[str], bool]  # whether this worker decides for a deployment
 
     async def tick(self) -> None:
