@@ -655,6 +655,9 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
         "topology_stages_ms": _stages_ms(
             _minus(metrics, before_latency), "flexpipe_streams_topology_stage_seconds"
         ),
+        "skipped_in_latency_phase": _by_label(
+            _minus(metrics, before_latency), "flexpipe_streams_triggers_skipped_total", "why"
+        ),
         "polling_baseline_p99_ms": _ms(_percentile(poll_latencies, 0.99)),
         "polling_baseline_p50_ms": _ms(_percentile(poll_latencies, 0.50)),
         "polling_baseline_preemptions": len(poll_latencies),
@@ -684,6 +687,16 @@ def _mean_seconds(metrics: dict[str, float], name: str) -> float | None:
 def _minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     """Counters and histogram series of ``after`` less their value in ``before``."""
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def _by_label(metrics: dict[str, float], name: str, label: str) -> dict[str, float]:
+    """The series of counter ``name`` by the value of ``label`` (non-zero ones)."""
+    pattern = re.compile(rf'{label}="(?P<v>[^"]+)"')
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if key.startswith(f"{name}{{") and (m := pattern.search(key)) and value:
+            out[m["v"]] = out.get(m["v"], 0.0) + value
+    return dict(sorted(out.items()))
 
 
 _STAGE = re.compile(r'stage="(?P<stage>[^"]+)"')
