@@ -108,15 +108,21 @@ class RangeAllocator:
 
     def free(self, offset: int, size_bytes: int) -> None:
         """Give a span back, merging it with its neighbours."""
-        i = bisect.bisect_left(self._free, (offset, 0))
-        self._free.insert(i, (offset, size_bytes))
-        merged: list[tuple[int, int]] = []
-        for start, length in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((start, length))
-        self._free = merged
+        # NOTE: the spans are kept sorted and merged, so only the given span's neighbours can
+        # touch it: merging with them alone is what a full merging pass would give, in O(log n)
+        # (a simulated engine frees pages thousands of times a simulated minute).
+        spans = self._free
+        i = bisect.bisect_left(spans, (offset, 0))
+        end = offset + size_bytes
+        if i < len(spans) and spans[i][0] == end:
+            end += spans[i][1]
+            del spans[i]
+        if i > 0 and spans[i - 1][0] + spans[i - 1][1] == offset:
+            offset = spans[i - 1][0]
+            i -= 1
+            spans[i] = (offset, end - offset)
+        else:
+            spans.insert(i, (offset, end - offset))
 
     @property
     def free_bytes(self) -> int:

@@ -99,7 +99,10 @@ class HostReservationBackend:
     def release_commit(self, commit: Commit) -> None:
         """Return the pages; unknown or already released commits are ignored."""
         held = self._held.get(commit.reservation_id)
-        if held is None or held.commits.get(commit.request_id) != commit:
+        if held is None:
+            return
+        known = held.commits.get(commit.request_id)
+        if known is not commit and known != commit:  # (identity first: the usual case)
             return
         del held.commits[commit.request_id]
         held.ranges.free(commit.offset_bytes, commit.size_bytes)

@@ -65,6 +65,9 @@ class ReservationManager:
         self._reservations: dict[str, dict[str, Reservation]] = {}  # replica → gpu → resv
         # (replica, request) → gpu → its commits: the first, then one per extension
         self._commits: dict[tuple[str, str], dict[str, list[Commit]]] = {}
+        # (replica, request) → gpu → the bytes of its commits there (``held_bytes``, kept as
+        # they change: a simulated engine asks once per page it grows)
+        self._totals: dict[tuple[str, str], dict[str, int]] = {}
         self.last_failure: CommitFailure | None = None
 
     def backend(self, gpu_uuid: str, capacity_bytes: int) -> ReservationBackend | None:
@@ -107,6 +110,7 @@ class ReservationManager:
         if done is None:
             return False
         self._commits[key] = {u: [c] for u, c in done.items()}
+        self._totals[key] = {u: c.size_bytes for u, c in done.items()}
         return True
 
     def extend(self, replica_id: str, request_id: str, bytes_per_gpu: Mapping[str, int]) -> bool:
@@ -122,8 +126,10 @@ class ReservationManager:
         done = self._commit_all(resv, chunk, bytes_per_gpu)
         if done is None:
             return False
+        totals = self._totals[key]
         for uuid, c in done.items():
             held.setdefault(uuid, []).append(c)
+            totals[uuid] = totals.get(uuid, 0) + c.size_bytes
         return True
 
     def _commit_all(
@@ -145,8 +151,7 @@ class ReservationManager:
 
     def held_bytes(self, replica_id: str, request_id: str) -> dict[str, int]:
         """Bytes committed for the request on each GPU (rounded up by the backends)."""
-        held = self._commits.get((replica_id, request_id), {})
-        return {uuid: sum(c.size_bytes for c in commits) for uuid, commits in held.items()}
+        return dict(self._totals.get((replica_id, request_id), ()))
 
     def holds(self, replica_id: str, request_id: str) -> bool:
         """True when the request has pages committed on the replica."""
@@ -154,6 +159,7 @@ class ReservationManager:
 
     def release(self, replica_id: str, request_id: str) -> None:
         """Return a request's pages on a replica; idempotent."""
+        self._totals.pop((replica_id, request_id), None)
         for uuid, commits in self._commits.pop((replica_id, request_id), {}).items():
             for commit in commits:
                 self._backends[uuid].release_commit(commit)

@@ -75,6 +75,37 @@ def test_range_allocator_never_overlaps_and_merges_back(ops: list[tuple[bool, in
     assert alloc.allocate(total) == 0  # fully merged again
 
 
+def _merged_by_full_pass(
+    spans: list[tuple[int, int]], offset: int, size: int
+) -> list[tuple[int, int]]:
+    """The allocator's former ``free``: insert, then merge the whole list."""
+    out = sorted([*spans, (offset, size)])
+    merged: list[tuple[int, int]] = []
+    for start, length in out:
+        if merged and merged[-1][0] + merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        else:
+            merged.append((start, length))
+    return merged
+
+
+@pytest.mark.unit
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 64)), max_size=80))
+def test_range_allocator_free_merges_as_a_full_pass_would(ops: list[tuple[bool, int]]) -> None:
+    alloc = RangeAllocator(256)
+    held: list[tuple[int, int]] = []
+    for release, size in ops:
+        if release and held:
+            offset, length = held.pop(size % len(held))
+            expected = _merged_by_full_pass(alloc._free, offset, length)
+            alloc.free(offset, length)
+            assert alloc._free == expected
+            continue
+        got = alloc.allocate(size)
+        if got is not None:
+            held.append((got, size))
+
+
 @pytest.mark.unit
 def test_round_up_to_granules() -> None:
     assert round_up(1, 2 * MIB) == 2 * MIB
