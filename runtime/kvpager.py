@@ -15,6 +15,8 @@ from runtime.vmm.manager import ReservationManager
 
 __all__ = ["VmmPager"]
 
+_MAX_DROPPED = 4096
+
 
 class VmmPager:
     """One replica's KV pages in the VMM ledger, under the request ids the serving core uses."""
@@ -24,6 +26,10 @@ class VmmPager:
         self._replica_id = replica_id
         self._per_token = {u: b for u, b in timing.kv_bytes_per_token_per_gpu.items() if b > 0}
         self._covered: dict[str, int] = {}  # tokens each sequence's commits hold (a cache)
+        # CoveringPager: bumped when every cached figure is dropped; the sequences whose one
+        # figure was dropped since the engine last cleared the list
+        self.epoch = 0
+        self.dropped: list[str] = []
 
     def hold(self, seq_id: str, tokens: int) -> bool:
         """Commit what the sequence lacks for ``tokens`` tokens; False when the VMM refuses."""
@@ -46,6 +52,12 @@ class VmmPager:
         )
         return True
 
+    def covered(self, seq_id: str) -> int:
+        """Tokens for which ``hold`` answers True from the cache alone (−1: none)."""
+        if not self._vmm.holds(self._replica_id, seq_id):
+            return -1
+        return self._covered.get(seq_id, -1)
+
     def release(self, seq_id: str) -> None:
         """Give back every page the sequence holds; idempotent."""
         self.forget(seq_id)
@@ -53,8 +65,14 @@ class VmmPager:
 
     def forget(self, seq_id: str) -> None:
         """Drop what is known of the sequence (the core released its commit itself)."""
-        self._covered.pop(seq_id, None)
+        if self._covered.pop(seq_id, None) is not None:
+            if len(self.dropped) >= _MAX_DROPPED:  # (no engine reads them: drop them all)
+                self.forget_all()
+            else:
+                self.dropped.append(seq_id)
 
     def forget_all(self) -> None:
         """Drop everything known (the replica's reservation is gone)."""
         self._covered.clear()
+        self.dropped.clear()
+        self.epoch += 1

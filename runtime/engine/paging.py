@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PAGE_TOKENS",
+    "CoveringPager",
     "KvAdmission",
     "KvPager",
     "PagedEngine",
@@ -80,6 +81,26 @@ class KvPager(Protocol):
 
     def release(self, seq_id: str) -> None:
         """Give back every page the sequence holds (a preemption); idempotent."""
+        ...
+
+
+@runtime_checkable
+class CoveringPager(KvPager, Protocol):
+    """A :class:`KvPager` that says, without holding anything, which ``hold`` calls it would
+    answer True at no cost: an engine skips those (they change nothing).
+
+    ``covered(seq_id)``: the tokens the sequence's pages are known to cover (−1 when none), so
+    that ``hold(seq_id, t)`` is True and changes nothing for every ``t`` up to it. It stays
+    so until ``hold`` is called for that sequence, its id is appended to ``dropped`` (its
+    figure was forgotten: its pages were given back; the engine reads and clears the list) or
+    ``epoch`` changes (every figure was forgotten).
+    """
+
+    epoch: int
+    dropped: list[str]
+
+    def covered(self, seq_id: str) -> int:
+        """Tokens the sequence's held pages cover (−1: none known)."""
         ...
 
 

@@ -56,6 +56,7 @@ from runtime.engine.batch import (
     EMPTY_STEP,
     DecodeObserver,
     EngineStats,
+    PageRooms,
     RunningBatch,
     Segment,
     SeqRecord,
@@ -64,8 +65,15 @@ from runtime.engine.batch import (
     StepTiming,
     context_bucket,
     decode_segments,
+    order_of,
 )
-from runtime.engine.paging import KvAdmission, KvPager, admission_tokens, paged
+from runtime.engine.paging import (
+    CoveringPager,
+    KvAdmission,
+    KvPager,
+    admission_tokens,
+    paged,
+)
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
 
@@ -122,11 +130,13 @@ class SimEngine:
         self._pool_version = -1  # pool fault state last checked
         self._prefilling: list[SeqRecord] = []  # the split prefill stage's current batch
         self._pager: KvPager | None = None  # KV pages held through the runtime's VMM ledger
+        self._rooms: PageRooms | None = None  # with a pager that says what it covers
         self._kv_admission = KvAdmission.INCREMENTAL
 
     def attach_pager(self, pager: KvPager, mode: KvAdmission) -> None:
         """Hold KV pages through ``pager`` under ``mode`` (see the module docstring)."""
         self._pager = pager
+        self._rooms = PageRooms(pager, self._batch) if isinstance(pager, CoveringPager) else None
         self._kv_admission = mode
 
     # ---- weights and groups --------------------------------------------------------------------
@@ -344,7 +354,7 @@ class SimEngine:
         for sid in seq_ids:
             q = self._records.get(sid)
             if q is not None and q.state in (SeqState.STAGED, SeqState.IMPORTING):
-                self._batch.start(q)
+                self._start(q)
         self._mutated()
 
     def resume(self, seq_ids: Sequence[str]) -> None:
@@ -353,7 +363,7 @@ class SimEngine:
         for sid in seq_ids:
             q = self._records.get(sid)
             if q is not None and q.state is SeqState.PAUSED:
-                self._batch.start(q)
+                self._start(q)
         self._mutated()
 
     def close_admission(self) -> None:
@@ -514,14 +524,34 @@ class SimEngine:
         pager, batch = self._pager, self._batch
         if pager is None:
             return runs, False
+        rooms = self._rooms
         preempted = False
         while batch:
             fits = runs
-            for q in sorted(batch.seqs.values(), key=lambda r: r.order):
-                while fits and not pager.hold(q.spec.seq_id, paged(batch.kv_tokens(q) + fits)):
-                    fits //= 2
-                if not fits:
-                    break
+            if rooms is None:
+                for q in sorted(batch.seqs.values(), key=order_of):
+                    while fits and not pager.hold(q.spec.seq_id, paged(batch.kv_tokens(q) + fits)):
+                        fits //= 2
+                    if not fits:
+                        break
+            else:
+                # NOTE: the same holds, in the same order, as asking for every sequence: a hold
+                # the pager's cache would answer True (within its page_room) changes nothing and
+                # is skipped; only sequences whose pages end within the run are asked.
+                rooms.refresh()
+                v = batch.v
+                short = rooms.short(v + runs)
+                for q in short:
+                    asked = False
+                    while fits and v + fits > q.page_room:
+                        held = pager.hold(q.spec.seq_id, paged(batch.kv_tokens(q) + fits))
+                        rooms.read(q)  # (back in the heap at what it now holds)
+                        asked = True
+                        if held:
+                            break
+                        fits //= 2
+                    if not asked:
+                        rooms.keep(q)  # covered for the shorter run, or not asked once none fit
             if fits:
                 return fits, preempted
             self._preempt(batch.youngest(), acc)
@@ -646,7 +676,13 @@ class SimEngine:
                 acc.finished.append(Finished(sid, end_s, q.gen0))
                 self._drop([sid])
                 return
+        self._start(q)
+
+    def _start(self, q: SeqRecord) -> None:
+        """``q`` joins the decode batch."""
         self._batch.start(q)
+        if self._rooms is not None:
+            self._rooms.read(q)
 
 
 def _first_runs(segments: list[Segment], runs: int, start_s: float) -> tuple[list[Segment], float]:

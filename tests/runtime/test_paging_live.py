@@ -12,9 +12,10 @@ from gearbox.config import DEFAULT_CONFIG
 from gearbox.presets import MODEL_7B_MHA
 from runtime.deployment import DeploymentRuntime, RuntimeSettings
 from runtime.engine.base import SeqSpec, SeqState
-from runtime.engine.paging import PAGE_TOKENS, KvAdmission, paged
+from runtime.engine.paging import PAGE_TOKENS, CoveringPager, KvAdmission, KvPager, paged
 from runtime.engine.sim import SimEngine
 from runtime.engine.simgpu import SimGpuPool
+from runtime.kvpager import VmmPager
 from runtime.timing import ReplicaTiming
 from runtime.types import Reason, ServingSettings
 from runtime.vmm.host import HostReservationBackend
@@ -172,3 +173,51 @@ def test_the_admission_mode_is_one_validated_config_key() -> None:
     assert load_config(None, env={}).runtime.kv_admission == "incremental"
     with pytest.raises(ConfigError, match=r"runtime\.kv_admission"):
         load_config(None, env={"FLEXPIPE_RUNTIME__KV_ADMISSION": "actual_output"})
+
+
+class _PlainPager:
+    """The same pages through a pager that does not say what it covers: the engine asks it
+    about every running sequence before each run of iterations."""
+
+    def __init__(self, inner: KvPager) -> None:
+        self._inner = inner
+
+    def hold(self, seq_id: str, tokens: int) -> bool:
+        return self._inner.hold(seq_id, tokens)
+
+    def release(self, seq_id: str) -> None:
+        self._inner.release(seq_id)
+
+
+def _pressure_run(plain: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[object, ...]:
+    if plain:
+        attach = SimEngine.attach_pager
+
+        def attach_plain(engine: SimEngine, pager: KvPager, mode: KvAdmission) -> None:
+            attach(engine, _PlainPager(pager), mode)
+
+        monkeypatch.setattr(SimEngine, "attach_pager", attach_plain)
+    short = ReservationManager(lambda uuid, _cap: _ShortBackend(uuid, 24 * GIB))
+    h = _runtime(KvAdmission.INCREMENTAL, short)
+    ledger: list[tuple[int, ...]] = []
+    for i in range(24):
+        h.submit(make_request(i, 200 + 97 * i, 600 + 131 * (i % 7), h.now_s))
+        h.advance_to(h.now_s + 0.35)
+        ledger.append(tuple(m.committed_bytes for m in short.memory().values()))
+    h.until(lambda: not h.rt.core.router.ownership(), 900)
+    monkeypatch.undo()
+    completions = [(c.request_id, c.finish_s, c.output_tokens) for c in h.outputs.completions]
+    return completions, h.rt.core.preemptions, ledger
+
+
+def test_skipping_the_holds_the_pager_covers_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The VMM pager says what each sequence's pages cover, so the engine asks it only about the
+    # sequences whose pages end within a run; asking about every one must give the same run:
+    # the same completions at the same instants, preemptions and ledger.
+    fast = _pressure_run(False, monkeypatch)
+    timing = ReplicaTiming.build(A0, MODEL_7B_MHA, DEFAULT_CONFIG)
+    assert isinstance(VmmPager(ReservationManager(), A0.plan_id, timing), CoveringPager)
+    assert fast[1] > 0  # under pressure: pages were refused and sequences preempted
+    assert fast == _pressure_run(True, monkeypatch)
