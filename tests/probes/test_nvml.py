@@ -167,8 +167,8 @@ def test_one_call_per_sample_replaces_ecc_retired_pages_and_per_link_state_calls
     sampler.sample(1.0)
     fake.calls.clear()
     sampler.sample(2.0)
-    # was 31 with 18 links: 3 + 18 calls folded into one, MIG mode not due yet
-    assert len(fake.calls) == 9
+    # was 31 with 18 links: 3 + 18 calls folded into one, MIG mode and processes not due yet
+    assert len(fake.calls) == 7
     state = pynvml.NVML_FI_DEV_NVLINK_GET_STATE
     assert all(f[0] != state for f in fake.last_field_ids)  # link states: not due yet
     for name in ("nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRetiredPages"):
@@ -392,7 +392,8 @@ def test_a_refused_call_reads_the_gpu_call_by_call_then_one_guard_again_later() 
     assert sampler.sample(later - 0.5)[0].power_w == 350.0  # the guarded read answers too
     fake.calls.clear()
     [s] = sampler.sample(later)
-    assert s.power_w == 350.0 and len(fake.calls) == 9  # one guard again: every call once
+    # one guard again: every call once (the process lists not due: memory did not move)
+    assert s.power_w == 350.0 and len(fake.calls) == 7
 
 
 def test_one_guard_and_call_by_call_reads_build_the_same_sample() -> None:
@@ -443,6 +444,44 @@ def test_no_memory_reading_at_all_is_an_unhealthy_sample() -> None:
     )
     [s] = make_sampler(gpu)[0].sample(1.0)
     assert not s.healthy and s.memory_free_bytes == 0
+
+
+def test_processes_are_read_when_used_memory_moves_every_period_and_after_an_xid() -> None:
+    gpu = make_gpu(compute_procs=[(1, GIB)])
+    sampler, fake = make_sampler(gpu)
+    assert sampler.sample(1.0)[0].processes == (GpuProcess(1, GIB),)
+    reads = "nvmlDeviceGetComputeRunningProcesses"
+    fake.calls.clear()
+    first = sampler.sample(2.0)[0].processes
+    assert reads not in fake.calls and first == (GpuProcess(1, GIB),)  # memory did not move
+    gpu.compute_procs, gpu.memory_used = [(1, GIB), (2, GIB)], gpu.memory_used + GIB  # a start
+    assert sampler.sample(3.0)[0].processes == (GpuProcess(1, GIB), GpuProcess(2, GIB))
+    gpu.compute_procs = [(3, GIB), (2, GIB)]  # an exit and a start of the same size, unseen ...
+    assert sampler.sample(12.9)[0].processes == (GpuProcess(1, GIB), GpuProcess(2, GIB))
+    assert sampler.sample(13.0)[0].processes == (GpuProcess(2, GIB), GpuProcess(3, GIB))  # ... 10 s
+    gpu.compute_procs = []
+    fake.push_xid(0, 43)
+    sampler.poll_events(13.5)
+    assert sampler.sample(14.0)[0].processes == ()  # an XID: read at the next sample
+
+
+def test_process_period_zero_reads_the_lists_every_sample() -> None:
+    sampler, fake = make_sampler(make_gpu(), process_period_s=0)
+    sampler.sample(1.0)
+    fake.calls.clear()
+    sampler.sample(2.0)
+    assert fake.calls.count("nvmlDeviceGetComputeRunningProcesses") == 1
+    assert fake.calls.count("nvmlDeviceGetGraphicsRunningProcesses") == 1
+
+
+def test_a_gpu_back_from_lost_reads_its_processes_again() -> None:
+    gpu = make_gpu(compute_procs=[(1, GIB)])
+    sampler, _ = make_sampler(gpu)
+    sampler.sample(1.0)
+    gpu.lost = True
+    assert sampler.sample(2.0)[0].processes == ()
+    gpu.lost = False
+    assert sampler.sample(3.0)[0].processes == (GpuProcess(1, GIB),)
 
 
 def test_processes_merge_compute_and_graphics_by_pid() -> None:
