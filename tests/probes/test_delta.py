@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from flexpipe.schemas import GpuProcess, SampleReason
-from probes.delta import DeltaFilter, DeltaThresholds, _with_reason
+from probes.delta import DeltaFilter, DeltaThresholds, _with_reason, moved
 from tests.fixtures.scenarios.builders import make_sample
 
 pytestmark = pytest.mark.unit
@@ -120,3 +120,26 @@ def test_reason_is_replaced_field_for_field_like_dataclasses_replace() -> None:
     )
     for reason in SampleReason:
         assert _with_reason(sample, reason) == dataclasses.replace(sample, reason=reason)
+
+
+_NUMERIC = {  # each field compared by threshold in probes.delta.moved, and that threshold
+    "sm_util_pct": "util_pct",
+    "mem_util_pct": "util_pct",
+    "temperature_c": "temperature_c",
+    "power_w": "power_w",
+    "nvlink_tx_bytes_per_s": "link_bytes_per_s",
+    "nvlink_rx_bytes_per_s": "link_bytes_per_s",
+    "pcie_tx_bytes_per_s": "link_bytes_per_s",
+    "pcie_rx_bytes_per_s": "link_bytes_per_s",
+}
+
+
+@pytest.mark.parametrize("field", sorted(_NUMERIC))
+def test_every_numeric_field_by_its_own_threshold_and_a_null_either_way(field: str) -> None:
+    th = DeltaThresholds()
+    limit = getattr(th, _NUMERIC[field])
+    base = make_sample(**{field: 10.0})
+    for value, expected in ((10.0 + limit * 0.99, False), (10.0 - limit, True), (None, True)):
+        assert moved(base, make_sample(**{field: value}), th) is expected, (field, value)
+    empty = make_sample(**{field: None})
+    assert moved(empty, base, th) and not moved(empty, make_sample(**{field: None}), th)
