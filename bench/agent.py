@@ -14,8 +14,11 @@ idempotent acks=all producer) over an 8-GPU node and measures this process's CPU
   ``--record-call-costs FILE`` writes each NVML function's median call time there, for the fake.
 
 Each round is one simulated second (the agent's default ``sample_s``), so the sampler does what
-it does in production: nine NVML calls per GPU per round (``nvml_calls_per_gpu_sample``), NVLink
-link states and MIG mode every tenth round (their 10 s period).
+it does in production: seven NVML calls per GPU per round (``nvml_calls_per_gpu_sample``), NVLink
+link states, MIG mode and the two process lists every tenth round (their 10 s period; the process
+lists also whenever a GPU's used memory moves, which the fake GPUs' memory never does: the figure
+is that of GPUs whose memory holds steady, as a serving or training process's does between
+allocations).
 
 Launch counting (eBPF) is not included: it needs a kernel with BPF and root. The CPU figure is
 split by stage, each timed with ``time.process_time`` in the same run: ``sample`` (NVML calls and
