@@ -15,6 +15,8 @@ delivery of an offset read here (until a rebalance). Faust stays the durable pat
 it commits the offsets once its agent had each message, folded here or there. A partition is
 read here only once faust delivered something of it since this worker got it (its next offset
 is known), and not after a revocation, until the next assignment.
+
+Off unless ``streams.app.CLUSTER_PEEK`` is set: see the note there for why.
 """
 
 from __future__ import annotations
