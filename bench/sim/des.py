@@ -198,6 +198,11 @@ class Simulation:
         self.start_plans = plans
         self.clock_offset_s = clock_offset_s
         self.kinds = {r.request_id: r.kind for reqs in trace.values() for r in reqs}
+        # Tokens of settled requests (refused, or completed) that are not SLO goodput: a
+        # deployment's goodput can no longer exceed its offered tokens less these.
+        self.lost_tokens = dict.fromkeys(self.runtimes, 0)
+        self.clock_s = 0.0  # every event before it is handled (``advance``)
+        self._offered = {r.request_id: r.total_tokens for reqs in trace.values() for r in reqs}
         self.utilisation = Utilisation()
         self.decisions: list[DecisionLog] = []
         self.transitions: dict[tuple[str, int], TransitionLog] = {}
@@ -245,12 +250,29 @@ class Simulation:
 
     def run(self) -> RunResult:
         """Simulate ``[0, duration_s)`` and return what happened."""
+        self.start()
+        self.advance(self.duration_s)
+        return self.result()
+
+    def start(self) -> None:
+        """Load the starting plans and schedule the first events (``run``'s first step)."""
         self._start()
-        while self._heap:
-            t_s, kind, _, key = heapq.heappop(self._heap)
-            if t_s >= self.duration_s:
-                break
-            self._dispatch(t_s, Kind(kind), key)
+
+    def advance(self, until_s: float) -> bool:
+        """Handle every event before ``until_s`` (and before the run's end), in order; True
+        once the run is over. Steps of ``advance`` handle the events ``run`` handles, in the
+        same order: a run stepped so ends in the same state."""
+        heap, dispatch = self._heap, self._dispatch
+        limit = self.clock_s = max(self.clock_s, min(until_s, self.duration_s))
+        while heap:
+            if heap[0][0] >= limit:
+                return heap[0][0] >= self.duration_s
+            t_s, kind, _, key = heapq.heappop(heap)
+            dispatch(t_s, Kind(kind), key)
+        return True
+
+    def result(self) -> RunResult:
+        """What happened (after ``advance`` returned True)."""
         return self._result()
 
     def _start(self) -> None:
@@ -313,6 +335,8 @@ class Simulation:
         rt = self.runtimes[name]
         admission = rt.submit(request, t_s)
         self.metrics[name].on_admission(admission, t_s)
+        if not admission.admitted:
+            self.lost_tokens[name] += request.total_tokens
         rt.tick(t_s)
         self._pump(name, t_s)
         self._next_arrival(name)
@@ -330,7 +354,12 @@ class Simulation:
         out = self.world.pump(name, t_s)
         metrics = self.metrics[name]
         for done in out.completions:
+            good = metrics.goodput_tokens
             metrics.on_completion(done, self.kinds.get(done.request_id, RequestKind.CHAT))
+            offered = self._offered.get(done.request_id, 0)
+            self.lost_tokens[name] += offered - (metrics.goodput_tokens - good)
+        for request_id, _ in out.refused:
+            self.lost_tokens[name] += self._offered.get(request_id, 0)
         for record in out.records:
             self._note_record(name, t_s, record)
 

@@ -64,6 +64,7 @@ from sim.truth import GroundTruth
 from sim.world import World
 
 MAX_INTERVAL_S = 1800.0
+STEP_S = 5.0  # simulated seconds a candidate's run advances between looks at its bound
 DEMAND_SCALES = (1.0, 2.0, 4.0)
 ORACLE = SystemSpec("oracle", "oracle", adaptive=False, static_layout=False)
 
@@ -104,7 +105,7 @@ class Choice:
     plans: dict[str, DeploymentPlan | None]
     goodput_tokens: dict[str, int]  # each chosen plan's, alone (the ranking's figure)
     candidates: dict[str, int]  # how many there were per deployment
-    simulated: dict[str, int]  # how many of them the search simulated (not in the results)
+    simulated: dict[str, int]  # how many the search simulated to the end (not in the results)
 
     def as_dict(self) -> dict[str, Any]:
         """The results file's record of this interval."""
@@ -227,6 +228,12 @@ class Oracle:
     def simulate(self, interval: Interval, plans: Mapping[str, DeploymentPlan | None]) -> RunResult:
         """The deployments of ``plans`` serving the interval's arrivals on those plans (loaded
         before it starts), in the ground-truth world; times on the whole run's clock."""
+        return self.simulation(interval, plans).run()
+
+    def simulation(
+        self, interval: Interval, plans: Mapping[str, DeploymentPlan | None]
+    ) -> Simulation:
+        """:meth:`simulate`'s run, not started (to be run in steps)."""
         names = sorted(plans)
         run_s = self._run_s(interval, names)
         scenario = segment_scenario(self.scenario, interval, names, run_s)
@@ -242,7 +249,7 @@ class Oracle:
             truth=self.truth,
             plans=chosen,
             clock_offset_s=interval.start_s,
-        ).run()
+        )
 
     def candidates(self, interval: Interval) -> dict[str, list[DeploymentPlan]]:
         """Every deployment's candidate plans for ``interval`` (see the module docstring)."""
@@ -288,45 +295,77 @@ class Oracle:
         """The interval's best plans by the ground truth, jointly over deployments.
 
         Exactly the combination that simulating every candidate and taking the best disjoint
-        one would give, but lazily (branch and bound): a candidate not yet simulated counts at
-        its deployment's ceiling — every token of the interval's arrivals, which no plan can
-        exceed — so the best combination by these bounds is simulated where it is not yet
-        known, and the search stops once the best combination is known throughout. Any other
-        combination's bound is then at most its key, so its goodput is too. Candidates that
-        cannot win (more GPUs than a plan that already serves every arrival within SLO) are
-        never simulated; on an interval where no plan reaches the ceiling all of them are.
+        one would give, but lazily (branch and bound): a candidate not yet simulated to its end
+        counts at an upper bound of its goodput — every token of the interval's arrivals, which
+        no plan can exceed, less the tokens of its requests already settled outside the SLO
+        goodput (refused, or completed late: a completed request's goodput is at most its
+        prompt + stated output tokens) — so the best combination by these bounds is simulated
+        further where it is not yet known, and the search stops once the best combination is
+        known throughout. Any other combination's bound is then at most its key, so its
+        goodput is too. A candidate's run is advanced in steps of ``STEP_S`` simulated seconds
+        and paused (kept, to be resumed) as soon as its bound no longer keeps it in the best
+        combination; runs stepped so end exactly as whole runs do. Candidates that cannot win
+        (more GPUs than a plan that already serves every arrival within SLO, or losing more
+        tokens early on than another plan loses in all) are never simulated to their end.
         """
         candidates = self.candidates(interval)
         names = list(candidates)
         ceiling = {n: sum(r.total_tokens for r in self._arrivals(n, interval)) for n in names}
         known: dict[tuple[str, str], int] = {}
+        bound: dict[tuple[str, str], int] = {}  # of candidates whose run is paused
+        paused: dict[tuple[str, str], Simulation] = {}
 
         def scored(name: str, plan: DeploymentPlan | None) -> Scored:
             if plan is None:
                 return Scored(None, 0)
-            return Scored(plan, known.get((name, plan.plan_id), ceiling[name]))
+            key = (name, plan.plan_id)
+            return Scored(plan, known.get(key, bound.get(key, ceiling[name])))
 
         while True:
             options = {
                 n: [Scored(None, 0)] + [scored(n, p) for p in plans]
                 for n, plans in candidates.items()
             }
-            best = max(
-                (combo for combo in itertools.product(*options.values()) if _disjoint(combo)),
-                key=_joint_order,
-            )
+            combos = [c for c in itertools.product(*options.values()) if _disjoint(c)]
+            best = max(combos, key=_joint_order)
             unknown = [
-                (n, s.plan)
-                for n, s in zip(names, best, strict=True)
+                (i, n, s.plan)
+                for i, (n, s) in enumerate(zip(names, best, strict=True))
                 if s.plan is not None and (n, s.plan.plan_id) not in known
             ]
             if not unknown:
                 break
-            for name, plan in unknown:
-                got = self.simulate(interval, {name: plan}).metrics[name].goodput_tokens
-                if got > ceiling[name]:  # the bound would not hold: the search is not exact
-                    raise AssertionError(f"{name}: goodput {got} over its ceiling {ceiling[name]}")
-                known[(name, plan.plan_id)] = got
+            index, name, plan = unknown[0]
+            key = (name, plan.plan_id)
+            # The best combination without this candidate: while the best with it (whose
+            # other members stay as they are) still beats that, it stays the best.
+            rival = max(
+                (c for c in combos if _plan_id(c[index]) != key[1]),
+                key=_joint_order,
+            )
+            run = paused.pop(key, None)
+            if run is None:
+                run = self.simulation(interval, {name: plan})
+                run.start()
+            while True:
+                done = run.advance(run.clock_s + STEP_S)
+                if done:
+                    got = run.result().metrics[name].goodput_tokens
+                    if got > ceiling[name] or got > ceiling[name] - run.lost_tokens[name]:
+                        # the bound would not hold: the search is not exact
+                        raise AssertionError(f"{name}: goodput {got} over its bound")
+                    known[key] = got
+                    bound.pop(key, None)
+                    break
+                now = ceiling[name] - run.lost_tokens[name]
+                if now == bound.get(key, ceiling[name]):
+                    continue
+                bound[key] = now
+                mine = list(best)
+                mine[index] = Scored(plan, now)
+                if _joint_order(mine) < _joint_order(rival):
+                    paused[key] = run
+                    break
         return Choice(
             interval,
             {n: s.plan for n, s in zip(names, best, strict=True)},
@@ -392,9 +431,13 @@ def _disjoint(combo: Sequence[Scored]) -> bool:
     return len(gpus) == len(set(gpus))
 
 
+def _plan_id(scored: Scored) -> str:
+    return scored.plan.plan_id if scored.plan is not None else ""
+
+
 def _joint_order(combo: Sequence[Scored]) -> tuple[int, int, tuple[str, ...]]:
     """Most goodput, then fewest GPUs, then plan ids (max() takes the largest key)."""
-    ids = tuple(s.plan.plan_id if s.plan is not None else "" for s in combo)
+    ids = tuple(_plan_id(s) for s in combo)
     return (sum(s.goodput_tokens for s in combo), -sum(len(s.gpus) for s in combo), ids)
 
 

@@ -238,3 +238,28 @@ def test_the_lazy_search_picks_what_simulating_every_candidate_picks() -> None:
     assert list(choice.goodput_tokens.values()) == [s.goodput_tokens for s in best]
     assert choice.candidates == {n: len(s) - 1 for n, s in every.items()}
     assert sum(choice.simulated.values()) < sum(choice.candidates.values())
+
+
+def test_a_run_advanced_in_steps_ends_as_a_whole_run() -> None:
+    # The oracle's search advances candidates' runs in steps and pauses them; a stepped run
+    # must end in exactly the state of a run in one go (it is the same events in order).
+    trace = scenario_trace(short(), DURATION_S, SEED)
+    oracle = Oracle(short(), trace, seed=SEED, duration_s=DURATION_S, truth=truth())
+    interval = Interval(300.0, 600.0)
+    plans = oracle.candidates(interval)["chat-70b"]
+    plan = plans[len(plans) // 2]
+    whole = oracle.simulate(interval, {"chat-70b": plan})
+    stepped = oracle.simulation(interval, {"chat-70b": plan})
+    stepped.start()
+    steps = 0
+    while not stepped.advance(stepped.clock_s + 7.0):
+        steps += 1
+        metrics = stepped.metrics["chat-70b"]
+        # the search's bound: offered tokens less those settled outside the goodput
+        offered = sum(r.total_tokens for r in oracle._arrivals("chat-70b", interval))
+        assert metrics.goodput_tokens <= offered - stepped.lost_tokens["chat-70b"]
+    assert steps > 10
+    again = stepped.result()
+    assert again.metrics["chat-70b"] == whole.metrics["chat-70b"]
+    assert again.utilisation == whole.utilisation
+    assert again.transitions == whole.transitions and again.unfinished == whole.unfinished
