@@ -67,11 +67,6 @@ BEHIND_WARN_S = 30.0  # input trailing the clock this long is logged with each p
 # NOTE: small per-agent buffers and fetches: a message for the control agent (or the triggers
 # agent) waits behind at most this much queued telemetry in Faust's single fetch loop.
 STREAM_BUFFER = 512
-# NOTE: off: in paired bench.pipeline runs at one trigger load (--triggers-per-s 1.5, load
-# average 6-8) the peek cut the cluster events' fold lag (p99 0.27-0.44 s vs 4-10 s) and the
-# median trigger latency (237 / 317 vs 1,772 / 337 ms), but the p99 was 10.9 / 10.6 s against
-# 5.2 / 2.3 s without it, and one run left a trigger unanswered; not understood yet.
-CLUSTER_PEEK = False  # streams.peek: fold cluster events ahead of faust's delivery
 MAX_POLL_RECORDS = 500
 TRIGGER_BATCH = 512
 # NOTE: table writes queue in Faust's producer buffer, and while it holds more than this Faust
@@ -341,7 +336,7 @@ def create_app(
 
     @app.task
     async def _peek() -> None:
-        if not CLUSTER_PEEK:
+        if not cfg.streams.cluster_peek:
             return
         await app.writable.wait()
         await peek.run()

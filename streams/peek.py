@@ -16,7 +16,7 @@ it commits the offsets once its agent had each message, folded here or there. A 
 read here only once faust delivered something of it since this worker got it (its next offset
 is known), and not after a revocation, until the next assignment.
 
-Off unless ``streams.app.CLUSTER_PEEK`` is set: see the note there for why.
+Off unless ``streams.cluster_peek`` is set in the config (experimental: see its description).
 """
 
 from __future__ import annotations
