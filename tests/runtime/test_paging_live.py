@@ -189,7 +189,9 @@ class _PlainPager:
         self._inner.release(seq_id)
 
 
-def _pressure_run(plain: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[object, ...]:
+def _pressure_run(
+    plain: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[tuple[str, float, int]], int, list[tuple[int, ...]]]:
     if plain:
         attach = SimEngine.attach_pager
 
