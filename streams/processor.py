@@ -459,15 +459,22 @@ class StreamProcessor:
 
     def trailing(self, behind: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
         """Of the input partitions with records still to process, those whose newest processed
-        event trails the clock by more than one heartbeat interval (or that gave none yet).
+        event trails the clock by more than the heartbeat timeout less one heartbeat interval
+        (or that gave none yet).
 
         NOTE: Faust reads partitions in chunks, not in event-time order: after a restart or a
         broker outage one partition's backlog can be minutes ahead of another's, and the
         clock follows the newest. Each partition is in event-time order by itself, so one that
-        is close to the clock (or read to its end) holds no older news.
+        is close to the clock (or read to its end) holds no older news. Why that bound: an
+        agent sends each GPU at least once per heartbeat interval, so every GPU of a partition
+        read up to event time t was heard from at t − ``heartbeat_s`` or later, and is taken
+        for dead only once the clock passes that by ``heartbeat_timeout_s``. A tighter bound
+        held every decision while a telemetry backlog trailed a cluster event folded ahead of
+        it (``streams.cluster_peek``), though no GPU could look dead yet.
         """
         now_ms = self.now_ms()
-        limit_ms = round(self.cfg.intervals.heartbeat_s * 1000)
+        intervals = self.cfg.intervals
+        limit_ms = round((intervals.heartbeat_timeout_s - intervals.heartbeat_s) * 1000)
         return [tp for tp in behind if now_ms - self._newest_ms.get(tp, -1) > limit_ms]
 
     def newest_ms(self, topic: str, partition: int) -> int:

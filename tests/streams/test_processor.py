@@ -360,6 +360,38 @@ async def test_a_trailing_input_partition_holds_decisions_until_it_is_current() 
     assert [d.trigger for d in broker.decisions()] == ["topology_change"]
 
 
+async def test_a_partition_trails_once_its_gpus_could_look_dead() -> None:
+    # An agent sends each GPU at least once per heartbeat interval, so a partition read up to t
+    # heard every GPU at t − heartbeat_s or later; its GPUs look dead once the clock passes
+    # that by the heartbeat timeout, and only then may the partition hold decisions.
+    engine, _, _, wall = await started()
+    gpu = SourceTopic.GPU.value
+    intervals = CFG.intervals
+    hb_ms, timeout_ms = (
+        round(intervals.heartbeat_s * 1000),
+        round(intervals.heartbeat_timeout_s * 1000),
+    )
+    await feed(engine, heartbeats(T0_MS, 100), wall)
+    engine.flush()
+    one = next(heartbeats(T0_MS + hb_ms, 200))  # one GPU heard again; the others are not due
+    await feed(engine, [one], wall)
+    newest = T0_MS + hb_ms
+
+    async def clock_to(t_ms: int, offset: int) -> None:
+        # NOTE: another partition's sample moves the clock, as a cluster event read ahead does
+        ahead = next(heartbeats(t_ms, 300 + offset))
+        wall[0] = t_ms / 1000
+        await engine.on_message(
+            SourceTopic.GPU, Message(gpu, 1, offset, key_of(ahead), envelope.encode(ahead))
+        )
+
+    await clock_to(newest + timeout_ms - hb_ms, 0)
+    assert engine.trailing([(gpu, 0)]) == [], "every GPU of partition 0 is live still"
+    assert engine.sweep() == 0
+    await clock_to(newest + timeout_ms - hb_ms + 1000, 1)
+    assert engine.trailing([(gpu, 0)]) == [(gpu, 0)], "its GPUs heard at T0 would look dead"
+
+
 async def test_a_rebalance_keeps_how_far_each_partition_was_read() -> None:
     # A partition kept through a rebalance is not delivered again: forgetting how far it was
     # read made the input check count it behind for good when no new record came (a worker
