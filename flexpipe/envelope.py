@@ -17,7 +17,7 @@ import orjson
 import pydantic
 
 from flexpipe.errors import ValidationError
-from flexpipe.schemas import KIND_OF, PAYLOAD_TYPES, STRICT, GpuSample, Kind
+from flexpipe.schemas import KIND_OF, PAYLOAD_TYPES, STRICT, Kind
 
 SCHEMA_VERSION = 1
 
@@ -87,27 +87,34 @@ def encode(env: Envelope[Any]) -> bytes:
     )
 
 
-def encode_payload(payload: Any, *, event_time_ms: int, source: str, seq: int) -> bytes:
-    """``encode(make(payload, ...))`` without the intermediate :class:`Envelope`: same bytes.
+def payload_encoder(cls: type[P]) -> Callable[[P, int, str, int], bytes]:
+    """``encode(make(payload, ...))`` for payloads of type ``cls``: same bytes.
+
+    The encoder takes ``(payload, event_time_ms, source, seq)``; the kind and the payload's dict
+    form are looked up once, here. Raises :class:`ValidationError` for a type with no kind.
 
     NOTE: the agent encodes every GPU sample it publishes (eight per node per second, more with
-    events); skipping the frozen Envelope saves ~1.5 µs of its ~5 µs per message.
+    events); skipping the frozen Envelope, the per-call type look-ups and the enum's ``value``
+    descriptor leaves the dict display and orjson.
     """
-    cls = type(payload)
     kind = KIND_OF.get(cls)
     if kind is None:
         raise ValidationError("payload", f"unknown payload type {cls.__name__}")
-    as_dict = _AS_DICT.get(cls)
-    return orjson.dumps(
-        {
-            "v": SCHEMA_VERSION,
-            "kind": kind.value,
-            "event_time_ms": event_time_ms,
-            "source": source,
-            "seq": seq,
-            "payload": payload if as_dict is None else as_dict(payload),
-        }
-    )
+    kind_value, as_dict, dumps = kind.value, _dict_of(cls), orjson.dumps
+
+    def encode_one(payload: P, event_time_ms: int, source: str, seq: int) -> bytes:
+        return dumps(
+            {
+                "v": SCHEMA_VERSION,
+                "kind": kind_value,
+                "event_time_ms": event_time_ms,
+                "source": source,
+                "seq": seq,
+                "payload": as_dict(payload),
+            }
+        )
+
+    return encode_one
 
 
 def _dict_of(cls: type) -> Callable[[Any], dict[str, Any]]:
@@ -124,9 +131,6 @@ def _dict_of(cls: type) -> Callable[[Any], dict[str, Any]]:
     exec(code, scope)
     as_dict: Callable[[Any], dict[str, Any]] = scope["as_dict"]
     return as_dict
-
-
-_AS_DICT = {GpuSample: _dict_of(GpuSample)}  # the agent's hot path
 
 
 def decode(raw: bytes | bytearray | memoryview | str | None) -> Envelope[Any]:

@@ -114,6 +114,7 @@ class Agent:
         # NOTE: a GPU sample's route depends on its type and uuid only (telemetry_route), so it
         # is worked out once per GPU rather than once per sample.
         self._sample_routes: dict[str, tuple[str, bytes]] = {}
+        self._encode_sample = envelope.payload_encoder(GpuSample)
 
     def emitted(self) -> dict[str, int]:
         """Events emitted so far per source: the last sequence number handed out."""
@@ -162,15 +163,14 @@ class Agent:
         source = f"{self._node}/{backend}"
         seq = self._seq.get(source, 0)
         event_time_ms = self._clock.event_time_ms(now_s)
-        routes, encode = self._sample_routes, envelope.encode_payload
+        routes, encode = self._sample_routes, self._encode_sample
         events: list[tuple[str, bytes, bytes]] = []
         for sample in samples:
             seq += 1
             route = routes.get(sample.gpu_uuid)
             if route is None:
                 route = routes[sample.gpu_uuid] = telemetry_route(self._cfg, sample)
-            raw = encode(sample, event_time_ms=event_time_ms, source=source, seq=seq)
-            events.append((route[0], route[1], raw))
+            events.append((route[0], route[1], encode(sample, event_time_ms, source, seq)))
         self._publisher.put_many(events)
         self._seq[source] = seq
         self._metrics.events_of(Kind.GPU_SAMPLE.value).inc(len(samples))

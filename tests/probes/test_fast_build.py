@@ -41,7 +41,7 @@ def test_gpu_sample_is_a_frozen_gpu_sample_equal_to_the_plain_constructor() -> N
 
 def test_gpu_sample_round_trips_through_the_envelope() -> None:
     fast = gpu_sample(**_fields())  # type: ignore[arg-type]
-    raw = envelope.encode_payload(fast, event_time_ms=5, source="node-a1/nvml", seq=9)
+    raw = envelope.payload_encoder(GpuSample)(fast, 5, "node-a1/nvml", 9)
     assert raw == envelope.encode(
         envelope.make(GpuSample(**_fields()), event_time_ms=5, source="node-a1/nvml", seq=9)  # type: ignore[arg-type]
     )
@@ -49,16 +49,16 @@ def test_gpu_sample_round_trips_through_the_envelope() -> None:
     assert back.payload == fast and back.seq == 9 and back.source == "node-a1/nvml"
 
 
-def test_encode_payload_refuses_an_unknown_payload() -> None:
+def test_payload_encoder_refuses_an_unknown_payload_type() -> None:
     with pytest.raises(ValidationError):
-        envelope.encode_payload(object(), event_time_ms=0, source="s", seq=1)
+        envelope.payload_encoder(object)
 
 
-def test_encode_payload_writes_other_kinds_as_encode_does() -> None:
+def test_payload_encoder_writes_other_kinds_as_encode_does() -> None:
     from flexpipe.schemas import ClusterEvent, ClusterEventType
 
     event = ClusterEvent(ClusterEventType.XID, "node-a1", ("GPU-1",), xid=79, detail="XID 79")
-    raw = envelope.encode_payload(event, event_time_ms=1, source="node-a1/nvml", seq=2)
+    raw = envelope.payload_encoder(ClusterEvent)(event, 1, "node-a1/nvml", 2)
     assert raw == envelope.encode(
         envelope.make(event, event_time_ms=1, source="node-a1/nvml", seq=2)
     )
