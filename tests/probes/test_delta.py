@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from flexpipe.schemas import GpuProcess, SampleReason
-from probes.delta import DeltaFilter, DeltaThresholds, _with_reason, moved
+from flexpipe.schemas import GpuProcess, GpuSample, SampleReason
+from probes.delta import _BY_THRESHOLD, _EXACT, DeltaFilter, DeltaThresholds, _with_reason, moved
 from tests.fixtures.scenarios.builders import make_sample
 
 pytestmark = pytest.mark.unit
@@ -143,3 +143,16 @@ def test_every_numeric_field_by_its_own_threshold_and_a_null_either_way(field: s
         assert moved(base, make_sample(**{field: value}), th) is expected, (field, value)
     empty = make_sample(**{field: None})
     assert moved(empty, base, th) and not moved(empty, make_sample(**{field: None}), th)
+
+
+def test_every_sample_field_is_compared_or_left_out_on_purpose() -> None:
+    """A field added to GpuSample needs a place in moved()'s tables (or in ``not_compared``)."""
+    not_compared = {  # identity, the reason itself, and figures that follow compared ones
+        "gpu_uuid", "node", "name", "reason", "gpu_class", "domain", "index",
+        "memory_free_bytes", "memory_reserved_bytes",
+    }  # fmt: skip
+    compared = [*_EXACT, *(name for name, _ in _BY_THRESHOLD), "processes"]
+    assert len(compared) == len(set(compared)) and not not_compared & set(compared)
+    assert set(compared) | not_compared == {f.name for f in dataclasses.fields(GpuSample)}
+    thresholds = {f.name for f in dataclasses.fields(DeltaThresholds)}
+    assert {limit for _, limit in _BY_THRESHOLD} == thresholds
