@@ -38,18 +38,10 @@ class VmmPager:
         # trusted while the sequence still holds its commit (the core may have released it).
         if vmm.holds(rid, seq_id) and tokens <= self._covered.get(seq_id, -1):
             return True
-        held = vmm.held_bytes(rid, seq_id)
-        lack = {
-            u: per * tokens - held.get(u, 0)
-            for u, per in self._per_token.items()
-            if per * tokens > held.get(u, 0)
-        }
-        if lack and not vmm.extend(rid, seq_id, lack):
+        covered = vmm.extend_to(rid, seq_id, self._per_token, tokens)
+        if covered is None:
             return False
-        held = vmm.held_bytes(rid, seq_id)
-        self._covered[seq_id] = min(
-            (held.get(u, 0) // per for u, per in self._per_token.items()), default=tokens
-        )
+        self._covered[seq_id] = covered
         return True
 
     def covered(self, seq_id: str) -> int:

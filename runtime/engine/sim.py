@@ -481,6 +481,8 @@ class SimEngine:
         return self._next_arrival(clock_s)
 
     def _next_arrival(self, clock_s: float) -> float | None:
+        if not self._waiting:  # (the usual case: asked before every run of decode iterations)
+            return None
         inflight = {id(r) for r in self._prefilling}
         later = [
             q.ready_at_s
@@ -490,6 +492,8 @@ class SimEngine:
         return min(later) if later else None
 
     def _due_prefills(self, clock_s: float) -> list[SeqRecord]:
+        if not self._waiting:  # (the usual case: asked at every step boundary)
+            return []
         picked: list[SeqRecord] = []
         budget = self._max_prefill_tokens
         inflight = {id(r) for r in self._prefilling}

@@ -80,11 +80,17 @@ class HostReservationBackend:
         if held is None:
             self.last_error = CommitError.UNKNOWN_RESERVATION
             return None
-        if request_id in held.commits:
+        commits = held.commits
+        if request_id in commits:
             self.last_error = CommitError.DUPLICATE_COMMIT
             return None
-        size = round_up(size_bytes, self.granularity_bytes)
-        if self._committed + size > self._limit_bytes:
+        # (round_up inlined: a simulated engine commits here for every run of KV pages)
+        granularity = self.granularity_bytes
+        size = -(-size_bytes // granularity) * granularity
+        if size < granularity:
+            size = granularity
+        committed = self._committed + size
+        if committed > self._limit_bytes:
             self.last_error = CommitError.OUT_OF_MEMORY
             return None
         offset = held.ranges.allocate(size)
@@ -92,8 +98,8 @@ class HostReservationBackend:
             self.last_error = CommitError.RESERVATION_FULL
             return None
         commit = Commit(reservation.reservation_id, request_id, offset, size)
-        held.commits[request_id] = commit
-        self._committed += size
+        commits[request_id] = commit
+        self._committed = committed
         return commit
 
     def release_commit(self, commit: Commit) -> None:
@@ -101,12 +107,15 @@ class HostReservationBackend:
         held = self._held.get(commit.reservation_id)
         if held is None:
             return
-        known = held.commits.get(commit.request_id)
+        commits = held.commits
+        request_id = commit.request_id
+        known = commits.get(request_id)
         if known is not commit and known != commit:  # (identity first: the usual case)
             return
-        del held.commits[commit.request_id]
-        held.ranges.free(commit.offset_bytes, commit.size_bytes)
-        self._committed -= commit.size_bytes
+        del commits[request_id]
+        size = commit.size_bytes
+        held.ranges.free(commit.offset_bytes, size)
+        self._committed -= size
 
     def unreserve(self, reservation: Reservation) -> None:
         """Release all commits and unmap the address range; idempotent."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from runtime.throttle import GpuMemory
@@ -20,6 +21,7 @@ from runtime.vmm.host import HostReservationBackend
 
 BackendFactory = Callable[[str, int], ReservationBackend | None]  # (gpu uuid, capacity bytes)
 WEIGHTS_REQUEST = "__weights__"  # request id under which a replica's weight shard is committed
+_NOTHING: Mapping[str, int] = MappingProxyType({})  # what a request without commits holds
 
 
 def host_backend_factory(gpu_uuid: str, capacity_bytes: int) -> ReservationBackend:
@@ -68,6 +70,8 @@ class ReservationManager:
         # (replica, request) → gpu → the bytes of its commits there (``held_bytes``, kept as
         # they change: a simulated engine asks once per page it grows)
         self._totals: dict[tuple[str, str], dict[str, int]] = {}
+        # (replica, request) → the most commits it holds on one GPU: an extension's chunk id
+        self._chunks: dict[tuple[str, str], int] = {}
         self.last_failure: CommitFailure | None = None
 
     def backend(self, gpu_uuid: str, capacity_bytes: int) -> ReservationBackend | None:
@@ -111,6 +115,7 @@ class ReservationManager:
             return False
         self._commits[key] = {u: [c] for u, c in done.items()}
         self._totals[key] = {u: c.size_bytes for u, c in done.items()}
+        self._chunks[key] = 1 if done else 0
         return True
 
     def extend(self, replica_id: str, request_id: str, bytes_per_gpu: Mapping[str, int]) -> bool:
@@ -121,30 +126,64 @@ class ReservationManager:
         resv = self._reservations.get(replica_id)
         if held is None or resv is None:
             return self.commit(replica_id, request_id, bytes_per_gpu)
-        # NOTE: a backend keeps one commit per request id; an extension is the n-th chunk.
-        chunk = f"{request_id}#{max(len(c) for c in held.values())}"
-        done = self._commit_all(resv, chunk, bytes_per_gpu)
+        # NOTE: a backend keeps one commit per request id; an extension is the n-th chunk (n:
+        # the most chunks the request holds on one GPU, so the id is new on every GPU).
+        chunks = self._chunks[key]
+        done = self._commit_all(resv, f"{request_id}#{chunks}", bytes_per_gpu)
         if done is None:
             return False
         totals = self._totals[key]
         for uuid, c in done.items():
-            held.setdefault(uuid, []).append(c)
+            mine = held.get(uuid)
+            if mine is None:
+                mine = held[uuid] = []
+            mine.append(c)
+            if len(mine) > chunks:
+                chunks = len(mine)
             totals[uuid] = totals.get(uuid, 0) + c.size_bytes
+        self._chunks[key] = chunks
         return True
+
+    def extend_to(
+        self, replica_id: str, request_id: str, bytes_per_token: Mapping[str, int], tokens: int
+    ) -> int | None:
+        """Hold KV for ``tokens`` tokens of a request, ``bytes_per_token`` on each GPU (every
+        figure > 0): commit what it lacks on each GPU as one extension (its first commit when it
+        holds none), all or nothing. Returns the tokens its commits then cover on every GPU
+        (rounded up by the backends, often more than ``tokens``), or None when refused (nothing
+        is committed: the caller preempts).
+
+        One ledger operation for a replica's run of pages: the same backend commits, in the
+        same order and under the same ids, as ``extend`` with the lacking bytes — without the
+        caller reading ``held_bytes`` before and after it.
+        """
+        key = (replica_id, request_id)
+        totals = self._totals.get(key, _NOTHING)
+        lack: dict[str, int] = {}
+        for uuid, per in bytes_per_token.items():
+            short = per * tokens - totals.get(uuid, 0)
+            if short > 0:
+                lack[uuid] = short
+        if lack:
+            if not self.extend(replica_id, request_id, lack):
+                return None
+            totals = self._totals[key]
+        return min((totals.get(u, 0) // per for u, per in bytes_per_token.items()), default=tokens)
 
     def _commit_all(
         self, resv: dict[str, Reservation], request_id: str, bytes_per_gpu: Mapping[str, int]
     ) -> dict[str, Commit] | None:
         done: dict[str, Commit] = {}
+        backends = self._backends
         for uuid in sorted(bytes_per_gpu):
-            backend = self._backends.get(uuid)
+            backend = backends.get(uuid)
             commit = None
             if backend is not None and uuid in resv:
                 commit = backend.commit(resv[uuid], request_id, bytes_per_gpu[uuid])
             if commit is None:
                 self.last_failure = CommitFailure(uuid, backend.last_error if backend else None)
                 for gpu, c in done.items():
-                    self._backends[gpu].release_commit(c)
+                    backends[gpu].release_commit(c)
                 return None
             done[uuid] = commit
         return done
@@ -159,10 +198,17 @@ class ReservationManager:
 
     def release(self, replica_id: str, request_id: str) -> None:
         """Return a request's pages on a replica; idempotent."""
-        self._totals.pop((replica_id, request_id), None)
-        for uuid, commits in self._commits.pop((replica_id, request_id), {}).items():
+        key = (replica_id, request_id)
+        self._totals.pop(key, None)
+        self._chunks.pop(key, None)
+        held = self._commits.pop(key, None)
+        if held is None:
+            return
+        backends = self._backends
+        for uuid, commits in held.items():
+            release_commit = backends[uuid].release_commit
             for commit in commits:
-                self._backends[uuid].release_commit(commit)
+                release_commit(commit)
 
     def unreserve_replica(self, replica_id: str) -> None:
         """Release every commit and reservation of the replica; idempotent."""

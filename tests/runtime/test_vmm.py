@@ -342,3 +342,56 @@ def test_a_request_extends_its_pages_all_or_nothing_and_gives_them_all_back() ->
     manager.release("rep", "r1")
     assert not manager.holds("rep", "r1") and manager.held_bytes("rep", "r1") == {}
     assert {u: m.committed_bytes for u, m in manager.memory().items()} == {"g0": 0, "g1": 0}
+
+
+def _extend_to_by_hand(
+    manager: ReservationManager, request: str, per_token: dict[str, int], tokens: int
+) -> int | None:
+    """What the pager did before ``extend_to``: read held bytes, extend by the lack, read again."""
+    held = manager.held_bytes("rep", request)
+    lack = {
+        u: per * tokens - held.get(u, 0)
+        for u, per in per_token.items()
+        if per * tokens > held.get(u, 0)
+    }
+    if lack and not manager.extend("rep", request, lack):
+        return None
+    held = manager.held_bytes("rep", request)
+    return min((held.get(u, 0) // per for u, per in per_token.items()), default=tokens)
+
+
+@pytest.mark.unit
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.integers(0, 400),
+            st.booleans(),  # release the request afterwards
+            st.sampled_from([("g0", "g1"), ("g0",), ("g1",)]),  # GPUs asked (uneven chunks)
+        ),
+        max_size=40,
+    )
+)
+def test_extend_to_commits_what_extending_by_the_lack_commits(
+    steps: list[tuple[str, int, bool, tuple[str, ...]]],
+) -> None:
+    # The fused ledger operation a pager grows KV pages with: the same outcome, held bytes,
+    # committed bytes and failing GPU as reading held_bytes around an extend, step by step.
+    per_token = {"g0": 300 * 1024, "g1": 40 * 1024}
+    sizes = {"g0": (64 * MIB, 64 * MIB), "g1": (12 * MIB, 12 * MIB)}
+    fused, by_hand = (
+        ReservationManager(lambda u, cap: HostReservationBackend(u, cap, map_address_space=False))
+        for _ in range(2)
+    )
+    for manager in (fused, by_hand):
+        assert manager.reserve_replica("rep", sizes)
+    for request, tokens, release, gpus in steps:
+        asked = {u: per_token[u] for u in gpus}
+        got = fused.extend_to("rep", request, asked, tokens)
+        assert got == _extend_to_by_hand(by_hand, request, asked, tokens)
+        assert fused.held_bytes("rep", request) == by_hand.held_bytes("rep", request)
+        assert fused.memory() == by_hand.memory()
+        assert fused.last_failure == by_hand.last_failure
+        if release:
+            fused.release("rep", request)
+            by_hand.release("rep", request)
