@@ -90,11 +90,21 @@ class Scored:
 
     plan: DeploymentPlan | None  # None: the deployment serves nothing
     goodput_tokens: int
+    # The plan's id ("" for None) and the GPUs it holds, read once: gearbox computes both on
+    # every read (a content hash), and the search compares every combination again and again.
+    plan_id: str = ""
+    gpus: frozenset[str] = frozenset()
 
-    @property
-    def gpus(self) -> frozenset[str]:
-        """The GPUs it holds."""
-        return self.plan.gpu_uuids if self.plan is not None else frozenset()
+    @classmethod
+    def of(cls, plan: DeploymentPlan | None, goodput_tokens: int) -> Scored:
+        """``plan`` at ``goodput_tokens``, its id and GPUs read from it."""
+        if plan is None:
+            return cls(None, goodput_tokens)
+        return cls(plan, goodput_tokens, plan.plan_id, plan.gpu_uuids)
+
+    def at(self, goodput_tokens: int) -> Scored:
+        """The same candidate at another goodput."""
+        return Scored(self.plan, goodput_tokens, self.plan_id, self.gpus)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,32 +325,32 @@ class Oracle:
         bound: dict[tuple[str, str], int] = {}  # of candidates whose run is paused
         paused: dict[tuple[str, str], Simulation] = {}
 
-        def scored(name: str, plan: DeploymentPlan | None) -> Scored:
-            if plan is None:
-                return Scored(None, 0)
-            key = (name, plan.plan_id)
-            return Scored(plan, known.get(key, bound.get(key, ceiling[name])))
+        idle = Scored(None, 0)
+        plain = {n: [Scored.of(p, 0) for p in plans] for n, plans in candidates.items()}
+
+        def scored(name: str, candidate: Scored) -> Scored:
+            key = (name, candidate.plan_id)
+            return candidate.at(known.get(key, bound.get(key, ceiling[name])))
 
         while True:
-            options = {
-                n: [Scored(None, 0)] + [scored(n, p) for p in plans]
-                for n, plans in candidates.items()
-            }
+            options = {n: [idle] + [scored(n, c) for c in cands] for n, cands in plain.items()}
             combos = [c for c in itertools.product(*options.values()) if _disjoint(c)]
             best = max(combos, key=_joint_order)
             unknown = [
-                (i, n, s.plan)
+                (i, n, s)
                 for i, (n, s) in enumerate(zip(names, best, strict=True))
-                if s.plan is not None and (n, s.plan.plan_id) not in known
+                if s.plan is not None and (n, s.plan_id) not in known
             ]
             if not unknown:
                 break
-            index, name, plan = unknown[0]
-            key = (name, plan.plan_id)
+            index, name, chosen = unknown[0]
+            plan = chosen.plan
+            assert plan is not None
+            key = (name, chosen.plan_id)
             # The best combination without this candidate: while the best with it (whose
             # other members stay as they are) still beats that, it stays the best.
             rival = max(
-                (c for c in combos if _plan_id(c[index]) != key[1]),
+                (c for c in combos if c[index].plan_id != key[1]),
                 key=_joint_order,
             )
             run = paused.pop(key, None)
@@ -362,7 +372,7 @@ class Oracle:
                     continue
                 bound[key] = now
                 mine = list(best)
-                mine[index] = Scored(plan, now)
+                mine[index] = chosen.at(now)
                 if _joint_order(mine) < _joint_order(rival):
                     paused[key] = run
                     break
@@ -431,13 +441,9 @@ def _disjoint(combo: Sequence[Scored]) -> bool:
     return len(gpus) == len(set(gpus))
 
 
-def _plan_id(scored: Scored) -> str:
-    return scored.plan.plan_id if scored.plan is not None else ""
-
-
 def _joint_order(combo: Sequence[Scored]) -> tuple[int, int, tuple[str, ...]]:
     """Most goodput, then fewest GPUs, then plan ids (max() takes the largest key)."""
-    ids = tuple(_plan_id(s) for s in combo)
+    ids = tuple(s.plan_id for s in combo)
     return (sum(s.goodput_tokens for s in combo), -sum(len(s.gpus) for s in combo), ids)
 
 

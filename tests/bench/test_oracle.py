@@ -231,7 +231,9 @@ def test_the_lazy_search_picks_what_simulating_every_candidate_picks() -> None:
     every: dict[str, list[Scored]] = {}
     for name, plans in oracle.candidates(interval).items():
         runs = [oracle.simulate(interval, {name: p}).metrics[name].goodput_tokens for p in plans]
-        every[name] = [Scored(None, 0)] + [Scored(p, g) for p, g in zip(plans, runs, strict=True)]
+        every[name] = [Scored(None, 0)] + [
+            Scored.of(p, g) for p, g in zip(plans, runs, strict=True)
+        ]
     best = max((c for c in itertools.product(*every.values()) if _disjoint(c)), key=_joint_order)
     choice = oracle.choose(interval)
     assert list(choice.plans.values()) == [s.plan for s in best]
