@@ -394,9 +394,12 @@ class StreamProcessor:
         return max(self.clock.now_ms(self.wall()), self.view.max_seen_ms)
 
     def sweep(self) -> int:
-        """Mark owned GPUs whose heartbeat timed out; returns how many were marked."""
+        """Mark owned GPUs whose heartbeat timed out; returns how many were marked.
+
+        Nothing while an input partition trails the clock (:meth:`trailing`): its GPUs' news is
+        still queued, so their silence says nothing yet."""
         now_ms = self.now_ms()
-        if now_ms < 0:
+        if now_ms < 0 or not self.input_current:
             return 0
         for raw in list(self.tables.keys(TableName.GPUS)):
             self._gpu(raw.decode())  # hydrate keys recovered after a rebalance

@@ -390,6 +390,10 @@ async def test_a_partition_trails_once_its_gpus_could_look_dead() -> None:
     assert engine.sweep() == 0
     await clock_to(newest + timeout_ms - hb_ms + 1000, 1)
     assert engine.trailing([(gpu, 0)]) == [(gpu, 0)], "its GPUs heard at T0 would look dead"
+    engine.input_current = False  # what the app sets from the trailing partition
+    assert engine.sweep() == 0, "their news is still queued: silence is no evidence yet"
+    engine.input_current = True
+    assert engine.sweep() == len(engine.view.gpus) - 1, "all but the GPU heard since"
 
 
 async def test_a_rebalance_keeps_how_far_each_partition_was_read() -> None:
