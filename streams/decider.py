@@ -20,6 +20,9 @@ A round decides the deployments whose plan the view disturbs first, in the repla
 topology change for a deployment whose plan it did not disturb is decided ``LATER_S`` later,
 merged with the changes that came meanwhile, and gives way to a topology round that is pending
 then — but not once it has waited ``intervals.decision_s`` of event time (a tick's interval).
+A tick's round gives way the same: an undisturbed deployment whose step it has not begun when a
+topology round is pending is left for later, so a forced switch waits for one step at most,
+not for every deployment's.
 
 A topology trigger the cursor refuses (not newer than the last trigger decided) is still decided
 when the view holds cluster events that no decision of the deployment saw yet: cluster events
@@ -125,7 +128,8 @@ class Decider:
         self._gear_unwritten: set[str] = set()
         self._unacked: dict[str, asyncio.Future[None]] = {}  # sends past PUBLISH_WAIT_S
         self._deferred: dict[str, TriggerInfo] = {}  # triggers to decide first when possible
-        self._later: dict[str, list[TriggerInfo]] = {}  # topology changes left for later
+        self._later: dict[str, list[TriggerInfo]] = {}  # triggers left for later
+        self._urgent = 0  # rounds with a topology or operator trigger waiting for the lock
         self._later_task: asyncio.Task[None] | None = None
         # deployment → event time of the oldest topology change left for later, not decided yet
         self._later_since_ms: dict[str, int] = {}
@@ -312,68 +316,86 @@ class Decider:
         if not wanted:
             return
         logged = await self._read_logs(wanted)
-        async with self._lock:
-            wanted = {n: t for n, t in wanted.items() if self._can_decide(n, logged.get(n))}
-            e = self.engine
-            # NOTE: before the sweep and flush (a few ms on 1,000 GPUs): the durable copy of a
-            # trigger the fast path decided, or a redelivery, usually ends here
-            for name in [n for n, t in wanted.items() if self._refused(n, t, logged.get(n))]:
+        urgent = not later and any(t.kind is not Trigger.TIMER for t in wanted.values())
+        self._urgent += int(urgent)
+        try:
+            await self._lock.acquire()
+        finally:
+            self._urgent -= int(urgent)
+        try:
+            await self._decide_locked(wanted, logged, received_wall_s, later)
+        finally:
+            self._lock.release()
+
+    async def _decide_locked(
+        self,
+        wanted: dict[str, TriggerInfo],
+        logged: Mapping[str, tuple[int, LoggedDecision | None]],
+        received_wall_s: float,
+        later: bool,
+    ) -> None:
+        """:meth:`evaluate_many`'s round, under the lock."""
+        wanted = {n: t for n, t in wanted.items() if self._can_decide(n, logged.get(n))}
+        e = self.engine
+        # NOTE: before the sweep and flush (a few ms on 1,000 GPUs): the durable copy of a
+        # trigger the fast path decided, or a redelivery, usually ends here
+        for name in [n for n, t in wanted.items() if self._refused(n, t, logged.get(n))]:
+            e.metrics.skipped.labels("already_decided").inc()
+            del wanted[name]
+        if not wanted:
+            return
+        # NOTE: sweep and publish first, so timed-out heartbeats are judged at the decision's
+        # own clock (as the offline replay does), not at the last housekeeping timer's.
+        e.sweep()
+        e.flush()
+        outs, sends = [], []
+        decided: dict[str, PlanState] = {}  # this batch's plans, claimed for the next ones
+        # NOTE: the replay's order: an earlier deployment's new plan is claimed before a
+        # later one plans.
+        first, then = self._order(wanted)
+        for name in first + then:
+            if name in then and self._leave(name, wanted[name], later):
+                continue
+            trigger = self._with_left(name, wanted[name])
+            # NOTE: read with the input, before the step and the sends are awaited, which
+            # let more cluster events fold
+            nodes_version = e.view.nodes_version
+            inp = self._input(name, trigger, logged.get(name), decided)
+            # NOTE: the step (gearbox) runs off the event loop, so telemetry keeps folding
+            # meanwhile: its input is an immutable snapshot taken here, and the lock keeps
+            # the tables it writes from changing until its result is stored.
+            started_s = e.wall()
+            out = None if inp is None else await self._step(inp)
+            stepped_s = e.wall()
+            if not self.accepting:
+                break  # NOTE: revoked meanwhile: what was sent is still awaited and stored
+            if out is None:
                 e.metrics.skipped.labels("already_decided").inc()
-                del wanted[name]
-            if not wanted:
-                return
-            # NOTE: sweep and publish first, so timed-out heartbeats are judged at the decision's
-            # own clock (as the offline replay does), not at the last housekeeping timer's.
-            e.sweep()
-            e.flush()
-            outs, sends = [], []
-            decided: dict[str, PlanState] = {}  # this batch's plans, claimed for the next ones
-            # NOTE: the replay's order: an earlier deployment's new plan is claimed before a
-            # later one plans.
-            first, then = self._order(wanted)
-            for name in first + then:
-                if name in then and self._leave(name, wanted[name], later):
-                    continue
-                trigger = self._with_left(name, wanted[name])
-                # NOTE: read with the input, before the step and the sends are awaited, which
-                # let more cluster events fold
-                nodes_version = e.view.nodes_version
-                inp = self._input(name, trigger, logged.get(name), decided)
-                # NOTE: the step (gearbox) runs off the event loop, so telemetry keeps folding
-                # meanwhile: its input is an immutable snapshot taken here, and the lock keeps
-                # the tables it writes from changing until its result is stored.
-                started_s = e.wall()
-                out = None if inp is None else await self._step(inp)
-                stepped_s = e.wall()
-                if not self.accepting:
-                    break  # NOTE: revoked meanwhile: what was sent is still awaited and stored
-                if out is None:
-                    e.metrics.skipped.labels("already_decided").inc()
-                    continue
-                decided[name] = out.plan
-                self._later_since_ms.pop(name, None)
-                outs.append((name, out, trigger, nodes_version))
-                # NOTE: sent at once: a decision does not wait for the batch's later steps
-                sends.append(asyncio.ensure_future(self._send(name, out)))
-                if name in first and trigger.kind is Trigger.TOPOLOGY_CHANGE:
-                    self._time_stages(sends[-1], received_wall_s, started_s, stepped_s)
-            if not outs:
-                return
-            await asyncio.wait(sends, timeout=PUBLISH_WAIT_S)
-            for (name, out, trigger, nodes_version), sent in zip(outs, sends, strict=True):
-                if not sent.done():
-                    self._park(name, out, sent)
-                elif sent.exception() is not None:
-                    self._verified.pop(name, None)  # NOTE: it may have landed all the same
-                    log.error(
-                        "%s: decision %s not published: %r",
-                        name,
-                        out.decision.seq,
-                        sent.exception(),
-                    )
-                else:
-                    self._stored(name, out, trigger, received_wall_s)
-                    self._nodes_seen[name] = nodes_version
+                continue
+            decided[name] = out.plan
+            self._later_since_ms.pop(name, None)
+            outs.append((name, out, trigger, nodes_version))
+            # NOTE: sent at once: a decision does not wait for the batch's later steps
+            sends.append(asyncio.ensure_future(self._send(name, out)))
+            if name in first and trigger.kind is Trigger.TOPOLOGY_CHANGE:
+                self._time_stages(sends[-1], received_wall_s, started_s, stepped_s)
+        if not outs:
+            return
+        await asyncio.wait(sends, timeout=PUBLISH_WAIT_S)
+        for (name, out, trigger, nodes_version), sent in zip(outs, sends, strict=True):
+            if not sent.done():
+                self._park(name, out, sent)
+            elif sent.exception() is not None:
+                self._verified.pop(name, None)  # NOTE: it may have landed all the same
+                log.error(
+                    "%s: decision %s not published: %r",
+                    name,
+                    out.decision.seq,
+                    sent.exception(),
+                )
+            else:
+                self._stored(name, out, trigger, received_wall_s)
+                self._nodes_seen[name] = nodes_version
 
     def _time_stages(
         self, sent: asyncio.Future[None], received_s: float, started_s: float, stepped_s: float
@@ -399,10 +421,15 @@ class Decider:
         return decision_order(names, plans, self._topology_at(now_ms))
 
     def _leave(self, name: str, trigger: TriggerInfo, later: bool) -> bool:
-        """Leave undisturbed ``name``'s topology ``trigger`` for later: from its own round, and
-        from the later round while a topology round is pending; not once the oldest change left
-        has waited ``intervals.decision_s`` of event time."""
-        if trigger.kind is not Trigger.TOPOLOGY_CHANGE or (later and not self._pending):
+        """Leave undisturbed ``name``'s ``trigger`` for later: a topology change from its own
+        round, and from the later round while a topology round is pending; a tick while a
+        topology round is pending; not once the oldest trigger left has waited
+        ``intervals.decision_s`` of event time."""
+        yielding = bool(self._pending) or self._urgent > 0
+        if trigger.kind is Trigger.TOPOLOGY_CHANGE:
+            if later and not yielding:
+                return False
+        elif trigger.kind is not Trigger.TIMER or not yielding:
             return False
         since_ms = self._later_since_ms.setdefault(name, trigger.time_ms)
         if self.engine.now_ms() - since_ms >= self.engine.cfg.intervals.decision_s * 1000:

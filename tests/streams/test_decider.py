@@ -151,3 +151,25 @@ async def test_a_change_left_for_decision_s_is_decided_in_the_next_round(
     assert decisions[1].context.trigger_time_ms == late_ms
     assert "preempt on node-" in decisions[1].explanation, "with the change it left"
     assert engine.metrics.skipped.labels("later")._value.get() == 2  # chat, then batch
+
+
+async def test_a_tick_round_gives_way_to_a_pending_topology_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # chat's tick step is under way when batch's GPU is preempted: batch's tick step, not begun
+    # yet, is left for later, so the forced switch waits for chat's step only
+    monkeypatch.setattr(decider_module, "LATER_S", 60.0)  # the topology round decides batch
+    engine, broker, wall = await ticked()
+    due_ms = T0_MS + round(CFG.intervals.decision_s * 1000)
+    await feed(engine, heartbeats(due_ms, 600), wall)
+    preempt = preempt_one_of(engine, "batch", due_ms + 100, 500)
+    while_deciding(monkeypatch, engine, "chat", lambda: feed(engine, [preempt], wall))
+    await engine.decider.tick()
+    decisions = (await until(broker, 4))[2:]
+    assert [(d.decision_id, d.trigger, d.forced) for d in decisions] == [
+        ("chat:2", "timer", False),
+        ("batch:2", "topology_change", True),
+    ]
+    assert engine.metrics.skipped.labels("later")._value.get() == 2  # batch's tick, chat's change
+    decider = engine.decider
+    assert isinstance(decider, Decider) and decider._urgent == 0, "no round left counted waiting"
