@@ -16,9 +16,10 @@ it commits the offsets once its agent had each message, folded here or there. A 
 read here only once faust delivered something of it since this worker got it (its next offset
 is known), and not after a revocation, until the next assignment.
 
-On unless ``streams.cluster_peek`` is false in the config. A cluster event folded here moves the
-clock ahead of the telemetry still queued; decisions go on while that backlog is within the
-heartbeat slack (:meth:`streams.processor.StreamProcessor.trailing`).
+Off unless ``streams.cluster_peek`` is set in the config (experimental: see its description).
+A cluster event folded here moves the clock ahead of the telemetry still queued; decisions go
+on while that backlog is within the heartbeat slack
+(:meth:`streams.processor.StreamProcessor.trailing`).
 """
 
 from __future__ import annotations
