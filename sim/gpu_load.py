@@ -20,6 +20,7 @@ from flexpipe.schemas import (
     KernelLaunches,
     ProcessLaunches,
     SampleReason,
+    gpu_sample,
 )
 from sim.spec import GIB, DeploymentSpec, GpuClassSpec, GpuSpec, LinkSpec
 
@@ -85,6 +86,20 @@ class Reservation:
         return self.pid + gpu_index
 
 
+@dataclass(frozen=True, slots=True)
+class SampleFields:
+    """What every sample of one GPU reports the same: fixed by its spec and class."""
+
+    uuid: str
+    node: str
+    name: str  # NVML's device name
+    gpu_class: str
+    domain: str
+    index: int
+    memory_total_bytes: int
+    usable_bytes: int  # total less what the driver reserves
+
+
 class GpuState:
     """Mutable per-GPU state (slots: it is touched once per sample)."""
 
@@ -92,6 +107,7 @@ class GpuState:
         "cls",
         "ecc_uncorrected",
         "fatal",
+        "fixed",
         "isolated",
         "last_sample_s",
         "pending_xids",
@@ -104,6 +120,16 @@ class GpuState:
     def __init__(self, spec: GpuSpec, cls: GpuClassSpec) -> None:
         self.spec = spec
         self.cls = cls
+        self.fixed = SampleFields(
+            spec.uuid,
+            spec.node,
+            f"sim {cls.name}",
+            cls.name,
+            spec.domain,
+            spec.index,
+            cls.memory_total_bytes,
+            cls.memory_total_bytes - DRIVER_RESERVED_BYTES,
+        )
         self.isolated = spec.isolated
         self.fatal: tuple[int, ...] = ()  # fatal XIDs since the last restore
         self.pending_xids: list[int] = []  # recoverable XIDs since the last sample
@@ -169,55 +195,73 @@ def build_sample(
     now_s: float,
     rng: random.Random,
 ) -> GpuSample:
-    """The NVML-shaped sample of one GPU at ``now_s``; reason is DELTA until the filter says."""
-    spec, cls = g.spec, g.cls
-    usable = cls.memory_total_bytes - DRIVER_RESERVED_BYTES
+    """The NVML-shaped sample of one GPU at ``now_s``; reason is DELTA until the filter says.
+
+    NOTE: every GPU is sampled every simulated second (the fleet's hottest path), so the fields
+    fixed by the GPU's spec and class come from :meth:`GpuState.fixed` and the sample is built
+    through :func:`~flexpipe.schemas.gpu_sample`; the arithmetic and the RNG draws (their number
+    and order: memory noise, power, SM then memory utilisation) are those of the plain model.
+    """
+    fixed = g.fixed
+    usable = fixed.usable_bytes
     procs: tuple[GpuProcess, ...] = ()
     busy = mem_busy = 0.0
     tp_share = 0.0  # fraction of link bandwidth tensor-parallel traffic uses
-    if g.healthy and g.reservation is not None:
+    used_bytes = 0
+    healthy = not (g.isolated or g.fatal)
+    if healthy and g.reservation is not None:
         busy, mem_busy, tp_share = TENANT_BUSY, 0.6, 0.08  # a training job runs flat out
-        procs = (GpuProcess(g.reservation.job_pid(spec.index), int(usable * 0.94)),)
-    elif g.healthy and worker is not None:
+        used_bytes = int(usable * 0.94)
+        procs = (GpuProcess(g.reservation.job_pid(fixed.index), used_bytes),)
+    elif healthy and worker is not None:
         used = CONTEXT_BYTES + WORKSPACE_BYTES + worker.weight_bytes
         if load is not None:
             busy, mem_busy = min(1.0, load.busy), load.mem_busy
             used += load.kv_bytes * (0.995 + 0.01 * rng.random())  # sequences come and go
             tp_share = 0.04 if worker.replica_gpus > 1 else 0.0
         used = max(used, worker.held_bytes)  # a preallocated KV pool is held, used or not
-        procs = (GpuProcess(worker.pid, int(min(used, usable - 256 * MIB))),)
-    used_bytes = sum(p.used_memory_bytes or 0 for p in procs)
-    xids = g.fatal + tuple(g.pending_xids)
-    g.pending_xids = []
-    readable = 79 not in g.fatal  # a GPU off the bus answers no NVML query
-    power_w, temp_c = _thermal(g, busy, mem_busy, now_s, rng) if readable else (None, None)
+        used_bytes = int(min(used, usable - 256 * MIB))
+        procs = (GpuProcess(worker.pid, used_bytes),)
+    if g.pending_xids:
+        xids = g.fatal + tuple(g.pending_xids)
+        g.pending_xids = []
+    else:
+        xids = g.fatal
+    if 79 in g.fatal:  # a GPU off the bus answers no NVML query
+        power_w = temp_c = sm_pct = mem_pct = None
+    else:
+        power_w, temp_c = _thermal(g, busy, mem_busy, now_s, rng)
+        sm_pct = _pct(100.0 * busy, rng)
+        mem_pct = _pct(100.0 * mem_busy, rng)
     nvlink = link.name == "nvlink"
     link_bytes = busy * tp_share * link.bandwidth_gbps * 1e9
-    return GpuSample(
-        gpu_uuid=spec.uuid,
-        node=spec.node,
-        name=f"sim {cls.name}",
+    nvlink_bytes = float(int(link_bytes)) if nvlink else None
+    pcie_link = 0.0 if nvlink else link_bytes
+    return gpu_sample(
+        gpu_uuid=fixed.uuid,
+        node=fixed.node,
+        name=fixed.name,
         reason=SampleReason.DELTA,
-        memory_total_bytes=cls.memory_total_bytes,
+        memory_total_bytes=fixed.memory_total_bytes,
         memory_used_bytes=used_bytes,
         memory_free_bytes=usable - used_bytes,
-        healthy=g.healthy,
-        gpu_class=cls.name,
-        domain=spec.domain,
-        index=spec.index,
+        healthy=healthy,
+        gpu_class=fixed.gpu_class,
+        domain=fixed.domain,
+        index=fixed.index,
         memory_reserved_bytes=DRIVER_RESERVED_BYTES,
-        sm_util_pct=_pct(100.0 * busy, rng) if readable else None,
-        mem_util_pct=_pct(100.0 * mem_busy, rng) if readable else None,
+        sm_util_pct=sm_pct,
+        mem_util_pct=mem_pct,
         power_w=power_w,
         temperature_c=temp_c,
         ecc_uncorrected=g.ecc_uncorrected,
         retired_pages=g.retired_pages,
         xid_errors=xids,
         nvlink_active_links=NVLINK_LINKS if nvlink else None,
-        nvlink_tx_bytes_per_s=float(int(link_bytes)) if nvlink else None,
-        nvlink_rx_bytes_per_s=float(int(link_bytes)) if nvlink else None,
-        pcie_tx_bytes_per_s=float(int(2e7 + 8e8 * busy + (0.0 if nvlink else link_bytes))),
-        pcie_rx_bytes_per_s=float(int(3e7 + 1.5e9 * busy + (0.0 if nvlink else link_bytes))),
+        nvlink_tx_bytes_per_s=nvlink_bytes,
+        nvlink_rx_bytes_per_s=nvlink_bytes,
+        pcie_tx_bytes_per_s=float(int(2e7 + 8e8 * busy + pcie_link)),
+        pcie_rx_bytes_per_s=float(int(3e7 + 1.5e9 * busy + pcie_link)),
         mig_mode=False,
         processes=procs,
     )
