@@ -264,7 +264,6 @@ class ServingCore:
         if not choices:
             return Admission(rid_, False, Reason.NO_SERVING_PLAN)
         refused: set[Reason] = set()
-        memory = self.vmm.memory()
         for choice in choices:
             slot = self._slots[choice.replica_id]
             timing = slot.timing
@@ -273,7 +272,9 @@ class ServingCore:
                 refused.add(Reason.TOO_LONG)
             elif len(self.router.queued(choice.replica_id)) >= self.settings.max_queue_per_replica:
                 refused.add(Reason.QUEUE_FULL)
-            elif not check_watermark(memory, need, self.settings.watermark).allowed:
+            elif not check_watermark(
+                self.vmm.memory_of(need), need, self.settings.watermark
+            ).allowed:
                 refused.add(Reason.THROTTLED_WATERMARK)
             elif not self.vmm.commit(choice.replica_id, rid_, need):
                 refused.add(Reason.REJECTED_OOM_RISK)

@@ -106,7 +106,9 @@ class SimEngine:
         self._dead: EngineFault | None = None
         self._admitting = True
         self._clock_s: float | None = None
-        self._kv_per_token = timing.kv_bytes_per_token_per_gpu
+        # NOTE: (GPU, bytes) of each token's KV, in the timing's order, GPUs without a share left
+        # out here once rather than on every allocation (one per run of iterations).
+        self._kv_shares = tuple((u, b) for u, b in timing.kv_bytes_per_token_per_gpu.items() if b)
         self._kv_total_per_token = timing.model.kv_bytes_per_token
         self._split = timing.plan.is_disaggregated  # prefill and decode stages run concurrently
         self._inflight_done_s = 0.0
@@ -270,19 +272,18 @@ class SimEngine:
         )
 
     def _alloc_kv(self, tokens: int) -> bool:
-        done: list[str] = []
-        for uuid, per_token in self._kv_per_token.items():
-            if per_token and not self._pool.allocate(uuid, per_token * tokens):
-                for held in done:
-                    self._pool.free(held, self._kv_per_token[held] * tokens)
+        pool = self._pool
+        for i, (uuid, per_token) in enumerate(self._kv_shares):
+            if not pool.allocate(uuid, per_token * tokens):
+                for held, held_per_token in self._kv_shares[:i]:
+                    pool.free(held, held_per_token * tokens)
                 return False
-            done.append(uuid)
         return True
 
     def _free_kv(self, tokens: int) -> None:
-        for uuid, per_token in self._kv_per_token.items():
-            if per_token:
-                self._pool.free(uuid, per_token * tokens)
+        pool = self._pool
+        for uuid, per_token in self._kv_shares:
+            pool.free(uuid, per_token * tokens)
 
     def drop(self, seq_ids: Sequence[str]) -> None:
         """Forget sequences and free their KV; unknown ids are ignored."""

@@ -9,7 +9,7 @@ reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -226,4 +226,17 @@ class ReservationManager:
         return {
             uuid: GpuMemory(b.capacity_bytes(), b.committed_bytes())
             for uuid, b in self._backends.items()
+        }
+
+    def memory_of(self, gpu_uuids: Iterable[str]) -> dict[str, GpuMemory]:
+        """:meth:`memory` of these GPUs only (those the ledger has a backend for).
+
+        NOTE: admission checks one replica's GPUs per request; the whole ledger is every GPU of
+        every deployment on the host.
+        """
+        backends = self._backends
+        return {
+            uuid: GpuMemory(b.capacity_bytes(), b.committed_bytes())
+            for uuid in gpu_uuids
+            if (b := backends.get(uuid)) is not None
         }

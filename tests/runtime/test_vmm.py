@@ -123,6 +123,8 @@ def test_manager_commits_all_or_nothing_across_a_replica() -> None:
     memory = manager.memory()
     assert memory["g0"].committed_bytes == 0 and memory["g1"].committed_bytes == 0
     assert manager.commit("x", "r2", {"g0": GIB, "g1": GIB})
+    # one replica's GPUs, as admission reads them: the full ledger's figures; unknown GPUs left out
+    assert manager.memory_of(["g1", "nope"]) == {"g1": manager.memory()["g1"]}
     manager.unreserve_replica("x")
     manager.unreserve_replica("x")
     assert all(m.committed_bytes == 0 for m in manager.memory().values())
