@@ -68,6 +68,7 @@ from streams.step import (
     claimed_gpus,
     decision_order,
     make_input,
+    plan_disturbed,
     reconcile,
     step,
     tick_due_ms,
@@ -666,6 +667,26 @@ class Decider:
         else:
             e.remember(TableName.GEAR_STATE, name, gear)
             self._gear_unwritten.add(name)
+
+    def after_transition(self, name: str, plan: PlanState, wall_s: float) -> None:
+        """Decide for ``name`` again when a transition record left it on a plan the view
+        disturbs.
+
+        NOTE: a cluster event folded before the runtime's report of a switch (the transitions
+        backlog trails, or the switch ended just after the event) was decided on the plan the
+        worker knew: a GPU lost by the switch's target is answered by a hold when the serving
+        plan stays feasible (the runtime rolls back, ``ALREADY_SERVING``). When the report says
+        the switch was done after all, no other trigger would come before the next tick."""
+        current = plan.current
+        if current is None or not self.owns(name):
+            return
+        now_ms = self.engine.now_ms()
+        if now_ms < 0 or not plan_disturbed(current, self._topology_at(now_ms)):
+            return
+        cursor = self.engine.load(TableName.CURSORS, name, Cursor) or Cursor()
+        why = f"the runtime reports {current.plan_id}, which lost GPUs since it was decided"
+        time_ms = max(now_ms, cursor.trigger_time_ms + 1)
+        self.submit(name, TriggerInfo(Trigger.TOPOLOGY_CHANGE, time_ms, why), wall_s)
 
     def show_plan(self, name: str, plan: PlanState) -> None:
         """Export ``plan`` as the deployment's current plan."""

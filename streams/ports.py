@@ -136,6 +136,10 @@ class Decisions(Protocol):
         """Decide once for ``trigger`` now."""
         ...
 
+    def after_transition(self, name: str, plan: PlanState, wall_s: float) -> None:
+        """Decide again when a transition record left ``name`` on a plan the view disturbs."""
+        ...
+
     def show_plan(self, name: str, plan: PlanState) -> None:
         """Export ``plan`` as the deployment's current plan."""
         ...

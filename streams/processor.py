@@ -249,7 +249,7 @@ class StreamProcessor:
         elif src is SourceTopic.SERVING:
             self._fold_serving(env)
         elif src is SourceTopic.TRANSITIONS:
-            await self._fold_transition(env)
+            await self._fold_transition(env, wall_s)
         else:
             await self._fold_control(env, wall_s)
 
@@ -357,7 +357,7 @@ class StreamProcessor:
         if new != state:
             self.store(TableName.SERVING, name, new)
 
-    async def _fold_transition(self, env: Envelope[Any]) -> None:
+    async def _fold_transition(self, env: Envelope[Any], wall_s: float) -> None:
         tr: GearTransition = env.payload
         # NOTE: under the decider's lock: a decision being published writes the tables it read
         # before, which would drop this record's effect (a DONE settling the decision in flight,
@@ -374,6 +374,8 @@ class StreamProcessor:
                 config = self.decider.gearbox_config
                 rolled = fold_rollback(gear, tr, env.event_time_ms, config)
                 self.store_gear(tr.deployment, rolled)
+        if new != plan and tr.phase in (TransitionPhase.DONE, TransitionPhase.ROLLED_BACK):
+            self.decider.after_transition(tr.deployment, new, wall_s)
         self._count(env, True)
 
     async def _fold_control(self, env: Envelope[Any], wall_s: float) -> None:

@@ -12,7 +12,14 @@ import pytest
 
 from flexpipe.config import DeploymentConfig
 from flexpipe.envelope import Envelope
-from flexpipe.schemas import ClusterEventType, GearDecision
+from flexpipe.schemas import (
+    ClusterEventType,
+    GearDecision,
+    GearTransition,
+    PhaseStatus,
+    TransitionPhase,
+)
+from gearbox.plans import DeploymentPlan
 from streams import decider as decider_module
 from streams.decider import Decider
 from streams.deployments import resolve_deployments
@@ -173,3 +180,40 @@ async def test_a_tick_round_gives_way_to_a_pending_topology_round(
     assert engine.metrics.skipped.labels("later")._value.get() == 2  # batch's tick, chat's change
     decider = engine.decider
     assert isinstance(decider, Decider) and decider._urgent == 0, "no round left counted waiting"
+
+
+def done(name: str, seq: int, plan: DeploymentPlan, decision_id: str) -> GearTransition:
+    """The runtime's report that transition ``seq`` of ``name`` now serves ``plan``."""
+    return GearTransition(name, seq, decision_id, TransitionPhase.DONE, PhaseStatus.COMPLETED,
+                          None, plan.plan_id, plan=plan)  # fmt: skip
+
+
+async def test_a_switch_reported_done_onto_a_lost_gpu_is_decided_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A cluster event folded before the runtime's report of a switch is decided on the plan the
+    # worker knew (with a feasible serving plan, a hold: the runtime is expected to roll back).
+    # When the report says the target serves after all, its lost GPU is decided at once, not at
+    # the next tick.
+    engine, broker, wall = await ticked()
+    plan = engine.load(TableName.PLANS, "batch", PlanState)
+    assert plan is not None and plan.current is not None
+    serving = plan.current
+    await feed(engine, [env(done("batch", 0, serving, "batch:start"), T1_MS, "rt", 1)], wall)
+    decider = engine.decider
+    assert isinstance(decider, Decider)
+    held: list[str] = []
+    # NOTE: the event's own trigger, decided as such a hold: nothing new goes out for it
+    monkeypatch.setattr(decider, "submit", lambda name, *_: held.append(name))
+    await feed(engine, [preempt_one_of(engine, "batch", T1_MS + 100, 500)], wall)
+    assert "batch" in held and len(broker.decisions()) == 2
+    monkeypatch.undo()
+    report = done("batch", 1, serving, "batch:1")
+    await feed(engine, [env(report, T1_MS + 200, "rt", 2)], wall)
+    answer = (await until(broker, 3))[-1]
+    assert (answer.decision_id, answer.forced, answer.trigger) == (
+        "batch:2",
+        True,
+        "topology_change",
+    )
+    assert "lost GPUs since it was decided" in answer.explanation
