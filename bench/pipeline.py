@@ -28,7 +28,10 @@ Phases, each with the load it applies printed in the result:
    gets its next trigger only once the previous one was answered, so every trigger is matched to
    the first forced decision of its deployment published after it:
    ``p99_decision_latency_ms`` is trigger event time → that decision's record timestamp, over at
-   least ``--min-triggers`` triggers. Unanswered triggers are counted and count as misses.
+   least ``--min-triggers`` triggers. Unanswered triggers are counted and count as misses. A
+   trigger whose GPUs had already left the deployment's plan when it was sent (a decision
+   published before it, which this stand-in had not read yet) disturbs no plan: it is counted
+   as ``forced_triggers_void``, neither timed nor a miss.
 
 Baselines measured in the same run: the article's **5 s polling loop**, run for real beside the
 stream (a consumer of the cluster topic polled every 5 s; its figure is event time → the poll that
@@ -223,6 +226,8 @@ class Runtime:
     # NOTE: a deployment starts on its configured block (node-<d>); until its first decision
     # names a plan, a trigger preempts that whole block
     forced_ms: dict[str, list[int]] = field(default_factory=dict)  # forced decisions' timestamps
+    # deployment → (timestamp, GPUs) of each decision that named a plan, in the order read
+    planned: dict[str, list[tuple[int, frozenset[str]]]] = field(default_factory=dict)
     decisions: int = 0
     seq: int = 0
 
@@ -244,6 +249,7 @@ class Runtime:
             return None
         gpus = tuple(dict.fromkeys(g.decode() for g in _GPU_ID.findall(orjson.dumps(plan))))
         self.serving[deployment] = gpus
+        self.planned.setdefault(deployment, []).append((timestamp_ms, frozenset(gpus)))
         self.seq += 1
         done = {
             "deployment": deployment, "transition_seq": p["seq"],
@@ -261,6 +267,13 @@ class Runtime:
     def answer_after(self, deployment: str, t_ms: int) -> int | None:
         """Timestamp of the first forced decision of ``deployment`` at or after ``t_ms``."""
         return next((ts for ts in self.forced_ms.get(deployment, ()) if ts >= t_ms), None)
+
+    def left_before(self, deployment: str, t_ms: int, gpus: tuple[str, ...]) -> bool:
+        """Whether the plan ``deployment`` was decided onto last before ``t_ms`` holds none of
+        ``gpus``: a trigger that took them then disturbed no plan (the worker had decided away
+        from them before this stand-in read that decision), so no forced switch answers it."""
+        before = [g for ts, g in self.planned.get(deployment, ()) if ts < t_ms]
+        return bool(before) and before[-1].isdisjoint(gpus)
 
 
 async def follow_decisions(cfg: FlexPipeConfig, runtime: Runtime, stop: asyncio.Event) -> None:
@@ -353,6 +366,7 @@ class Triggers:
     preempted: list[tuple[float, str, int, tuple[str, ...]]] = field(default_factory=list)
     turn: int = 0
     _waiting: dict[str, int] = field(default_factory=dict)  # deployment → unanswered trigger ms
+    victims: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)  # by sent entry
 
     def due(self, cluster: Cluster, t_ms: int) -> list[tuple[str, bytes, bytes]]:
         """The next trigger (and the releases now due), as messages to send."""
@@ -363,8 +377,7 @@ class Triggers:
             at, dep, sent_ms, gpus = entry
             # NOTE: only once answered: until then the plan stays infeasible, so a forced
             # decision is the one right answer however far the worker trails
-            answered = self.runtime.answer_after(dep, sent_ms) is not None
-            if answered and now - at >= self.release_after_s:
+            if self.settled(dep, sent_ms) and now - at >= self.release_after_s:
                 out.append(cluster.gpu_event(ClusterEventType.RELEASE, gpus, t_ms))
             else:
                 held.append(entry)
@@ -372,7 +385,7 @@ class Triggers:
         dep = self.deployments[self.turn % len(self.deployments)]
         self.turn += 1
         pending = self._waiting.get(dep)
-        if pending is not None and self.runtime.answer_after(dep, pending) is None:
+        if pending is not None and not self.settled(dep, pending):
             self.skipped += 1
             return out
         taken = {g for *_, gpus in self.preempted for g in gpus}
@@ -388,19 +401,31 @@ class Triggers:
         out.append(cluster.gpu_event(ClusterEventType.PREEMPT, victims, t_ms))
         self.preempted.append((now, dep, t_ms, victims))
         self.sent.append((dep, t_ms))
+        self.victims[(dep, t_ms)] = victims
         self._waiting[dep] = t_ms
         return out
 
-    def latencies(self) -> tuple[list[float], int]:
-        """(latency of each answered trigger in ms, how many went unanswered)."""
-        out, missing = [], 0
+    def void(self, dep: str, t_ms: int) -> bool:
+        """Whether the trigger sent at ``t_ms`` took GPUs ``dep`` had been decided away from."""
+        return self.runtime.left_before(dep, t_ms, self.victims.get((dep, t_ms), ()))
+
+    def settled(self, dep: str, t_ms: int) -> bool:
+        """Whether the trigger sent at ``t_ms`` was answered, or needs no answer (:meth:`void`)."""
+        return self.runtime.answer_after(dep, t_ms) is not None or self.void(dep, t_ms)
+
+    def latencies(self) -> tuple[list[float], int, int]:
+        """(latency of each answered trigger in ms, how many went unanswered, how many were
+        void: unanswered, and their GPUs no longer in the deployment's plan when sent)."""
+        out, missing, void = [], 0, 0
         for dep, t_ms in self.sent:
             ts = self.runtime.answer_after(dep, t_ms)
-            if ts is None:
-                missing += 1
-            else:
+            if ts is not None:
                 out.append(float(ts - t_ms))
-        return out, missing
+            elif self.void(dep, t_ms):
+                void += 1
+            else:
+                missing += 1
+        return out, missing, void
 
 
 @dataclass
@@ -623,7 +648,7 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
             if args.profile_worker and profile.exists():
                 print("\n".join(profile_lines(profile)), file=sys.stderr)
     raw_rate = await raw_consumer_rate(cfg, 100_000)
-    latencies, unanswered = triggers.latencies()
+    latencies, unanswered, void = triggers.latencies()
     # NOTE: an unanswered trigger is a miss: it counts as slower than any answered one
     ranked = latencies + [float("inf")] * unanswered
     return {
@@ -640,8 +665,11 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
         "p99_decision_latency_ms": _ms(_percentile(ranked, 0.99)),
         "p50_decision_latency_ms": _ms(_percentile(ranked, 0.50)),
         "max_decision_latency_ms": _ms(max(ranked, default=float("nan"))),
-        "forced_triggers": len(triggers.sent),
+        "forced_triggers": len(triggers.sent) - void,
         "forced_triggers_unanswered": unanswered,
+        # NOTE: the GPUs it took had left the deployment's plan before it was sent (a decision
+        # this stand-in had not read yet): no plan disturbed, nothing to answer, not timed
+        "forced_triggers_void": void,
         "trigger_turns_skipped": triggers.skipped,
         "triggers_per_s": args.triggers_per_s,
         "latency_at_events_per_s": round(steady.folded_per_s),
