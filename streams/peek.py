@@ -16,10 +16,10 @@ it commits the offsets once its agent had each message, folded here or there. A 
 read here only once faust delivered something of it since this worker got it (its next offset
 is known), and not after a revocation, until the next assignment.
 
-Off unless ``streams.cluster_peek`` is set in the config (experimental: see its description).
-A cluster event folded here moves the clock ahead of the telemetry still queued; decisions go
-on while that backlog is within the heartbeat slack
-(:meth:`streams.processor.StreamProcessor.trailing`).
+On unless ``streams.cluster_peek`` is false in the config. A cluster event folded here moves the
+clock ahead of the telemetry still queued; decisions go on while that backlog is within the
+heartbeat slack (:meth:`streams.processor.StreamProcessor.trailing`), and a transition record
+folded after it is checked against it (:meth:`streams.decider.Decider.after_transition`).
 """
 
 from __future__ import annotations
