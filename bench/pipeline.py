@@ -359,14 +359,15 @@ class Triggers:
     runtime: Runtime
     deployments: tuple[str, ...]
     release_after_s: float
-    sent: list[tuple[str, int]] = field(default_factory=list)  # (deployment, event time)
+    # (deployment, event time, GPUs preempted) of each trigger sent
+    sent: list[tuple[str, int, tuple[str, ...]]] = field(default_factory=list)
     skipped: int = 0  # a deployment's turn passed: previous trigger unanswered or no plan known
     starting: dict[str, tuple[str, ...]] = field(default_factory=dict)  # deployment → block GPUs
     # (monotonic time, deployment, trigger event time, GPUs) of each preemption not released
     preempted: list[tuple[float, str, int, tuple[str, ...]]] = field(default_factory=list)
     turn: int = 0
-    _waiting: dict[str, int] = field(default_factory=dict)  # deployment → unanswered trigger ms
-    victims: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)  # by sent entry
+    # deployment → its last trigger (event time, GPUs), until a later one
+    _waiting: dict[str, tuple[int, tuple[str, ...]]] = field(default_factory=dict)
 
     def due(self, cluster: Cluster, t_ms: int) -> list[tuple[str, bytes, bytes]]:
         """The next trigger (and the releases now due), as messages to send."""
@@ -377,7 +378,7 @@ class Triggers:
             at, dep, sent_ms, gpus = entry
             # NOTE: only once answered: until then the plan stays infeasible, so a forced
             # decision is the one right answer however far the worker trails
-            if self.settled(dep, sent_ms) and now - at >= self.release_after_s:
+            if self.settled(dep, sent_ms, gpus) and now - at >= self.release_after_s:
                 out.append(cluster.gpu_event(ClusterEventType.RELEASE, gpus, t_ms))
             else:
                 held.append(entry)
@@ -385,7 +386,7 @@ class Triggers:
         dep = self.deployments[self.turn % len(self.deployments)]
         self.turn += 1
         pending = self._waiting.get(dep)
-        if pending is not None and not self.settled(dep, pending):
+        if pending is not None and not self.settled(dep, *pending):
             self.skipped += 1
             return out
         taken = {g for *_, gpus in self.preempted for g in gpus}
@@ -400,28 +401,25 @@ class Triggers:
             return out
         out.append(cluster.gpu_event(ClusterEventType.PREEMPT, victims, t_ms))
         self.preempted.append((now, dep, t_ms, victims))
-        self.sent.append((dep, t_ms))
-        self.victims[(dep, t_ms)] = victims
-        self._waiting[dep] = t_ms
+        self.sent.append((dep, t_ms, victims))
+        self._waiting[dep] = (t_ms, victims)
         return out
 
-    def void(self, dep: str, t_ms: int) -> bool:
-        """Whether the trigger sent at ``t_ms`` took GPUs ``dep`` had been decided away from."""
-        return self.runtime.left_before(dep, t_ms, self.victims.get((dep, t_ms), ()))
-
-    def settled(self, dep: str, t_ms: int) -> bool:
-        """Whether the trigger sent at ``t_ms`` was answered, or needs no answer (:meth:`void`)."""
-        return self.runtime.answer_after(dep, t_ms) is not None or self.void(dep, t_ms)
+    def settled(self, dep: str, t_ms: int, gpus: tuple[str, ...]) -> bool:
+        """Whether the trigger sent at ``t_ms`` taking ``gpus`` was answered, or needs no answer
+        (:meth:`Runtime.left_before`: void)."""
+        runtime = self.runtime
+        return runtime.answer_after(dep, t_ms) is not None or runtime.left_before(dep, t_ms, gpus)
 
     def latencies(self) -> tuple[list[float], int, int]:
         """(latency of each answered trigger in ms, how many went unanswered, how many were
         void: unanswered, and their GPUs no longer in the deployment's plan when sent)."""
         out, missing, void = [], 0, 0
-        for dep, t_ms in self.sent:
+        for dep, t_ms, gpus in self.sent:
             ts = self.runtime.answer_after(dep, t_ms)
             if ts is not None:
                 out.append(float(ts - t_ms))
-            elif self.void(dep, t_ms):
+            elif self.runtime.left_before(dep, t_ms, gpus):
                 void += 1
             else:
                 missing += 1

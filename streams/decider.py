@@ -581,7 +581,7 @@ class Decider:
             return None
         if self.engine.view.nodes_version <= seen:
             return None
-        time_ms = max(self.engine.now_ms(), cursor.trigger_time_ms + 1)
+        time_ms = self._past_cursor(cursor)
         text = (
             f"{trigger.description} (late: event time t={trigger.time_ms / 1000:.3f} s, folded"
             f" after the decision at t={cursor.trigger_time_ms / 1000:.3f} s)"
@@ -685,8 +685,13 @@ class Decider:
             return
         cursor = self.engine.load(TableName.CURSORS, name, Cursor) or Cursor()
         why = f"the runtime reports {current.plan_id}, which lost GPUs since it was decided"
-        time_ms = max(now_ms, cursor.trigger_time_ms + 1)
-        self.submit(name, TriggerInfo(Trigger.TOPOLOGY_CHANGE, time_ms, why), wall_s)
+        trigger = TriggerInfo(Trigger.TOPOLOGY_CHANGE, self._past_cursor(cursor), why)
+        self.submit(name, trigger, wall_s)
+
+    def _past_cursor(self, cursor: Cursor) -> int:
+        """Event time for a trigger the worker raises itself: the clock, and after ``cursor``'s
+        last trigger, so the cursor admits it."""
+        return max(self.engine.now_ms(), cursor.trigger_time_ms + 1)
 
     def show_plan(self, name: str, plan: PlanState) -> None:
         """Export ``plan`` as the deployment's current plan."""
