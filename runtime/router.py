@@ -31,6 +31,10 @@ class ReplicaRole(StrEnum):
 
 
 ROUTABLE = frozenset({ReplicaRole.CANARY, ReplicaRole.ACTIVE})
+# How many recent answers the expected answer length follows (a running mean over the first
+# ones, then decaying with this weight): long enough to smooth a heavy tail, short enough to
+# follow a shift in the traffic's mix within minutes.
+OUTPUT_MEMORY = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,8 @@ class Router:
         self.canary_share = canary_share
         self._replicas: dict[str, _Entry] = {}
         self._owner: dict[str, str] = {}
+        self._answers = 0  # answers completed, for the running mean's weight
+        self._answer_mean = 0.0  # their mean length, decaying (``OUTPUT_MEMORY``)
 
     # ---- route table ---------------------------------------------------------------------------
 
@@ -98,17 +104,27 @@ class Router:
 
     # ---- routing -------------------------------------------------------------------------------
 
+    def expected_output_tokens(self, request: Request) -> float:
+        """The answer length a prediction assumes: the recent answers' mean length, at most
+        the request's stated cap (its own length is unknown until it is out); the cap until an
+        answer completed."""
+        if self._answers == 0:
+            return float(request.max_output_tokens)
+        return min(float(request.max_output_tokens), self._answer_mean)
+
     def predict_completion_s(self, replica_id: str, request: Request, now_s: float) -> float:
-        """Queue wait (prefills ahead) + own prefill + output × decode step at the new batch."""
+        """Queue wait (prefills ahead) + own prefill + expected output × decode step at the new
+        batch."""
         entry = self._replicas[replica_id]
         t = entry.timing
         batch = len(entry.running) + len(entry.queued) + 1
-        context = request.prompt_tokens + request.max_output_tokens / 2
+        output = self.expected_output_tokens(request)
+        context = request.prompt_tokens + output / 2
         return (
             now_s
             + sum(entry.queued.values())
             + t.prefill_s(request.prompt_tokens)
-            + request.max_output_tokens * t.decode_cycle_s(batch, context)
+            + output * t.decode_cycle_s(batch, context)
         )
 
     def candidates(self, request: Request, now_s: float) -> tuple[RouteChoice, ...]:
@@ -192,8 +208,13 @@ class Router:
             target.queued = {seq_id: target.timing.prefill_s(prompt_tokens), **target.queued}
         self._owner[seq_id] = to_replica
 
-    def finish(self, seq_id: str) -> None:
-        """The sequence completed: it leaves the ownership map."""
+    def finish(self, seq_id: str, output_tokens: int | None = None) -> None:
+        """The sequence completed (with an answer of ``output_tokens``, when given): it leaves
+        the ownership map, and its length joins :meth:`expected_output_tokens`'s mean."""
+        if output_tokens is not None:
+            self._answers += 1
+            weight = 1.0 / min(self._answers, OUTPUT_MEMORY)
+            self._answer_mean += (output_tokens - self._answer_mean) * weight
         replica = self._owner.pop(seq_id, None)
         if replica is not None:
             entry = self._replicas[replica]

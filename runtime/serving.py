@@ -395,7 +395,7 @@ class ServingCore:
         live = self._live.pop(seq_id, None)
         if live is None:
             return
-        self.router.finish(seq_id)
+        self.router.finish(seq_id, output_tokens)
         self._release(rid, seq_id)
         req = live.request
         done = Completion(

@@ -221,9 +221,9 @@ def scenario_trace(scenario: Scenario, duration_s: float, seed: int) -> dict[str
     """Every deployment's arrivals over ``[0, duration_s)``, both classes merged in arrival
     order (ties by id); ids ``<deployment>/<c|s><n>``. The same for every system of a run.
 
-    NOTE: this trace (``bench.fragmented``'s, through ``runtime.host``) still states each drawn
-    length as ``max_output_tokens``, as before the live load generator stated a cap; its bytes,
-    and the committed results, are kept."""
+    Each request states its class's client cap as ``max_output_tokens`` and carries its drawn
+    length apart, as the SIMULATED ``sim_output_tokens`` (see :func:`class_arrivals`): the
+    benchmark's runtime sees what the live one does, no answer's length before it is out."""
     out: dict[str, list[Request]] = {}
     for dep in scenario.deployments:
         rates = rates_from_workload(dep.workload)
@@ -236,15 +236,29 @@ def scenario_trace(scenario: Scenario, duration_s: float, seed: int) -> dict[str
                 Request(
                     f"{dep.name}/{kind.value[0]}{i}",
                     r.prompt_tokens,
-                    r.sim_output_tokens or r.max_output_tokens,
+                    r.max_output_tokens,
                     r.arrival_s,
                     kind,
+                    sim_output_tokens=r.sim_output_tokens,
                 )
                 for i, r in enumerate(arrivals)
             ]
         merged.sort(key=lambda r: (r.arrival_s, r.request_id))
         out[dep.name] = merged
     return out
+
+
+def output_tokens(request: Request) -> int:
+    """The tokens a request's answer will have: its SIMULATED length (the world's truth, which
+    only the simulated engine, the offered-token count and the oracle read), else its cap."""
+    if request.sim_output_tokens is None:
+        return request.max_output_tokens
+    return min(request.max_output_tokens, request.sim_output_tokens)
+
+
+def offered_tokens(request: Request) -> int:
+    """Prompt plus answer tokens: what serving the request to its end delivers."""
+    return request.prompt_tokens + output_tokens(request)
 
 
 def _constant(rates: MixRates) -> RatesAt:

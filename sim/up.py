@@ -209,7 +209,7 @@ async def drive_load(
     into ``ledger``, which takes its figures when the load stops; ``on_demand`` follows the
     on-demand deployments' requests (a request held for a load may still be refused).
     """
-    from sim.loadgen import generate, rates_from_workload
+    from sim.loadgen import generate, output_tokens, rates_from_workload
 
     record.load_start_s = await wait_serving(worker, START_DEADLINE_S)
     arrivals = sorted(
@@ -238,7 +238,7 @@ async def drive_load(
         tracked = on_demand if on_demand is not None and dep in on_demand.slo_ms else None
         if tracked is not None:
             # the answer's simulated length (the ledger's truth), not the cap the client stated
-            tracked.offer(dep, request.sim_output_tokens or request.max_output_tokens)
+            tracked.offer(dep, output_tokens(request))
         if fut is None:
             record.rejections.append((worker.now_s(), dep, str(admission.reason)))
             if tracked is not None:

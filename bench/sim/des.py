@@ -47,6 +47,7 @@ from runtime.types import Request, RequestKind
 from runtime.vmm.manager import ReservationManager, host_backend_factory
 from runtime.worker import runtime_settings
 from sim.catalog import with_scenario
+from sim.loadgen import offered_tokens
 from sim.spec import Preempt, Scenario
 from sim.truth import GroundTruth
 from sim.world import World
@@ -202,7 +203,7 @@ class Simulation:
         # deployment's goodput can no longer exceed its offered tokens less these.
         self.lost_tokens = dict.fromkeys(self.runtimes, 0)
         self.clock_s = 0.0  # every event before it is handled (``advance``)
-        self._offered = {r.request_id: r.total_tokens for reqs in trace.values() for r in reqs}
+        self._offered = {r.request_id: offered_tokens(r) for reqs in trace.values() for r in reqs}
         self.utilisation = Utilisation()
         self.decisions: list[DecisionLog] = []
         self.transitions: dict[tuple[str, int], TransitionLog] = {}
@@ -336,7 +337,7 @@ class Simulation:
         admission = rt.submit(request, t_s)
         self.metrics[name].on_admission(admission, t_s)
         if not admission.admitted:
-            self.lost_tokens[name] += request.total_tokens
+            self.lost_tokens[name] += offered_tokens(request)
         rt.tick(t_s)
         self._pump(name, t_s)
         self._next_arrival(name)
@@ -453,7 +454,7 @@ class Simulation:
             observed_s=self.observed,
             violations=violations,
             offered_tokens={
-                name: sum(r.total_tokens for r in reqs if r.arrival_s < self.duration_s)
+                name: sum(offered_tokens(r) for r in reqs if r.arrival_s < self.duration_s)
                 for name, reqs in self.trace.items()
             },
         )

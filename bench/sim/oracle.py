@@ -59,6 +59,7 @@ from runtime.deployment import RuntimeSettings
 from runtime.host import RuntimeHost
 from runtime.types import Request
 from sim.catalog import with_scenario
+from sim.loadgen import offered_tokens, output_tokens
 from sim.spec import Preempt, Scenario
 from sim.truth import GroundTruth
 from sim.world import World
@@ -182,7 +183,7 @@ def interval_load(requests: Sequence[Request], interval: Interval) -> LoadSnapsh
         0.0,
         count / interval.length_s,
         max(1.0, sum(r.prompt_tokens for r in requests) / count),
-        max(1.0, sum(r.max_output_tokens for r in requests) / count),
+        max(1.0, sum(output_tokens(r) for r in requests) / count),
     )
 
 
@@ -231,7 +232,7 @@ class Oracle:
         for name in names:
             ttft_s, tbt_s = self.slo_s[name]
             for r in self._arrivals(name, interval):
-                done = interval.start_s + r.arrival_s + ttft_s + tbt_s * (r.max_output_tokens - 1)
+                done = interval.start_s + r.arrival_s + ttft_s + tbt_s * (output_tokens(r) - 1)
                 last = max(last, done)
         return min(last, self.duration_s) - interval.start_s
 
@@ -320,7 +321,7 @@ class Oracle:
         """
         candidates = self.candidates(interval)
         names = list(candidates)
-        ceiling = {n: sum(r.total_tokens for r in self._arrivals(n, interval)) for n in names}
+        ceiling = {n: sum(offered_tokens(r) for r in self._arrivals(n, interval)) for n in names}
         known: dict[tuple[str, str], int] = {}
         bound: dict[tuple[str, str], int] = {}  # of candidates whose run is paused
         paused: dict[tuple[str, str], Simulation] = {}
@@ -420,7 +421,7 @@ class Oracle:
                 for v in [*r.violations, *_cold(r)]
             ],
             offered_tokens={
-                n: sum(r.total_tokens for r in self.trace[n] if r.arrival_s < self.duration_s)
+                n: sum(offered_tokens(r) for r in self.trace[n] if r.arrival_s < self.duration_s)
                 for n in self.names
             },
         )

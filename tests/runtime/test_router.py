@@ -37,6 +37,26 @@ def test_routes_to_the_replica_predicted_to_finish_first() -> None:
     assert first.predicted_completion_s < router.predict_completion_s(busy, make_request(99), 0.0)
 
 
+def test_a_prediction_assumes_the_recent_answers_length_not_the_cap() -> None:
+    router = _router(ReplicaRole.ACTIVE)
+    replica = TIMINGS[0].replica_id
+    capped = make_request(1, 500, 4000)  # a client stating a generous max_tokens
+    assert router.expected_output_tokens(capped) == 4000  # nothing completed yet: the cap
+    before = router.predict_completion_s(replica, capped, 0.0)
+    for i, length in enumerate([100, 300] * 10):
+        router.enqueue(make_request(100 + i), replica)
+        router.finish(f"r{100 + i}", length)
+    assert router.expected_output_tokens(capped) == pytest.approx(200)
+    assert router.predict_completion_s(replica, capped, 0.0) < before / 5
+    # never past what the client accepts
+    assert router.expected_output_tokens(make_request(2, 500, 50)) == 50
+    # a shift in the answers' length is followed once the memory has filled
+    for i in range(2000):
+        router.enqueue(make_request(1000 + i), replica)
+        router.finish(f"r{1000 + i}", 1000)
+    assert router.expected_output_tokens(capped) == pytest.approx(1000, rel=0.01)
+
+
 def test_frozen_shadow_and_draining_replicas_take_no_new_requests() -> None:
     router = _router(ReplicaRole.FROZEN, ReplicaRole.SHADOW, ReplicaRole.DRAINING)
     assert router.candidates(make_request(1), 0.0) == ()

@@ -16,6 +16,8 @@ from sim.loadgen import (
     MixRates,
     client_max_tokens,
     generate,
+    offered_tokens,
+    output_tokens,
     rates_from_workload,
     run_http,
     scenario_trace,
@@ -66,11 +68,18 @@ def test_a_request_states_its_classs_cap_not_its_length() -> None:
 
 
 @pytest.mark.unit
-def test_the_scenario_trace_keeps_its_bytes() -> None:
-    # bench.fragmented's trace still carries each drawn length as max_output_tokens
+def test_the_benchmark_trace_states_caps_not_lengths() -> None:
+    # bench.fragmented's runtime sees what the live one does: the client's cap per class; the
+    # drawn length travels apart, and only the offered-token count (and the oracle) read it
     trace = scenario_trace(load_scenario(SEED_FRAGMENTED), 600.0, seed=4)["chat-70b"]
-    assert all(r.sim_output_tokens is None for r in trace)
-    assert len({r.max_output_tokens for r in trace}) > 50
+    assert len({r.max_output_tokens for r in trace}) <= 2  # chat's cap and summarisation's
+    lengths = [output_tokens(r) for r in trace]
+    assert len(set(lengths)) > 50
+    assert all(MIN_TOKENS <= n <= r.max_output_tokens for n, r in zip(lengths, trace, strict=True))
+    assert sum(lengths) < 0.5 * sum(r.max_output_tokens for r in trace)
+    assert [offered_tokens(r) for r in trace] == [
+        r.prompt_tokens + n for r, n in zip(trace, lengths, strict=True)
+    ]
 
 
 @pytest.mark.unit
