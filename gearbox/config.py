@@ -108,6 +108,14 @@ class GearboxConfig(Serialisable):
     # NOTE: the load window (60 s) still holds the old plan's and the hand-over's requests
     # for a while after a switch; learning from them would blame the new plan.
     correction_settle_s: float = 90.0  # no learning this soon after a switch
+    # A tick teaches the queues' service rate instead of the TTFT factor when a service-rate
+    # change of under this × the TTFT factor's (in log terms) explains it (gearbox.correction):
+    # the service rate is trusted ~5× more (log 1.3 / log 4: a roofline throughput off by
+    # tens of per cent, a TTFT p95 off by up to the 4× clamp). 0 = never: the behaviour before.
+    # NOTE: near saturation one TTFT factor for the 2-GPU plan of sim/scenarios/
+    # steady-boundary.yaml swung between 1.7 and its 0.25 clamp with the load (model 4.5-22 s,
+    # observed 200-270 ms at 12-12.5 rps) and the plan flapped at every phase edge.
+    correction_service_ratio: float = 0.2
     # NOTE: off by default: bench.fragmented (fragmented-short, 5 seeds) measured the 7B's
     # estimator error p95 0.42 -> 0.38 with it but the 70B's 0.55 -> 0.66 (its windows hold
     # ~40 prompts, and the error sits on the preemption's degraded plan): the headline got worse.
@@ -184,6 +192,7 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "correction_min_factor": (0.01, 1.0),
     "correction_max_factor": (1.0, 100.0),
     "correction_settle_s": (0.0, 86_400.0),
+    "correction_service_ratio": (0.0, 1.0),
     "ttft_prompt_tail": (0, 1),
     "weight_load_gbps": (0.01, 10_000.0),
     "kv_transfer_efficiency": (0.01, 1.0),

@@ -37,12 +37,39 @@ factor's own model figure) uses them; a window without lengths leaves the load a
 Applied (:func:`factor_for`): a plan whose shape has a factor gets it; any other plan gets the
 deployment-wide factor — a plan never observed is assumed to err like the deployment's plans
 so far, which keeps the comparison with the serving plan neutral instead of favouring the
-unobserved. Only TTFT is corrected; TBT, capacity and served tokens keep the model's figures.
+unobserved. The TTFT factor changes only TTFT; TBT keeps the model's figure.
+
+Service rate (when ``correction_service_rate`` is on): near saturation the modelled TTFT is
+its queueing term, ``∝ 1 / (μ − λ)``, so a capacity error of a few per cent is a TTFT error of
+a hundredfold that changes with the load from tick to tick — no single multiplicative factor
+describes it. In steady-boundary (seed 9) the 2-GPU plan's model said 4.5–22 s at 12–12.5
+rps where 200–270 ms were observed, while the same plan at 9 rps was observed at 1.7× its
+model; folding both into one TTFT factor pinned it at the 0.25 clamp, where it then made the
+same shape at lower load 4× too optimistic. So there is a second factor, on the queues'
+service rate, and each tick teaches the one of the two that explains its observation with the
+smaller change (:func:`teaches_service_rate`): the TTFT factor needs a log change of
+``log(observed / corrected figure)``; the service rate the one at which the corrected model
+meets the observation (:func:`solve_service_factor`, by bisection — the corrected TTFT falls
+as the service rate rises). The service rate is trusted more (a roofline throughput errs by
+tens of per cent, a TTFT p95 that misses the prompt tail by several-fold), so its change is
+weighed ``1 / correction_service_ratio`` times as heavily. Near saturation a few per cent of
+service rate explain a hundredfold TTFT error and the service rate learns; far from it no
+plausible service rate explains a latency error and the TTFT factor learns. The taught factor
+takes the value that meets the observation, the other is kept. A taught TTFT factor is folded
+in as above; a taught service rate replaces the previous one: its noise is at most
+``correction_service_ratio`` of the TTFT ratio's in log terms (that is what taught it), so it
+is worth ``1 / ratio²`` (25) observations of the TTFT ratio, more than the whole running mean
+weighs — and near saturation the service rate that fits the model's queue to the world moves
+with the load (12–13 rps: 1.06 → 1.3 in the case above), which a running mean would trail by
+minutes, flapping as before. Both clamp, decay and fall back to the deployment-wide entry in
+the same way (:func:`service_factor_for`), and :func:`gearbox.scoring.estimate_deployment`
+applies the service rate to the queueing term and to the capacity.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from gearbox.config import GearboxConfig
@@ -60,8 +87,12 @@ __all__ = [
     "factor_for",
     "observe",
     "observe_prompts",
+    "observe_service",
     "plan_shape",
     "prompt_tail",
+    "service_factor_for",
+    "solve_service_factor",
+    "teaches_service_rate",
     "with_prompt_tail",
 ]
 
@@ -69,6 +100,7 @@ DEPLOYMENT_WIDE = ""  # the shape key of the factor learned from every observati
 _MAX_SHAPES = 16  # per deployment, besides the deployment-wide one; the stalest are dropped
 _MIN_LENGTH_SHARE = 1e-6  # smoothed prompt-length shares below it are dropped
 _P95 = 0.95
+_SOLVE_STEPS = 40  # bisection steps of solve_service_factor: 2⁻⁴⁰ of the bounds' log-width
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +126,20 @@ class PromptLengths(Serialisable):
 class Corrections(Serialisable):
     """A deployment's learned factors, sorted by shape, and its smoothed prompt tail."""
 
-    entries: tuple[Correction, ...] = ()
+    entries: tuple[Correction, ...] = ()  # TTFT factors
     prompt_lengths: PromptLengths | None = None
+    service: tuple[Correction, ...] = ()  # service-rate factors of the queueing term
 
     def get(self, shape: str) -> Correction | None:
-        """The entry for ``shape`` (None when never observed)."""
-        for entry in self.entries:
-            if entry.shape == shape:
-                return entry
-        return None
+        """The TTFT entry for ``shape`` (None when never observed)."""
+        return _entry(self.entries, shape)
+
+
+def _entry(entries: tuple[Correction, ...], shape: str) -> Correction | None:
+    for entry in entries:
+        if entry.shape == shape:
+            return entry
+    return None
 
 
 def _replica_shape(plan: ExecutionPlan) -> str:
@@ -130,8 +167,32 @@ def _clamp(factor: float, config: GearboxConfig) -> float:
 def factor_for(corrections: Corrections, shape: str, now_s: float, config: GearboxConfig) -> float:
     """The factor for a plan of ``shape`` at ``now_s``: its own, else the deployment-wide one,
     else 1 — decayed toward 1 since its last observation."""
-    entry = corrections.get(shape) or corrections.get(DEPLOYMENT_WIDE)
+    return _factor(corrections.entries, shape, now_s, config)
+
+
+def service_factor_for(
+    corrections: Corrections, shape: str, now_s: float, config: GearboxConfig
+) -> float:
+    """The queues' service-rate factor for a plan of ``shape`` at ``now_s``, found like
+    :func:`factor_for` (1 when nothing was learned or ``correction_service_ratio`` is 0)."""
+    if config.correction_service_ratio <= 0:
+        return 1.0
+    return _factor(corrections.service, shape, now_s, config)
+
+
+def _factor(
+    entries: tuple[Correction, ...], shape: str, now_s: float, config: GearboxConfig
+) -> float:
+    entry = _entry(entries, shape) or _entry(entries, DEPLOYMENT_WIDE)
     return 1.0 if entry is None else _decayed(entry, now_s, config)
+
+
+def _ignored(
+    num_samples: int, now_s: float, last_switch_s: float | None, config: GearboxConfig
+) -> bool:
+    """A tick to learn nothing from: learning off, a thin window, or settling after a switch."""
+    settling = last_switch_s is not None and now_s - last_switch_s < config.correction_settle_s
+    return config.correction_gain <= 0 or settling or num_samples < config.correction_min_samples
 
 
 def observe(
@@ -148,31 +209,97 @@ def observe(
 
     Returns ``corrections`` unchanged when the tick is ignored (see the module docstring).
     """
-    settling = last_switch_s is not None and now_s - last_switch_s < config.correction_settle_s
     if (
-        config.correction_gain <= 0
-        or settling
-        or num_samples < config.correction_min_samples
+        _ignored(num_samples, now_s, last_switch_s, config)
         or model_ttft_p95_ms <= 0
         or observed_ttft_p95_ms <= 0
         or model_ttft_p95_ms >= config.max_latency_ms
     ):
         return corrections
     target = math.log(observed_ttft_p95_ms / model_ttft_p95_ms)
-    kept = {e.shape: e for e in corrections.entries}
+    return replace(corrections, entries=_folded(corrections.entries, shape, target, now_s, config))
+
+
+def observe_service(
+    corrections: Corrections,
+    shape: str,
+    service_factor: float,
+    num_samples: int,
+    now_s: float,
+    last_switch_s: float | None,
+    config: GearboxConfig,
+) -> Corrections:
+    """Set the service-rate factor of ``shape`` (and the deployment-wide one) to this tick's —
+    the one :func:`solve_service_factor` found for the serving plan (module docstring); ignored
+    ticks as in :func:`observe` (and every tick when ``correction_service_ratio`` is 0)."""
+    if (
+        config.correction_service_ratio <= 0
+        or _ignored(num_samples, now_s, last_switch_s, config)
+        or service_factor <= 0
+    ):
+        return corrections
+    target = math.log(service_factor)
+    service = _folded(corrections.service, shape, target, now_s, config, gain=1.0)
+    return replace(corrections, service=service)
+
+
+def _folded(
+    entries: tuple[Correction, ...],
+    shape: str,
+    target: float,
+    now_s: float,
+    config: GearboxConfig,
+    gain: float | None = None,
+) -> tuple[Correction, ...]:
+    """``entries`` with the log-factor ``target`` folded into ``shape``'s and the
+    deployment-wide entry with weight ``gain`` (default: :func:`_gain`'s; module docstring),
+    the stalest shapes dropped past _MAX_SHAPES."""
+    kept = {e.shape: e for e in entries}
     for key in (shape, DEPLOYMENT_WIDE):
         old = kept.get(key)
         prior = 0.0 if old is None else math.log(_decayed(old, now_s, config))
         seen = 0 if old is None else old.observations
-        gain = _gain(seen, config)
-        factor = _clamp(math.exp((1 - gain) * prior + gain * target), config)
+        weight = _gain(seen, config) if gain is None else gain
+        factor = _clamp(math.exp((1 - weight) * prior + weight * target), config)
         kept[key] = Correction(key, factor, now_s, seen + 1)
     shaped = sorted(
         (e for e in kept.values() if e.shape != DEPLOYMENT_WIDE),
         key=lambda e: (-e.updated_s, e.shape),
     )[:_MAX_SHAPES]
-    entries = sorted([kept[DEPLOYMENT_WIDE], *shaped], key=lambda e: e.shape)
-    return replace(corrections, entries=tuple(entries))
+    return tuple(sorted([kept[DEPLOYMENT_WIDE], *shaped], key=lambda e: e.shape))
+
+
+def teaches_service_rate(
+    ttft_log_change: float, service_log_change: float, config: GearboxConfig
+) -> bool:
+    """Whether a tick teaches the service rate rather than the TTFT factor: the service rate's
+    log change that explains it, weighed ``1 / correction_service_ratio``, is the smaller
+    (module docstring). Never when the ratio is 0 or nothing needs explaining."""
+    ratio = config.correction_service_ratio
+    if ratio <= 0 or ttft_log_change == 0:
+        return False
+    return abs(service_log_change) < ratio * abs(ttft_log_change)
+
+
+def solve_service_factor(
+    ttft_ms_at: Callable[[float], float], observed_ttft_p95_ms: float, config: GearboxConfig
+) -> float:
+    """The service-rate factor within the correction's bounds at which ``ttft_ms_at`` — the
+    corrected model's TTFT p95 of the serving plan as a function of that factor, falling as it
+    rises — meets the observed p95: a bound when even that bound misses it. Bisection in log
+    space, so the answer is as exact at 0.3 as at 3."""
+    lo, hi = math.log(config.correction_min_factor), math.log(config.correction_max_factor)
+    if ttft_ms_at(math.exp(hi)) >= observed_ttft_p95_ms:
+        return math.exp(hi)  # slower than observed even at the fastest: as fast as allowed
+    if ttft_ms_at(math.exp(lo)) <= observed_ttft_p95_ms:
+        return math.exp(lo)
+    for _ in range(_SOLVE_STEPS):
+        mid = (lo + hi) / 2
+        if ttft_ms_at(math.exp(mid)) > observed_ttft_p95_ms:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp((lo + hi) / 2)
 
 
 def _gain(seen: int, config: GearboxConfig) -> float:

@@ -35,6 +35,7 @@ Every outcome carries a :class:`DecisionReason`; the new :class:`GearState` come
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -46,7 +47,11 @@ from gearbox.correction import (
     factor_for,
     observe,
     observe_prompts,
+    observe_service,
     plan_shape,
+    service_factor_for,
+    solve_service_factor,
+    teaches_service_rate,
     with_prompt_tail,
 )
 from gearbox.decisions import (
@@ -91,7 +96,8 @@ class _Tick:
     available: Mapping[str, int]
     quarantined: frozenset[str]  # recently rolled-back targets, not proposed voluntarily
     pressure: tuple[str, ...]  # observed pressure (empty = none): no GPU credit, no downshift
-    current_model: DeploymentEstimate | None  # the cost model's figures for the current plan
+    # the cost model's figures for the current plan, at its learned service rate
+    current_model: DeploymentEstimate | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +156,9 @@ def decide(
     quarantined = quarantined_plan_ids(state, snapshot.now_s, config)
     failed = tuple(f for f in state.failed if f.plan_id in quarantined)
     # NOTE: estimated once: the learning and every use of the current plan's figures share it
-    modelled = None if current is None else estimate_plan(current, available, model, load, config)
-    corrections = _learn(current, modelled, load, replace(state, corrections=learned), config)
+    corrections, modelled = _learn(
+        current, available, model, load, replace(state, corrections=learned), config
+    )
     tick = _Tick(
         name,
         current,
@@ -202,31 +209,67 @@ def _pressure(
 
 def _learn(
     current: DeploymentPlan | None,
-    modelled: DeploymentEstimate | None,
+    available: Mapping[str, int],
+    model: ModelSpec,
     load: LoadSnapshot,
     state: GearState,
     config: GearboxConfig,
-) -> Corrections:
-    """The TTFT factors with this tick's observation of the current plan (``modelled`` is the
-    cost model's estimate of it) folded in."""
-    if current is None or modelled is None or load.num_ttft_samples == 0:
-        return state.corrections
-    if not modelled.feasible:
-        return state.corrections
-    return observe(
-        state.corrections,
-        plan_shape(current),
-        modelled.ttft_p95_ms,
-        load.window_ttft_p95_ms,
-        load.num_ttft_samples,
-        load.now_s,
-        state.last_switch_s,
-        config,
-    )
+) -> tuple[Corrections, DeploymentEstimate | None]:
+    """The factors with this tick's observation of the current plan folded in — into the
+    queues' service rate or the TTFT factor, whichever explains it with the smaller change
+    (gearbox.correction) — and the cost model's estimate of the plan at its learned service
+    rate (None without a current plan)."""
+    if current is None:
+        return state.corrections, None
+    shape, now_s, corrections = plan_shape(current), load.now_s, state.corrections
+    speed = service_factor_for(corrections, shape, now_s, config)
+    modelled = estimate_plan(current, available, model, load, config, service_factor=speed)
+    observed = load.window_ttft_p95_ms
+    if load.num_ttft_samples == 0 or not modelled.feasible or observed <= 0:
+        return corrections, modelled
+    args = (load.num_ttft_samples, now_s, state.last_switch_s, config)
+    factor = factor_for(corrections, shape, now_s, config)
+
+    def ttft_ms_at(service_factor: float) -> float:
+        at = estimate_plan(current, available, model, load, config, service_factor=service_factor)
+        return factor * at.ttft_p95_ms
+
+    learned = None
+    if config.correction_service_ratio > 0:
+        solved = solve_service_factor(ttft_ms_at, observed, config)
+        ttft_change = math.log(observed / ttft_ms_at(speed))
+        if teaches_service_rate(ttft_change, math.log(solved / speed), config):
+            learned = observe_service(corrections, shape, solved, *args)
+    if learned is None:
+        learned = observe(corrections, shape, modelled.ttft_p95_ms, observed, *args)
+    learned_speed = service_factor_for(learned, shape, now_s, config)
+    if learned_speed != speed:
+        modelled = estimate_plan(
+            current, available, model, load, config, service_factor=learned_speed
+        )
+    return learned, modelled
+
+
+def _service_factor(tick: _Tick, plan: DeploymentPlan) -> float:
+    """The learned service-rate factor for ``plan``'s queues (gearbox.correction)."""
+    shape = plan_shape(plan)
+    return service_factor_for(tick.state.corrections, shape, tick.snapshot.now_s, tick.config)
+
+
+def _at_service_rate(
+    tick: _Tick, plan: DeploymentPlan, estimate: DeploymentEstimate
+) -> DeploymentEstimate:
+    """``estimate`` of ``plan`` (the cost model's) again at ``plan``'s learned service rate."""
+    speed = _service_factor(tick, plan)
+    if speed == 1.0 or not estimate.feasible:
+        return estimate
+    args = (tick.available, tick.model, tick.load, tick.config)
+    return estimate_plan(plan, *args, service_factor=speed)
 
 
 def _corrected(tick: _Tick, plan: DeploymentPlan, estimate: DeploymentEstimate) -> _Estimate:
-    """``estimate`` of ``plan`` with the learned TTFT factor applied (gearbox.correction)."""
+    """``estimate`` of ``plan`` (at its learned service rate) with the learned TTFT factor
+    applied (gearbox.correction)."""
     factor = factor_for(tick.state.corrections, plan_shape(plan), tick.snapshot.now_s, tick.config)
     return _Estimate(apply_correction(estimate, factor, tick.config), estimate.ttft_p95_ms, factor)
 
@@ -234,7 +277,8 @@ def _corrected(tick: _Tick, plan: DeploymentPlan, estimate: DeploymentEstimate) 
 def _estimate(tick: _Tick, plan: DeploymentPlan) -> _Estimate:
     """The corrected estimate of an arbitrary plan (an override target)."""
     args = (tick.available, tick.model, tick.load, tick.config)
-    return _corrected(tick, plan, estimate_plan(plan, *args))
+    speed = _service_factor(tick, plan)
+    return _corrected(tick, plan, estimate_plan(plan, *args, service_factor=speed))
 
 
 def _current_estimate(tick: _Tick, current: DeploymentPlan) -> _Estimate:
@@ -294,8 +338,11 @@ def _current_utility(tick: _Tick, problems: Sequence[str]) -> float:
         return 0.0
     gpus = sum(u.num_gpus for u in units)
     shapes = [u.shape for u in units]
-    surviving = estimate_deployment(shapes, gpus, tick.model, tick.load, tick.config)
-    # NOTE: the surviving replicas are the serving plan's: they keep its factor
+    speed = _service_factor(tick, tick.current)
+    surviving = estimate_deployment(
+        shapes, gpus, tick.model, tick.load, tick.config, service_factor=speed
+    )
+    # NOTE: the surviving replicas are the serving plan's: they keep its factors
     return _corrected(tick, tick.current, surviving).corrected.utility_tok_s
 
 
@@ -328,7 +375,8 @@ def _score(
     cost = switch_cost(
         tick.current, candidate.plan, tick.snapshot, tick.model, tick.load, config, tick.available
     )
-    made = _corrected(tick, candidate.plan, candidate.estimate)
+    estimate = _at_service_rate(tick, candidate.plan, candidate.estimate)
+    made = _corrected(tick, candidate.plan, estimate)
     raw = (made.corrected.utility_tok_s - base_utility) * config.gain_horizon_s
     gain = raw * candidate.stability if raw > 0 else raw
     worthwhile = gain > cost.total_tokens * config.hysteresis
@@ -523,6 +571,10 @@ def _explain(
     parts = [f"{tick.deployment}: {reason.value} (trigger {tick.trigger.value})."]
     if current is not None:
         parts.append(f"Current {_describe(current)} vs {_observed(tick.load)}.")
+        assert tick.current is not None, "a current summary comes from the current plan"
+        speed = _service_factor(tick, tick.current)
+        if speed != 1.0:
+            parts.append(f"Its shape's queues run at service rate × {speed:.2f} of the model.")
     if problems:
         parts.append(f"Problems: {'; '.join(problems)}.")
     if chosen is not None:

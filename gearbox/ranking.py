@@ -115,10 +115,15 @@ def estimate_plan(
     model: ModelSpec,
     load: LoadSnapshot,
     config: GearboxConfig,
+    *,
+    service_factor: float = 1.0,
 ) -> DeploymentEstimate:
-    """Estimate an arbitrary deployment plan (e.g. the current one) on this snapshot."""
+    """Estimate an arbitrary deployment plan (e.g. the current one) on this snapshot, its
+    queues' service rate × ``service_factor`` (:func:`gearbox.scoring.estimate_deployment`)."""
     shapes = [replica_shape(r, available) for r in plan.replicas]
-    return estimate_deployment(shapes, plan.num_gpus, model, load, config)
+    return estimate_deployment(
+        shapes, plan.num_gpus, model, load, config, service_factor=service_factor
+    )
 
 
 def deployment_stability(units: Sequence[Unit], stability: Mapping[str, float]) -> float:

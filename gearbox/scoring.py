@@ -13,6 +13,13 @@ Utility (tokens/s): served tokens discounted by SLO attainment, minus the value 
 attainment = min(1, TTFT SLO / TTFT p95) × min(1, TBT SLO / TBT p95). The GPU term makes a
 deployment hand GPUs back at low load instead of holding replicas it does not need.
 
+A learned service-rate factor ``s`` (:mod:`gearbox.correction`; 1 = the model) scales the
+rate of the queues behind the TTFT: a queue served ``s`` times as fast at arrival rate λ waits
+exactly as long as the modelled one at λ / s, divided by s (the same utilisation, every
+service time ÷ s). So the TTFT p95 is the zero-load latency plus the modelled wait at the
+arrivals ÷ s, divided by s; capacity (and with it the tokens served) is the model's × s; the
+latency itself and TBT keep the model's figures.
+
 Observed pressure (:func:`observed_pressure`) is the check of these estimates against what the
 deployment actually sees: when its observed TTFT or TBT p95 is over the SLO, or its queue alone
 takes longer than the TTFT SLO to drain at the current plan's estimated capacity, the estimates
@@ -26,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gearbox.config import GearboxConfig
-from gearbox.cost import ReplicaShape, estimate_replica, replica_capacity
+from gearbox.cost import ReplicaEstimate, ReplicaShape, estimate_replica, replica_capacity
 from gearbox.model import ModelSpec
 from gearbox.serde import Serialisable
 from gearbox.types import LoadSnapshot
@@ -83,8 +90,11 @@ def estimate_deployment(
     model: ModelSpec,
     load: LoadSnapshot,
     config: GearboxConfig,
+    *,
+    service_factor: float = 1.0,
 ) -> DeploymentEstimate:
-    """Estimate a deployment made of replicas with the given shapes."""
+    """Estimate a deployment made of replicas with the given shapes; ``service_factor`` scales
+    its queues' service rate (module docstring)."""
     prompt, output = request_profile(load, config)
     capacities = [replica_capacity(s, model, prompt, output, config) for s in shapes]
     if not shapes or not all(c.feasible for c in capacities):
@@ -98,19 +108,28 @@ def estimate_deployment(
     scv = load.prompt_tokens_scv if tail is not None else 1.0
     for shape, cap in zip(shapes, capacities, strict=True):
         share = cap.capacity_rps / total_rps
-        replica = estimate_replica(
-            shape,
-            model,
-            prompt,
-            output,
-            design * share,
-            config,
-            tail_prompt_tokens=tail,
-            prompt_scv=scv,
-        )
-        capacity_tok_s += replica.capacity_tok_s
-        served += min(demand * share, cap.capacity_rps) * (prompt + output)
-        ttft += share * replica.ttft_p95_ms
+
+        def at(arrival_rps: float, shape: ReplicaShape = shape) -> ReplicaEstimate:
+            return estimate_replica(
+                shape,
+                model,
+                prompt,
+                output,
+                arrival_rps,
+                config,
+                tail_prompt_tokens=tail,
+                prompt_scv=scv,
+            )
+
+        replica = at(design * share)
+        replica_ttft = replica.ttft_p95_ms
+        if service_factor != 1.0:
+            idle = at(0.0).ttft_p95_ms
+            queued = at(design * share / service_factor).ttft_p95_ms
+            replica_ttft = idle + max(0.0, queued - idle) / service_factor
+        capacity_tok_s += replica.capacity_tok_s * service_factor
+        served += min(demand * share, cap.capacity_rps * service_factor) * (prompt + output)
+        ttft += share * replica_ttft
         tbt += share * replica.tbt_p95_ms
     utility = utility_tok_s(served, ttft, tbt, num_gpus, config)
     return DeploymentEstimate(True, capacity_tok_s, served, ttft, tbt, num_gpus, utility)
