@@ -139,7 +139,7 @@ def _orders(
                 best.capacity_rps / o.gpus_per_copy,
                 best.prefill_latency_s + output_tokens * best.unloaded_tbt_s,
                 min(stability.get(b, 1.0) for b in o.block_ids),
-                sum(c.capacity.capacity_rps for c in o.copies),
+                o.total_rps,
             )
         )
     keys: dict[str, Callable[[_Row], tuple[float | str, ...]]] = {

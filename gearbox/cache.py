@@ -69,6 +69,7 @@ class OptionCache:
         if max_entries < 1:
             raise ValueError("max_entries: must be positive")
         self._entries: OrderedDict[Hashable, object] = OrderedDict()
+        self._keys: dict[Key, Key] = {}  # each distinct key part's one instance (:meth:`intern`)
         self._max = max_entries
         self._hits = 0
         self._misses = 0
@@ -88,9 +89,23 @@ class OptionCache:
             entries.popitem(last=False)
         return value
 
+    def intern(self, key: Key) -> Key:
+        """The one instance of the key parts equal to ``key`` (``key`` itself the first time).
+
+        NOTE: a hit compares the stored key with the one looked up part by part; with every part
+        interned that is an identity check per part, where equal copies compared the model, the
+        configuration and every GPU of a block again on each of a decision's ~300 lookups.
+        """
+        known = self._keys.setdefault(key, key)
+        if len(self._keys) > self._max:  # NOTE: only an optimisation: start again
+            self._keys = {key: key}
+            return key
+        return known
+
     def clear(self) -> None:
         """Drop every entry and reset the counters."""
         self._entries.clear()
+        self._keys.clear()
         self._hits = self._misses = 0
 
     @property

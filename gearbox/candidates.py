@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gearbox import cache
@@ -91,11 +91,15 @@ class ReplicaOption:
     pp_link: LinkClass | None
     handoff_link: LinkClass | None
     copies: tuple[ReplicaCopy, ...]
+    # NOTE: derived once here: every decision reads them for each of its ~600 options, most of
+    # them cached from earlier decisions (gearbox.cache)
+    gpus_per_copy: int = field(init=False, compare=False, repr=False)  # GPUs one copy uses
+    total_rps: float = field(init=False, compare=False, repr=False)  # all copies' capacity
 
-    @property
-    def gpus_per_copy(self) -> int:
-        """GPUs one copy uses."""
-        return sum(len(g) for g in self.copies[0].gpu_groups)
+    def __post_init__(self) -> None:
+        first = self.copies[0].gpu_groups if self.copies else ()  # NOTE: none: left out later
+        object.__setattr__(self, "gpus_per_copy", sum(len(g) for g in first))
+        object.__setattr__(self, "total_rps", sum(c.capacity.capacity_rps for c in self.copies))
 
     def plan(self, model_name: str, copy_index: int) -> ExecutionPlan:
         """Materialise one copy as an :class:`ExecutionPlan`."""
@@ -180,9 +184,14 @@ def _block_tp_options(
 
 def _summary(option: ReplicaOption) -> tuple[float, float, float, float, int]:
     best = option.copies[0].capacity
-    total = sum(c.capacity.capacity_rps for c in option.copies)
     per_gpu = best.capacity_rps / option.gpus_per_copy
-    return total, per_gpu, -best.prefill_latency_s, -best.unloaded_tbt_s, -option.gpus_per_copy
+    return (
+        option.total_rps,
+        per_gpu,
+        -best.prefill_latency_s,
+        -best.unloaded_tbt_s,
+        -option.gpus_per_copy,
+    )
 
 
 def _prune_dominated(options: list[ReplicaOption]) -> list[ReplicaOption]:
@@ -378,24 +387,21 @@ def _pd_options(
     signatures: Mapping[str, cache.Key],
     common: cache.Key,
 ) -> list[ReplicaOption]:
-    def biggest(options: Sequence[ReplicaOption]) -> ReplicaOption:
-        return max(options, key=lambda o: (o.gpus_per_copy, o.label))
-
+    # NOTE: each block's biggest option once, not once per pairing it is in
+    biggest = [max(opts, key=lambda o: (o.gpus_per_copy, o.label)) for opts in hosts]
     fastest = sorted(
-        hosts,
-        key=lambda opts: (biggest(opts).copies[0].capacity.prefill_latency_s, opts[0].block_ids),
+        biggest,
+        key=lambda o: (o.copies[0].capacity.prefill_latency_s, o.block_ids),
     )
     options = []
-    for prefill_opts in fastest[: ctx.config.max_pd_prefill_blocks]:
-        prefill = biggest(prefill_opts)
-        for decode_opts in hosts:
-            decode = biggest(decode_opts)
+    for prefill in fastest[: ctx.config.max_pd_prefill_blocks]:
+        for decode in biggest:
             if decode.block_ids == prefill.block_ids:
                 continue
             link = snapshot.link_between(prefill.stages[0].domain_id, decode.stages[0].domain_id)
             if link.bandwidth_gbps < ctx.config.min_pd_link_gbps:
                 continue
-            key = (
+            key = cache.Key(
                 "pd",
                 common,
                 signatures[prefill.block_ids[0]],
@@ -432,7 +438,7 @@ def enumerate_options(
     small: list[tuple[AtomicBlock, Sequence[Gpu]]] = []
     # NOTE: options are memoised per block signature (gearbox.cache): a trigger that touched one
     # block enumerates that block again, not the cluster
-    common = cache.Key(model, config, prompt_tokens, output_tokens)
+    common = cache.OPTIONS.intern(cache.Key(model, config, prompt_tokens, output_tokens))
     signatures: dict[str, cache.Key] = {}
     for block in sorted(blocks, key=lambda b: b.block_id):
         gpus = sorted(
@@ -441,10 +447,10 @@ def enumerate_options(
         )
         if not gpus:
             continue
-        signature = cache.block_signature(block, gpus, available)
+        signature = cache.OPTIONS.intern(cache.block_signature(block, gpus, available))
         signatures[block.block_id] = signature
         tp_options = cache.OPTIONS.get_or(
-            ("tp", common, signature),
+            cache.Key("tp", common, signature),
             lambda b=block, g=gpus: tuple(_block_tp_options(ctx, b, g)),  # type: ignore[misc]
         )
         if tp_options:
@@ -454,7 +460,7 @@ def enumerate_options(
     options = [o for opts in hosts for o in opts]
     if config.max_pp_stages >= 2 and small:
         links = (snapshot.inter_domain_link, snapshot.link_overrides)
-        key = ("pp", common, links, tuple(signatures[b.block_id] for b, _ in small))
+        key = cache.Key("pp", common, links, tuple(signatures[b.block_id] for b, _ in small))
         options += cache.OPTIONS.get_or(key, lambda: tuple(_pp_options(ctx, snapshot, small)))
     options += _pd_options(ctx, snapshot, hosts, signatures, common)
     return tuple(options)

@@ -92,3 +92,25 @@ def test_keys_compare_by_their_parts() -> None:
     assert cache.Key("x", (1, 2)) != cache.Key("x", (1, 3))
     with pytest.raises(ValueError, match="max_entries"):
         cache.OptionCache(max_entries=0)
+
+
+def test_equal_key_parts_are_interned_to_one_instance() -> None:
+    memo = cache.OptionCache(max_entries=2)
+    first = memo.intern(cache.Key("x", (1, 2)))
+    again = memo.intern(cache.Key("x", (1, 2)))
+    assert again is first  # a later lookup's part compares by identity
+    assert memo.intern(cache.Key("x", (1, 3))) is not first
+    memo.intern(cache.Key("y"))  # past the bound: the table starts again
+    fresh = cache.Key("x", (1, 2))
+    assert memo.intern(fresh) is fresh
+    memo.clear()
+    other = cache.Key("x", (1, 2))
+    assert memo.intern(other) is other
+
+
+def test_an_options_derived_figures_match_its_copies() -> None:
+    options = _options(make_cluster(16))
+    assert {o.kind for o in options} >= {OptionKind.TP, OptionKind.PD}
+    for o in options:
+        assert o.gpus_per_copy == sum(len(g) for g in o.copies[0].gpu_groups)
+        assert o.total_rps == sum(c.capacity.capacity_rps for c in o.copies)
