@@ -109,13 +109,17 @@ class GearboxConfig(Serialisable):
     # for a while after a switch; learning from them would blame the new plan.
     correction_settle_s: float = 90.0  # no learning this soon after a switch
     # A tick teaches the queues' service rate instead of the TTFT factor when a service-rate
-    # change of under this × the TTFT factor's (in log terms) explains it (gearbox.correction):
-    # the service rate is trusted ~5× more (log 1.3 / log 4: a roofline throughput off by
-    # tens of per cent, a TTFT p95 off by up to the 4× clamp). 0 = never: the behaviour before.
-    # NOTE: near saturation one TTFT factor for the 2-GPU plan of sim/scenarios/
-    # steady-boundary.yaml swung between 1.7 and its 0.25 clamp with the load (model 4.5-22 s,
-    # observed 200-270 ms at 12-12.5 rps) and the plan flapped at every phase edge.
-    correction_service_ratio: float = 0.2
+    # change of under this × the TTFT factor's (in log terms) explains it (gearbox.correction);
+    # 0.2 trusts the service rate ~5× more (log 1.3 / log 4: a roofline throughput off by tens
+    # of per cent, a TTFT p95 off by up to the 4× clamp). 0 = never: the behaviour before.
+    # NOTE: off by default. In sim/scenarios/steady-boundary.yaml (seeds 7-11) 0.2 took the
+    # estimator error p95 5.4 -> 0.34 and FlexPipe's flaps 12 -> 0, but its goodput vs the fixed
+    # plan 0.991 -> 0.966: it then holds the 2-GPU plan through the high phases, where the
+    # runtime sheds 0.6-4 % of requests at its KV watermark (throttled_watermark). Shed
+    # requests leave no TTFT sample and the load snapshot carries no rejection count, so the
+    # observation it learns from is censored: the model's blown-up queue was the only sign of
+    # the 2-GPU plan's KV running out. Turn it on once the load window reports rejections.
+    correction_service_ratio: float = 0.0
     # NOTE: off by default: bench.fragmented (fragmented-short, 5 seeds) measured the 7B's
     # estimator error p95 0.42 -> 0.38 with it but the 70B's 0.55 -> 0.66 (its windows hold
     # ~40 prompts, and the error sits on the preemption's degraded plan): the headline got worse.

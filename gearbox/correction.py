@@ -39,7 +39,8 @@ deployment-wide factor — a plan never observed is assumed to err like the depl
 so far, which keeps the comparison with the serving plan neutral instead of favouring the
 unobserved. The TTFT factor changes only TTFT; TBT keeps the model's figure.
 
-Service rate (when ``correction_service_rate`` is on): near saturation the modelled TTFT is
+Service rate (when ``correction_service_ratio`` is above 0; off by default — see its note in
+:mod:`gearbox.config`): near saturation the modelled TTFT is
 its queueing term, ``∝ 1 / (μ − λ)``, so a capacity error of a few per cent is a TTFT error of
 a hundredfold that changes with the load from tick to tick — no single multiplicative factor
 describes it. In steady-boundary (seed 9) the 2-GPU plan's model said 4.5–22 s at 12–12.5
