@@ -457,8 +457,12 @@ class ServingCore:
         """Copy (migrate) or re-prefill (replay) a sequence onto ``target`` without moving its
         ownership; returns the bytes migrated (0 for a replay), ``None`` when it cannot be staged.
         """
+        live = self._live.get(seq_id)
+        if live is None or seq_id not in self.router.running(source):
+            # NOTE: a switch plans its hand-overs once and starts a batch per poll: this one
+            # ended (its answer shorter than the cap the plan counted on) or left the engine since
+            return None
         src, dst = self._slots[source].engine, self._slots[target]
-        live = self._live[seq_id]
         generated = live.generated
         if dst.pager is not None:
             # NOTE: the target takes the pages the sequence holds by now, not its admission's.

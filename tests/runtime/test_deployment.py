@@ -302,3 +302,26 @@ def test_sequences_still_prefilling_at_the_freeze_are_handed_over_not_drained() 
     assert cleanup.duration_ms is not None and cleanup.duration_ms < 1000, cleanup.duration_ms
     _finish_all(h, admitted)
     assert validate_log(h.outputs.records) == []
+
+
+def test_a_sequence_that_ends_before_its_hand_over_starts_is_skipped() -> None:
+    # A switch plans its hand-overs once (longest first) and starts one per poll here; answers
+    # shorter than the client's cap (the simulated stop) end meanwhile: skipped, not staged.
+    executor = replace(FAST_EXECUTOR, max_handovers_per_poll=1)
+    h = Harness(make_runtime(settings=RuntimeSettings(policy=FAST_POLICY, executor=executor)))
+    _placed(h, make_plan(A0))
+    admitted = set()
+    for i in range(24):
+        stop = 300 if i >= 20 else 1200  # the last four admitted are last in the queue too
+        request = Request(f"r{i}", 800, 4000, h.now_s, sim_output_tokens=stop)
+        if h.submit(request).admitted:
+            admitted.add(request.request_id)
+    h.decide(2, make_plan(A1), make_plan(A0).plan_id)
+    h.until(lambda: h.rt.state.active is not None and h.rt.state.active.phase is S, 60)
+    running = h.rt.core.running_progress(A0.plan_id)
+    assert {p.seq_id for p in running} >= {"r20", "r23"}, "the short ones ended before the switch"
+    h.until(lambda: h.rt.state.active is None, 60)
+    switch = _switch_record(h, 2)
+    assert h.rt.state.serving_plan_id == make_plan(A1).plan_id, switch.detail
+    assert switch.detail.endswith("left to finish on old 4"), switch.detail  # the short ones
+    _finish_all(h, admitted)
