@@ -217,3 +217,68 @@ async def test_a_switch_reported_done_onto_a_lost_gpu_is_decided_at_once(
         "topology_change",
     )
     assert "lost GPUs since it was decided" in answer.explanation
+
+
+def gated(engine: StreamProcessor, name: str) -> asyncio.Event:
+    """Hold the broker's acknowledgement of ``name``'s decisions until the event is set (the
+    record lands then, as a producer's retry does)."""
+    gate = asyncio.Event()
+    record = engine.send
+    decisions = engine.topics.decisions
+
+    async def held(topic: str, key: bytes | None, value: bytes, *, wait: bool) -> None:
+        if topic == decisions and key == name.encode():
+            await gate.wait()
+        await record(topic, key, value, wait=wait)
+
+    engine.send = held
+    return gate
+
+
+async def test_the_next_round_decides_while_a_decision_awaits_its_acknowledgement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # chat's forced switch is sent and not acknowledged yet; batch's GPU is preempted meanwhile:
+    # batch's switch is decided, published and stored without waiting for chat's, with chat's
+    # plan in flight claimed; a transition record of chat waits until chat's decision is stored
+    monkeypatch.setattr(decider_module, "PUBLISH_WAIT_S", 60.0)
+    monkeypatch.setattr(decider_module, "LATER_S", 60.0)
+    engine, broker, wall = await ticked()
+    decider = engine.decider
+    assert isinstance(decider, Decider)
+    gate = gated(engine, "chat")
+    stored: dict[str, PlanState] = {}
+    claims: dict[str, dict[str, PlanState]] = {}
+    store, make = decider._stored, decider._input
+
+    def storing(name: str, out: StepOutput, *args: Any) -> None:
+        stored[name] = out.plan
+        store(name, out, *args)
+
+    def claiming(name: str, trigger: Any, logged: Any, decided: dict[str, PlanState]) -> Any:
+        claims[name] = dict(decided)
+        return make(name, trigger, logged, decided)
+
+    monkeypatch.setattr(decider, "_stored", storing)
+    monkeypatch.setattr(decider, "_input", claiming)
+    await feed(engine, [preempt_one_of(engine, "chat", T1_MS, 500)], wall)
+    deadline_s = time.monotonic() + 30
+    while "chat" not in claims or decider._busy.get("chat", (None,))[0] is None:
+        assert time.monotonic() < deadline_s, "chat's forced switch was not decided"
+        await asyncio.sleep(0.01)
+    in_flight = decider._busy["chat"][0]
+    assert in_flight is not None and in_flight.current is not None
+    report = done("chat", 1, in_flight.current, "chat:1")
+    folding = asyncio.ensure_future(feed(engine, [env(report, T1_MS + 50, "rt", 1)], wall))
+    await feed(engine, [preempt_one_of(engine, "batch", T1_MS + 100, 501)], wall)
+    decisions = (await until(broker, 3))[2:]
+    assert [(d.decision_id, d.forced) for d in decisions] == [("batch:2", True)]
+    assert claims["batch"].get("chat") == in_flight, "chat's plan in flight is claimed"
+    while "batch" not in stored:
+        assert time.monotonic() < deadline_s, "batch's decision was not stored"
+        await asyncio.sleep(0.01)
+    assert "chat" not in stored and not folding.done(), "chat's record waits for its decision"
+    gate.set()
+    await asyncio.wait_for(folding, 30)
+    assert stored["chat"] == in_flight
+    assert [d.decision_id for d in broker.decisions()][2:] == ["batch:2", "chat:2"]
