@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 import pytest
 
 from flexpipe.latency import histogram
+from flexpipe.schemas import KernelLaunches
 from streams.load import (
+    LAUNCHES,
+    LaunchSums,
     LaunchWindow,
     ServingWindows,
     fold_launches,
@@ -13,7 +19,8 @@ from streams.load import (
     launch_rate,
     serving_aggregate,
 )
-from streams.windows import HoppingWindow
+from streams.state import Dedupe, is_duplicate
+from streams.windows import HoppingWindow, add
 from tests.streams.builders import make_launches, make_load
 
 pytestmark = pytest.mark.unit
@@ -105,3 +112,39 @@ def test_prompt_lengths_merge_across_sources_into_p95_and_spread() -> None:
     assert agg.p95_prompt_tokens == pytest.approx(500.0, rel=0.05)
     assert agg.prompt_tokens_scv == pytest.approx(scv, rel=0.1)
     assert serving_aggregate(ServingWindows(), LOAD_WINDOW, 9.0).p95_prompt_tokens == 0.0
+
+
+def _fold_launches_reference(
+    state: LaunchWindow, report: KernelLaunches, source: str, seq: int, t_ms: int
+) -> tuple[LaunchWindow, bool]:
+    """fold_launches as written before its newest-pane fast path: every report through add()."""
+    if is_duplicate(state.dedupe, source, seq, t_ms):
+        return state, False
+    sums = LaunchSums(max(0, report.launches), max(0.0, report.interval_s))
+    result = add(GPU_WINDOW, state.panes, t_ms / 1000.0, sums, LAUNCHES)
+    dedupe = Dedupe(source, seq, t_ms)
+    if result.late:
+        return replace(state, dedupe=dedupe, late=state.late + 1), False
+    return LaunchWindow(result.state, dedupe, state.late), True
+
+
+def test_launch_fold_fast_path_matches_the_window_fold() -> None:
+    """The newest-pane fast path yields what add() + combine yield: same panes, sums, dedupe and
+    late count, over in-order, same-pane, late, duplicate, negative and NaN reports."""
+    rng = random.Random(7)
+    fast = slow = LaunchWindow()
+    t_ms, seq = 1_767_225_600_000, 0
+    for _ in range(3000):
+        step = rng.choice([0, 0, 1, 200, 200, 999, 2000, 7000, -2500, -15000])
+        t_ms += step
+        seq = seq + 1 if rng.random() > 0.05 else seq  # some redeliveries
+        source = rng.choice(["a", "a", "a", "b"])
+        launches = rng.choice([0, 1, 100, 250, -3])
+        interval_s = rng.choice([0.2, 0.0, -0.0, 1.5, -0.2, float("nan")])
+        report = KernelLaunches("gpu-0", "node-0", 0.2, 100, 500.0)
+        object.__setattr__(report, "launches", launches)  # values the schema would refuse too
+        object.__setattr__(report, "interval_s", interval_s)
+        fast, applied_fast = fold_launches(fast, GPU_WINDOW, report, source, seq, t_ms)
+        slow, applied_slow = _fold_launches_reference(slow, report, source, seq, t_ms)
+        assert applied_fast == applied_slow
+        assert repr(fast) == repr(slow)  # repr: NaN sums compare unequal to themselves
