@@ -36,6 +36,7 @@ from flexpipe.errors import FlexPipeError
 from flexpipe.kafka import bootstrap_servers, catalog_topics, client_kwargs, create_topics
 from flexpipe.topics import Topic, topic_name
 from streams.decider import Decider
+from streams.delivery import IntakeConsumer
 from streams.deployments import resolve_deployments
 from streams.health import (
     FailureLog,
@@ -126,6 +127,19 @@ class StreamsApp(faust.App):
 
     def _new_producer(self) -> DurableProducer:
         return DurableProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+    def _new_consumer(self) -> IntakeConsumer:
+        # NOTE: faust's own (App._new_consumer via Transport.create_consumer), with the record
+        # hand-over of streams.delivery
+        transport = self.transport
+        return IntakeConsumer(
+            transport,
+            callback=self.topics.on_message,
+            on_partitions_revoked=self._on_partitions_revoked,
+            on_partitions_assigned=self._on_partitions_assigned,
+            beacon=self.beacon,
+            loop=transport.loop,
+        )
 
 
 @dataclass(frozen=True, slots=True)
