@@ -55,6 +55,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -620,7 +621,13 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
         ]
         try:
             await warm_up(cfg, cluster, backlog, runtime, args.ready_timeout_s, args.batched)
+            print(
+                f"capacity phase: {args.duration_s:g} s at {args.offered:g} events/s offered"
+                f" (worker pid {worker.proc.pid if worker.proc else None})",
+                file=sys.stderr,
+            )
             capacity = await drive(cfg, cluster, backlog, args.offered, args)
+            print("latency phase", file=sys.stderr)
             target = backlog.folded + capacity.backlog_end
             capacity_left = await drained(backlog, target, args.drain_timeout_s)
             steady_rate = args.latency_events_per_s or min(
@@ -645,6 +652,8 @@ async def run(args: argparse.Namespace, cfg: FlexPipeConfig) -> dict[str, Any]:
             worker.stop()
             if args.profile_worker and profile.exists():
                 print("\n".join(profile_lines(profile)), file=sys.stderr)
+                if args.profile_out is not None:
+                    shutil.copyfile(profile, args.profile_out)
     raw_rate = await raw_consumer_rate(cfg, 100_000)
     latencies, unanswered, void = triggers.latencies()
     # NOTE: an unanswered trigger is a miss: it counts as slower than any answered one
@@ -830,6 +839,12 @@ def main() -> int:
         "--profile-worker",
         action="store_true",
         help="run the worker under cProfile and print where its CPU went (slows it)",
+    )
+    parser.add_argument(
+        "--profile-out",
+        type=Path,
+        metavar="PATH",
+        help="with --profile-worker: also keep the worker's pstats file at PATH",
     )
     args = parser.parse_args()
     with bench_broker("pipeline") as cfg:
