@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 
 import pytest
 
-from gearbox import DEFAULT_CONFIG, MODEL_7B_MHA, MODEL_70B_GQA
+from gearbox import DEFAULT_CONFIG, MODEL_7B_MHA, MODEL_70B_GQA, cost
 from gearbox.cost import (
     ReplicaShape,
     StageShape,
@@ -162,3 +164,74 @@ def test_prefill_variation_follows_the_prompts_through_the_length_slope() -> Non
     # Prefill is near-linear in tokens with a small fixed part (quadratic attention on top)
     assert 0.5 * 1.5 < scv < 2 * 1.5
     assert prefill_scv(shape, MODEL_7B_MHA, 800, 800, 1.5, DEFAULT_CONFIG) == 1.5
+
+
+def _mm1_p95_wait_s(rho: float, service_rps: float) -> float:
+    """Closed form: P(W > t) = ρ·e^(−(1−ρ)μt) = 5 % at t = ln(ρ/0.05) / ((1−ρ)μ), 0 if ρ ≤ 5 %."""
+    return max(0.0, math.log(rho / 0.05) / ((1 - rho) * service_rps))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("rho", [0.02, 0.05, 0.06, 0.2, 0.5, 0.9, 0.99])
+def test_single_server_wait_is_the_mm1_closed_form(rho: float) -> None:
+    mu = 4.0
+    assert cost._wait_p95_s(rho * mu, mu, 1) == pytest.approx(_mm1_p95_wait_s(rho, mu), abs=1e-12)
+    # Allen–Cunneen: service times with c² = 3 double the conditional wait
+    assert cost._wait_p95_s(rho * mu, mu, 1, 3.0) == pytest.approx(
+        2 * _mm1_p95_wait_s(rho, mu), abs=1e-12
+    )
+
+
+@pytest.mark.unit
+def test_an_almost_idle_single_server_has_no_phantom_wait() -> None:
+    # The Halfin–Whitt limit gave P(wait) 0.23 here, a p95 wait of ln(0.23/0.05)/(0.98·μ)
+    assert cost._erlang_c(1, 0.02) == pytest.approx(0.02)
+    assert cost._wait_p95_s(0.02 * 10.0, 10.0, 1) == 0.0
+
+
+@pytest.mark.unit
+def test_erlang_c_matches_hand_computed_values() -> None:
+    # C(c, a) = (a^c/c!)·c/(c−a) / (Σ_{k<c} a^k/k! + (a^c/c!)·c/(c−a))
+    # c = 2, a = 1: (1/2·2) / (1 + 1 + 1) = 1/3;  c = 3, a = 2: (8/6·3) / (1 + 2 + 2 + 4) = 4/9
+    assert cost._erlang_c(2, 1.0) == pytest.approx(1 / 3, rel=1e-12)
+    assert cost._erlang_c(3, 2.0) == pytest.approx(4 / 9, rel=1e-12)
+    # M/M/3 with one server's rate 1/s at λ = 2/s: μ = 3/s, ρ = 2/3, p95 wait ln((4/9)/0.05)/(3−2)
+    assert cost._wait_p95_s(2.0, 3.0, 3) == pytest.approx(math.log((4 / 9) / 0.05), rel=1e-12)
+
+
+@pytest.mark.unit
+def test_erlang_c_is_continuous_and_monotone_across_the_method_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    switch = cost._ERLANG_RECURSION_MAX_SERVERS
+    servers = range(max(1, switch - 8), switch + 9)
+    for rho in (0.3, 0.7, 0.9, 0.95, 0.99):
+        default = [cost._erlang_c(c, c * rho) for c in servers]
+        # More servers at the same utilisation wait less: strictly, also from c0 to c0 + 1
+        assert all(b < a for a, b in itertools.pairwise(default))
+        # ... and the p95 wait falls too, each server keeping its rate (μ = c·μ₁)
+        waits = [cost._wait_p95_s(rho * c, float(c), c) for c in servers]
+        assert all(b <= a for a, b in itertools.pairwise(waits))
+        # The series above the switch is the recursion's value, not an approximation of it
+        monkeypatch.setattr(cost, "_ERLANG_RECURSION_MAX_SERVERS", 10**6)
+        recursion = [cost._erlang_c(c, c * rho) for c in servers]
+        monkeypatch.undo()
+        assert default == pytest.approx(recursion, rel=1e-9)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("servers", [1, 2, 8, 64, 65, 256, 4096, 100_000])
+def test_tiny_load_waits_nothing(servers: int) -> None:
+    assert cost._wait_p95_s(0.02 * 50.0, 50.0, servers) == 0.0
+    assert cost._wait_p95_s(0.0, 50.0, servers) == 0.0
+
+
+@pytest.mark.unit
+def test_a_lightly_loaded_replica_has_its_unloaded_ttft() -> None:
+    shape = _unified(_stage(1, 32, A100))
+    cap = replica_capacity(shape, MODEL_7B_MHA, 800, 200, DEFAULT_CONFIG)
+    rate = 0.04 / cap.prefill_occupancy_s  # the prefill server busy 4 % of the time
+    slots = cap.max_batch  # its decode slots, 9 % busy, rarely all taken
+    assert cost._erlang_c(slots, slots * rate / cap.capacity_rps) < 0.05
+    light = estimate_replica(shape, MODEL_7B_MHA, 800, 200, rate, DEFAULT_CONFIG)
+    assert light.ttft_p95_ms == pytest.approx(cap.prefill_latency_s * 1e3)
