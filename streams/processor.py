@@ -443,8 +443,9 @@ class StreamProcessor:
                 continue
             state = replace(state, rev=max(state.rev, published.rev if published else 0) + 1)
             self._gpus[uuid] = self._published[uuid] = state
-            self.tables.set(TableName.GPUS, uuid.encode(), codec.dumps(state))
-            self.view.apply_gpu(state)
+            key, raw = uuid.encode(), codec.dumps(state)
+            self.tables.set(TableName.GPUS, key, raw)
+            self.view.written_gpu(key, raw, state)
             written += 1
         self._dirty_gpus.clear()
         refresh_ms = round(refresh_s * 1000)

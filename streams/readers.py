@@ -83,7 +83,7 @@ class ViewReader:
                 batch = await consumer.getmany(timeout_ms=100, max_records=10_000)
                 for tp, records in batch.items():
                     for rec in records:
-                        self._apply(tp.topic, rec.value)
+                        self._apply(tp.topic, rec.value, rec.key)
                 if not caught_up and await _reached(consumer, end):
                     caught_up = True
                     log.info("view caught up: %d records", self.records)
@@ -91,11 +91,14 @@ class ViewReader:
         finally:
             await consumer.stop()
 
-    def _apply(self, topic: str, value: bytes | None) -> None:
+    def _apply(self, topic: str, value: bytes | None, key: bytes | None = None) -> None:
         if value is None:
             return
         try:
             if topic == self.topics[0]:
+                if self.view.is_own_gpu_echo(key, value):
+                    self.records += 1  # this worker's own write, applied as it wrote it
+                    return
                 self.view.apply_gpu(codec.loads(GpuState, value))
             else:
                 self.view.apply_node(codec.loads(NodeState, value))

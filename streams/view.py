@@ -24,6 +24,10 @@ class ClusterView:
     max_seen_ms: int = -1  # newest last-seen among applied GPU records
     version: int = 0  # bumped on every applied record (snapshot caches key on it)
     nodes_version: int = 0  # bumped on every applied node record: the cluster events folded
+    # NOTE: the bytes of the GPU record this worker last wrote per key, applied as it wrote it:
+    # the changelog echoes each write back to this worker's reader, which need not decode a
+    # record it applied already (see :meth:`written_gpu` and streams.readers.ViewReader)
+    own_gpu_records: dict[bytes, bytes] = field(default_factory=dict, compare=False, repr=False)
 
     def apply_gpu(self, state: GpuState) -> bool:
         """Keep ``state`` unless an equal or newer revision is known; True when kept."""
@@ -34,6 +38,17 @@ class ClusterView:
         self.version += 1
         self.max_seen_ms = max(self.max_seen_ms, round(state.last_seen_s * 1000))
         return True
+
+    def written_gpu(self, key: bytes, raw: bytes, state: GpuState) -> bool:
+        """Apply ``state``, which this worker wrote to the GPU table as ``raw`` under ``key``,
+        and remember the bytes: once applied, that record's echo changes nothing (the view
+        keeps an equal or newer revision from then on)."""
+        self.own_gpu_records[key] = raw
+        return self.apply_gpu(state)
+
+    def is_own_gpu_echo(self, key: bytes | None, raw: bytes) -> bool:
+        """Whether ``raw`` is the record this worker last wrote under ``key`` (already applied)."""
+        return key is not None and self.own_gpu_records.get(key) == raw
 
     def apply_node(self, state: NodeState) -> bool:
         """Keep ``state`` unless an equal or newer revision is known; True when kept."""
