@@ -8,12 +8,10 @@ the deployment's last decision back from the decisions topic and rolls its table
 decision, and a revoked worker stops deciding before it gives its partitions up — so no decision
 id is ever published twice.
 
-No network wait holds the decider up: the decision log is read before the lock is taken, and a
-round releases the lock once its decisions are sent; the next round decides meanwhile, claiming
-the plans still in flight, and a deployment is not decided again before its decision is stored.
-A decision the broker does not acknowledge within ``PUBLISH_WAIT_S`` (an outage) is left to its
-producer — its deployment is not decided for until the send ends, and then the topic, read
-again, says whether it landed. A topology or operator trigger
+No network wait holds the decider up for long: the decision log is read before the lock is
+taken, and a decision the broker does not acknowledge within ``PUBLISH_WAIT_S`` (an outage) is
+left to its producer while the lock is released — its deployment is not decided for until the
+send ends, and then the topic, read again, says whether it landed. A topology or operator trigger
 that cannot be decided now (worker not ready, log unreadable, a send unresolved) waits and is
 decided first once it can be.
 
@@ -40,7 +38,6 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from aiokafka.errors import KafkaError
 
@@ -83,7 +80,7 @@ __all__ = ["Decider", "profile_steps"]
 log = logging.getLogger(__name__)
 MAX_TRIGGER_TEXT = 300
 GEAR_STATE_EVERY_S = 30.0  # event time between block-history writes when nothing else moved
-PUBLISH_WAIT_S = 2.0  # wall seconds a round awaits a decision's acknowledgement
+PUBLISH_WAIT_S = 2.0  # wall seconds to wait for a decision's acknowledgement under the lock
 LOG_READ_S = 5.0  # wall seconds a read of the decisions topic may take before it is retried
 REVOKE_WAIT_S = 30.0  # wall seconds a revocation waits for unacknowledged decisions
 # NOTE: a step costs ~25 ms of CPU on 1,000 GPUs, on the interpreter lock the event loop folds
@@ -97,17 +94,6 @@ LATER_S = 1.0  # wall seconds an undisturbed deployment's topology change waits 
 # pure Python, so it shares the interpreter lock with the loop (switched every few ms) rather
 # than adding a core; what it removes is the loop's stall for a whole batch of decisions.
 _DECISIONS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streams-decide")
-
-
-@dataclass(frozen=True, slots=True)
-class _Sent:
-    """A decision of a round, sent and not yet stored."""
-
-    name: str
-    out: StepOutput
-    trigger: TriggerInfo
-    nodes_version: int
-    future: asyncio.Future[None]
 
 
 class Decider:
@@ -142,9 +128,6 @@ class Decider:
         self._gear_written: dict[str, tuple[int, object, float | None]] = {}
         self._gear_unwritten: set[str] = set()
         self._unacked: dict[str, asyncio.Future[None]] = {}  # sends past PUBLISH_WAIT_S
-        # deployment → its decision being stepped or sent (its plan once stepped), until stored
-        self._busy: dict[str, tuple[PlanState | None, asyncio.Future[None]]] = {}
-        self._acks: set[asyncio.Task[None]] = set()  # rounds' acknowledgements not awaited
         self._deferred: dict[str, TriggerInfo] = {}  # triggers to decide first when possible
         self._later: dict[str, list[TriggerInfo]] = {}  # triggers left for later
         self._urgent = 0  # rounds with a topology or operator trigger waiting for the lock
@@ -155,12 +138,11 @@ class Decider:
         self._nodes_seen: dict[str, int] = {}
         self._log_lock = asyncio.Lock()  # NOTE: one consumer reads the log: one read at a time
 
-    async def settled(self, name: str) -> None:
-        """Return once no decision of ``name`` is being stepped or sent: change its plan only
-        then (and without awaiting before the write), or the decision's table write, from the
-        plan it read before, overwrites the change."""
-        while (busy := self._busy.get(name)) is not None:
-            await asyncio.wait([busy[1]])
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held while deciding until the decision's tables are written: hold it to change a
+        deployment's plan, or that table write (from the plan read before) overwrites it."""
+        return self._lock
 
     # ---- rebalance --------------------------------------------------------------------------
 
@@ -175,10 +157,6 @@ class Decider:
         if self._unacked:  # NOTE: the next owner must find them on the topic
             await asyncio.wait(list(self._unacked.values()), timeout=REVOKE_WAIT_S)
         async with self._lock:
-            # NOTE: a round acknowledges and stores after it released the lock; each send is
-            # awaited ``PUBLISH_WAIT_S`` at most, so this ends
-            if self._busy:
-                await asyncio.wait([f for _, f in self._busy.values()])
             for name in sorted(self._gear_unwritten):
                 gear = self.engine.load_gear(name)
                 if gear is not None:
@@ -220,12 +198,9 @@ class Decider:
             await asyncio.sleep(max(0.0, self._pending_loop_s + debounce_s - loop.time()))
             pending, self._pending = self._pending, {}
             try:
-                # NOTE: without awaiting the acknowledgements: the next round's triggers
-                # have waited for this one's steps already
                 await self.evaluate_many(
                     {name: _merge(triggers) for name, triggers in pending.items()},
                     self._pending_since_s,
-                    acknowledged=False,
                 )
             except Exception:  # NOTE: the triggers topic still carries these triggers
                 log.exception("debounced decision failed")
@@ -332,46 +307,26 @@ class Decider:
         return out
 
     async def evaluate_many(
-        self,
-        triggers: Mapping[str, TriggerInfo],
-        received_wall_s: float,
-        *,
-        later: bool = False,
-        acknowledged: bool = True,
+        self, triggers: Mapping[str, TriggerInfo], received_wall_s: float, *, later: bool = False
     ) -> None:
         """Decide for each (deployment, trigger); publish all, then store each acknowledged one.
 
-        The lock is held while the round steps and sends, not while the broker acknowledges:
-        the next round may decide meanwhile, with this round's plans claimed. A deployment
-        whose decision is still in flight is decided once that one is stored (after this
-        round's others).
-
         ``later``: the round of the topology changes left for later (see the module docstring).
-        ``acknowledged``: return once the decisions are stored; else once they are sent.
         """
-        while triggers:
-            wanted = self._admissible(triggers)
-            if not wanted:
-                return
-            logged = await self._read_logs(wanted)
-            urgent = not later and any(t.kind is not Trigger.TIMER for t in wanted.values())
-            self._urgent += int(urgent)
-            try:
-                await self._lock.acquire()
-            finally:
-                self._urgent -= int(urgent)
-            try:
-                sent, triggers = await self._decide_locked(wanted, logged, received_wall_s, later)
-            finally:
-                self._lock.release()
-            if acknowledged:
-                await self._acknowledge(sent, received_wall_s)
-            elif sent:
-                acks = asyncio.ensure_future(self._acknowledge(sent, received_wall_s))
-                self._acks.add(acks)
-                acks.add_done_callback(self._acked)
-            for name in triggers:
-                await self.settled(name)
+        wanted = self._admissible(triggers)
+        if not wanted:
+            return
+        logged = await self._read_logs(wanted)
+        urgent = not later and any(t.kind is not Trigger.TIMER for t in wanted.values())
+        self._urgent += int(urgent)
+        try:
+            await self._lock.acquire()
+        finally:
+            self._urgent -= int(urgent)
+        try:
+            await self._decide_locked(wanted, logged, received_wall_s, later)
+        finally:
+            self._lock.release()
 
     async def _decide_locked(
         self,
@@ -379,13 +334,9 @@ class Decider:
         logged: Mapping[str, tuple[int, LoggedDecision | None]],
         received_wall_s: float,
         later: bool,
-    ) -> tuple[list[_Sent], dict[str, TriggerInfo]]:
-        """:meth:`evaluate_many`'s round, under the lock: the decisions sent, and the triggers
-        of deployments whose decision is still in flight (decided once it is stored)."""
-        busy = {n: t for n, t in wanted.items() if n in self._busy}
-        wanted = {
-            n: t for n, t in wanted.items() if n not in busy and self._can_decide(n, logged.get(n))
-        }
+    ) -> None:
+        """:meth:`evaluate_many`'s round, under the lock."""
+        wanted = {n: t for n, t in wanted.items() if self._can_decide(n, logged.get(n))}
         e = self.engine
         # NOTE: before the sweep and flush (a few ms on 1,000 GPUs): the durable copy of a
         # trigger the fast path decided, or a redelivery, usually ends here
@@ -393,14 +344,13 @@ class Decider:
             e.metrics.skipped.labels("already_decided").inc()
             del wanted[name]
         if not wanted:
-            return [], busy
+            return
         # NOTE: sweep and publish first, so timed-out heartbeats are judged at the decision's
         # own clock (as the offline replay does), not at the last housekeeping timer's.
         e.sweep()
         e.flush()
-        sent: list[_Sent] = []
-        # this batch's plans and those of decisions still in flight, claimed for the next ones
-        decided = {n: plan for n, (plan, _) in self._busy.items() if plan is not None}
+        outs, sends = [], []
+        decided: dict[str, PlanState] = {}  # this batch's plans, claimed for the next ones
         # NOTE: the replay's order: an earlier deployment's new plan is claimed before a
         # later one plans.
         first, then = self._order(wanted)
@@ -411,71 +361,42 @@ class Decider:
             # NOTE: read with the input, before the step and the sends are awaited, which
             # let more cluster events fold
             nodes_version = e.view.nodes_version
-            # NOTE: from the input's snapshot on: a transition record of this deployment waits
-            # for the decision's tables (:meth:`settled`)
-            self._busy[name] = (None, asyncio.get_running_loop().create_future())
-            try:
-                inp = self._input(name, trigger, logged.get(name), decided)
-                # NOTE: the step (gearbox) runs off the event loop, so telemetry keeps folding
-                # meanwhile: its input is an immutable snapshot taken here, and the deployment
-                # stays busy until its result is stored.
-                started_s = e.wall()
-                out = None if inp is None else await self._step(inp)
-            except BaseException:
-                self._settle(name)
-                raise
+            inp = self._input(name, trigger, logged.get(name), decided)
+            # NOTE: the step (gearbox) runs off the event loop, so telemetry keeps folding
+            # meanwhile: its input is an immutable snapshot taken here, and the lock keeps
+            # the tables it writes from changing until its result is stored.
+            started_s = e.wall()
+            out = None if inp is None else await self._step(inp)
             stepped_s = e.wall()
-            if out is None or not self.accepting:
-                self._settle(name)
-                if not self.accepting:
-                    break  # NOTE: revoked meanwhile: what was sent is still awaited and stored
+            if not self.accepting:
+                break  # NOTE: revoked meanwhile: what was sent is still awaited and stored
+            if out is None:
                 e.metrics.skipped.labels("already_decided").inc()
                 continue
             decided[name] = out.plan
-            self._busy[name] = (out.plan, self._busy[name][1])
             self._later_since_ms.pop(name, None)
+            outs.append((name, out, trigger, nodes_version))
             # NOTE: sent at once: a decision does not wait for the batch's later steps
-            future = asyncio.ensure_future(self._send(name, out))
-            sent.append(_Sent(name, out, trigger, nodes_version, future))
+            sends.append(asyncio.ensure_future(self._send(name, out)))
             if name in first and trigger.kind is Trigger.TOPOLOGY_CHANGE:
-                self._time_stages(future, received_wall_s, started_s, stepped_s)
-        return sent, busy
-
-    async def _acknowledge(self, sent: list[_Sent], received_wall_s: float) -> None:
-        """Await the round's sends (``PUBLISH_WAIT_S`` at most) and store each acknowledged
-        decision; each deployment is settled (:meth:`settled`) once its outcome is known."""
-        try:
-            if sent:
-                await asyncio.wait([s.future for s in sent], timeout=PUBLISH_WAIT_S)
-            for s in sent:
-                if not s.future.done():
-                    self._park(s.name, s.out, s.future)
-                elif s.future.exception() is not None:
-                    self._verified.pop(s.name, None)  # NOTE: it may have landed all the same
-                    log.error(
-                        "%s: decision %s not published: %r",
-                        s.name,
-                        s.out.decision.seq,
-                        s.future.exception(),
-                    )
-                else:
-                    self._stored(s.name, s.out, s.trigger, received_wall_s)
-                    self._nodes_seen[s.name] = s.nodes_version
-        finally:
-            for s in sent:
-                self._settle(s.name)
-
-    def _acked(self, acks: asyncio.Task[None]) -> None:
-        self._acks.discard(acks)
-        exc = None if acks.cancelled() else acks.exception()
-        if exc is not None:
-            log.error("decisions sent, not stored: %r", exc, exc_info=exc)
-
-    def _settle(self, name: str) -> None:
-        """``name``'s decision is stored, parked or given up: wake :meth:`settled`."""
-        busy = self._busy.pop(name, None)
-        if busy is not None and not busy[1].done():
-            busy[1].set_result(None)
+                self._time_stages(sends[-1], received_wall_s, started_s, stepped_s)
+        if not outs:
+            return
+        await asyncio.wait(sends, timeout=PUBLISH_WAIT_S)
+        for (name, out, trigger, nodes_version), sent in zip(outs, sends, strict=True):
+            if not sent.done():
+                self._park(name, out, sent)
+            elif sent.exception() is not None:
+                self._verified.pop(name, None)  # NOTE: it may have landed all the same
+                log.error(
+                    "%s: decision %s not published: %r",
+                    name,
+                    out.decision.seq,
+                    sent.exception(),
+                )
+            else:
+                self._stored(name, out, trigger, received_wall_s)
+                self._nodes_seen[name] = nodes_version
 
     def _time_stages(
         self, sent: asyncio.Future[None], received_s: float, started_s: float, stepped_s: float

@@ -3,6 +3,7 @@ in ``tests/streams/fakes.py``; the Faust implementations live in :mod:`streams.a
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -104,9 +105,9 @@ class Decisions(Protocol):
 
     gearbox_config: GearboxConfig
 
-    async def settled(self, name: str) -> None:
-        """Return once no decision of ``name`` is being made: a table write that its decision
-        reads waits for this (and does not await before the write)."""
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held while deciding; table writes that a decision reads take it too."""
         ...
 
     owns: Callable[[str], bool]  # whether this worker decides for a deployment

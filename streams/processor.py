@@ -376,21 +376,21 @@ class StreamProcessor:
 
     async def _fold_transition(self, env: Envelope[Any], wall_s: float) -> None:
         tr: GearTransition = env.payload
-        # NOTE: once the deployment's decision being made is stored, and no await until the
-        # writes: that decision writes the tables it read before, which would drop this
-        # record's effect (a DONE settling the decision in flight, a rollback's quarantine).
-        await self.decider.settled(tr.deployment)
-        plan = self.load(TableName.PLANS, tr.deployment, PlanState) or PlanState()
-        new = fold_transition(plan, tr)
-        if new != plan:
-            self.store(TableName.PLANS, tr.deployment, new)
-            self.decider.show_plan(tr.deployment, new)
-        if tr.phase is TransitionPhase.ROLLED_BACK:
-            # gearbox quarantines the failed target: the next ticks do not re-propose it
-            gear = self.load_gear(tr.deployment) or GearState()
-            config = self.decider.gearbox_config
-            rolled = fold_rollback(gear, tr, env.event_time_ms, config)
-            self.store_gear(tr.deployment, rolled)
+        # NOTE: under the decider's lock: a decision being published writes the tables it read
+        # before, which would drop this record's effect (a DONE settling the decision in flight,
+        # a rollback's quarantine).
+        async with self.decider.lock:
+            plan = self.load(TableName.PLANS, tr.deployment, PlanState) or PlanState()
+            new = fold_transition(plan, tr)
+            if new != plan:
+                self.store(TableName.PLANS, tr.deployment, new)
+                self.decider.show_plan(tr.deployment, new)
+            if tr.phase is TransitionPhase.ROLLED_BACK:
+                # gearbox quarantines the failed target: the next ticks do not re-propose it
+                gear = self.load_gear(tr.deployment) or GearState()
+                config = self.decider.gearbox_config
+                rolled = fold_rollback(gear, tr, env.event_time_ms, config)
+                self.store_gear(tr.deployment, rolled)
         if new != plan and tr.phase in (TransitionPhase.DONE, TransitionPhase.ROLLED_BACK):
             self.decider.after_transition(tr.deployment, new, wall_s)
         self._count(env, True)

@@ -327,9 +327,8 @@ async def test_an_unacknowledged_decision_frees_the_decider_and_its_id_is_not_re
         await record(topic, key, value, wait=wait)
 
     engine.send = away
-    await asyncio.wait_for(engine.decider.tick(), 1.0)  # bounded: the round ends
-    await asyncio.wait_for(engine.decider.settled("chat"), 0.1)  # parked: a transition may fold
-    assert tables.writes[TableName.CURSORS] == 0
+    await asyncio.wait_for(engine.decider.tick(), 1.0)  # bounded: the lock is free again
+    assert not engine.decider.lock.locked() and tables.writes[TableName.CURSORS] == 0
     preempt = TriggerInfo(Trigger.TOPOLOGY_CHANGE, T0_MS + 2000, "preempt")
     await engine.decider.evaluate("chat", preempt, wall[0])  # chat:1 unresolved: deferred
     assert broker.decisions() == []
