@@ -237,7 +237,8 @@ def _learn(
     learned = None
     if config.correction_service_ratio > 0:
         solved = solve_service_factor(ttft_ms_at, observed, config)
-        ttft_change = math.log(observed / (factor * modelled.ttft_p95_ms))  # ttft_ms_at(speed)
+        # NOTE: ttft_ms_at(speed), which ``modelled`` already holds
+        ttft_change = math.log(observed / (factor * modelled.ttft_p95_ms))
         if teaches_service_rate(ttft_change, math.log(solved / speed), config):
             learned = observe_service(corrections, shape, solved, *args)
     if learned is None:

@@ -274,27 +274,11 @@ class StreamProcessor:
         if duplicates:
             self.metrics.duplicates.labels(Kind.GPU_SAMPLE.value).inc(duplicates)
         duplicates = 0
-        if batch.launches:
-            # NOTE: _fold_launch inlined (five of every six telemetry events are launch reports)
-            loads, load_table, window = self._loads, self.load, self.gpu_window
-            dirty = self._dirty_loads.add
-            for report in batch.launches:
-                uuid = report.gpu_uuid
-                state = (
-                    loads.get(uuid)
-                    or load_table(TableName.GPU_LOAD, uuid, LaunchWindow)
-                    or LaunchWindow()
-                )
-                new, applied = fold_launches(state, window, report, source, seq, t_ms)
-                late = new.late > state.late
-                if late:
-                    self.metrics.late.labels("gpu_launches").inc()
-                loads[uuid] = new
-                dirty(uuid)
-                if applied or late:
-                    launches += 1
-                else:
-                    duplicates += 1
+        for report in batch.launches:
+            if self._fold_launch(report, source, seq, t_ms):
+                launches += 1
+            else:
+                duplicates += 1
         if duplicates:
             self.metrics.duplicates.labels(Kind.KERNEL_LAUNCHES.value).inc(duplicates)
         if samples:
