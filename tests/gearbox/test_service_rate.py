@@ -124,8 +124,7 @@ def test_at_its_modelled_knee_a_plan_is_judged_on_what_it_was_seen_to_do() -> No
     assert result.current.est_ttft_p95_ms == pytest.approx(OBSERVED_MS, rel=1e-3)
     assert result.current.ttft_correction == 1.0  # the TTFT factor learned nothing
     speed = service_factor_for(result.state.corrections, shape, NOW_S, CONFIG)
-    assert 1.0 < speed < 1.5  # a few tens of per cent of service rate explain it
-    # and it is the rate at which the model meets the observation, not merely a plausible one
+    # the learned rate is the one at which the model meets the observation
     _, available = _tp4()
     fitted = estimate_plan(current, available, MODEL_70B_GQA, seen, CONFIG, service_factor=speed)
     assert fitted.ttft_p95_ms == pytest.approx(OBSERVED_MS, rel=1e-3)
