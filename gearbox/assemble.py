@@ -15,7 +15,8 @@ The number of strategies is fixed, so assembly is linear in the number of option
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import heapq
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -82,7 +83,7 @@ def kept_unit(
 
 
 def _fill(
-    ordered: Sequence[ReplicaOption],
+    ordered: Iterable[ReplicaOption],
     demand_rps: float,
     seed: Sequence[Unit] = (),
 ) -> tuple[Unit, ...]:
@@ -111,44 +112,92 @@ def _trim(kept: Sequence[Unit], demand_rps: float) -> tuple[Unit, ...]:
     return tuple(units)
 
 
-class _Row(NamedTuple):
+_STRATEGIES = ("latency", "efficiency", "stability", "capacity")
+_FIXED_KEYS_MAX = 16_384  # NOTE: a few decisions' worth of options for many models
+
+# Each option's sort keys that do not depend on the decision's stability factors, by the
+# option's id (the entry holds the option, so the id is not reused while it is there): the
+# options come from the candidate cache, the same objects decision after decision.
+_fixed_keys: dict[int, _FixedKeys] = {}
+
+
+class _FixedKeys(NamedTuple):
     option: ReplicaOption
-    label: str
-    per_gpu: float  # requests per second per GPU of the best copy
-    latency_s: float  # unloaded request latency of the best copy
-    steadiness: float  # the weakest block's stability factor
-    total_rps: float  # capacity of all copies
+    output_tokens: int
+    latency: tuple[float, float, str]
+    efficiency: tuple[float, float, str]
+    capacity: tuple[float, float, str]
+
+
+def _keys_of(option: ReplicaOption, output_tokens: int) -> _FixedKeys:
+    known = _fixed_keys.get(id(option))
+    if known is not None and known.option is option and known.output_tokens == output_tokens:
+        return known
+    best = option.copies[0].capacity
+    per_gpu = best.capacity_rps / option.gpus_per_copy
+    latency_s = best.prefill_latency_s + output_tokens * best.unloaded_tbt_s
+    label = option.label
+    keys = _FixedKeys(
+        option,
+        output_tokens,
+        (latency_s, -per_gpu, label),
+        (-per_gpu, latency_s, label),
+        (-option.total_rps, latency_s, label),
+    )
+    if len(_fixed_keys) >= _FIXED_KEYS_MAX:
+        _fixed_keys.clear()  # NOTE: only an optimisation: start again
+    _fixed_keys[id(option)] = keys
+    return keys
+
+
+class _Order:
+    """One strategy's preference order, taken from a heap as far as it is read (and kept, so
+    it can be read again): filling a deployment's demand reads a few options of several
+    hundred, and sorting all of them four times was a fifth of a forced decision's CPU."""
+
+    __slots__ = ("_heap", "_taken")
+
+    def __init__(self, rows: list[tuple[tuple[float, float, str], int, ReplicaOption]]) -> None:
+        heapq.heapify(rows)
+        self._heap = rows
+        self._taken: list[ReplicaOption] = []
+
+    def __iter__(self) -> Iterator[ReplicaOption]:
+        taken, heap = self._taken, self._heap
+        i = 0
+        while True:
+            if i == len(taken):
+                if not heap:
+                    return
+                taken.append(heapq.heappop(heap)[2])
+            yield taken[i]
+            i += 1
 
 
 def _orders(
     options: Sequence[ReplicaOption], stability: Mapping[str, float], output_tokens: int
-) -> dict[str, list[ReplicaOption]]:
-    """Each strategy's preference order over the options, ties broken by label.
-
-    NOTE: each option's figures are computed once, not inside the sort keys: four strategies
-    (five with ``incremental``) sort every option, and the keys called properties that add up
-    the option's GPUs and copies each time.
-    """
-    rows = []
-    for o in options:
-        best = o.copies[0].capacity
-        rows.append(
-            _Row(
-                o,
-                o.label,
-                best.capacity_rps / o.gpus_per_copy,
-                best.prefill_latency_s + output_tokens * best.unloaded_tbt_s,
-                min(stability.get(b, 1.0) for b in o.block_ids),
-                o.total_rps,
-            )
-        )
-    keys: dict[str, Callable[[_Row], tuple[float | str, ...]]] = {
-        "latency": lambda r: (r.latency_s, -r.per_gpu, r.label),
-        "efficiency": lambda r: (-r.per_gpu, r.latency_s, r.label),
-        "stability": lambda r: (-r.steadiness, -r.per_gpu, r.label),
-        "capacity": lambda r: (-r.total_rps, r.latency_s, r.label),
-    }
-    return {name: [r.option for r in sorted(rows, key=key)] for name, key in keys.items()}
+) -> dict[str, _Order]:
+    """Each strategy's preference order over the options, ties broken by label (then by the
+    options' order)."""
+    # NOTE: a block whose factor is 1 (most of them) changes no option's steadiness
+    moved = {b for b, f in stability.items() if f != 1.0}
+    rows: tuple[list[tuple[tuple[float, float, str], int, ReplicaOption]], ...] = (
+        [],
+        [],
+        [],
+        [],
+    )
+    latency, efficiency, steadiest, capacity = rows
+    for i, o in enumerate(options):
+        keys = _keys_of(o, output_tokens)
+        latency.append((keys.latency, i, o))
+        efficiency.append((keys.efficiency, i, o))
+        capacity.append((keys.capacity, i, o))
+        steadiness = 1.0  # the weakest block's stability factor
+        if moved and not moved.isdisjoint(o.block_ids):
+            steadiness = min(stability.get(b, 1.0) for b in o.block_ids)
+        steadiest.append(((-steadiness, keys.efficiency[0], o.label), i, o))
+    return {name: _Order(r) for name, r in zip(_STRATEGIES, rows, strict=True)}
 
 
 def assemble(

@@ -48,10 +48,13 @@ def available_memory(snapshot: TopologySnapshot, own_gpus: frozenset[str]) -> di
     NOTE: the deployment's own GPUs report its weights and KV as used; a new plan for the same
     deployment reuses that memory, so those GPUs count at total memory.
     """
+    # NOTE: TopologySnapshot.gpu_is_live inlined (the same comparison): a call per GPU was
+    # most of this function's cost, and it runs twice per decision over every GPU of the cluster
+    now_s, timeout_s = snapshot.now_s, snapshot.heartbeat_timeout_s
     return {
         g.uuid: g.total_memory_bytes if g.uuid in own_gpus else g.free_memory_bytes
         for g in snapshot.gpus
-        if snapshot.gpu_is_live(g)
+        if g.healthy and g.schedulable and now_s - g.last_seen_s <= timeout_s
     }
 
 

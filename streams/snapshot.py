@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import orjson
 
@@ -176,18 +176,51 @@ def build_load(
     )
 
 
-_last_topology: tuple[TopologySnapshot, bytes] | None = None  # see snapshot_digest
+_last_topology: tuple[TopologySnapshot, hashlib._Hash] | None = None  # see snapshot_digest
+_gpu_json: dict[int, tuple[Gpu, bytes]] = {}  # see _hash_topology
 
 
 def snapshot_digest(topology: TopologySnapshot, load: LoadSnapshot) -> str:
     """A short content hash of a decision's inputs, so live and replay can be compared."""
     # NOTE: orjson serialises (slotted) dataclasses natively, in field order: fast and stable.
-    # The hash is of ``orjson.dumps([topology, load])``, built from its parts: the topology's
-    # JSON (~330 kB on 1,000 GPUs, ~2.5 ms) is kept for the next call, since every deployment
-    # decided for one trigger shares one topology object.
+    # The hash is of ``orjson.dumps([topology, load])``, fed to the hash in parts: the state
+    # after the topology is kept for the next call, since every deployment decided for one
+    # trigger shares one topology object.
     global _last_topology
     last = _last_topology
     if last is None or last[0] is not topology:
-        last = _last_topology = (topology, orjson.dumps(topology))
-    data = b"[" + last[1] + b"," + orjson.dumps(load) + b"]"
-    return hashlib.sha256(data).hexdigest()[:16]
+        last = _last_topology = (topology, _hash_topology(topology))
+    digest = last[1].copy()
+    digest.update(b"," + orjson.dumps(load) + b"]")
+    return digest.hexdigest()[:16]
+
+
+def _hash_topology(topology: TopologySnapshot) -> hashlib._Hash:
+    """A SHA-256 fed ``[`` and ``orjson.dumps(topology)``, each GPU's JSON reused from the last
+    call when the snapshot holds the same :class:`Gpu` object (:class:`TopologyBuilder` reuses
+    the unchanged ones).
+
+    NOTE: dumping the whole topology at once (~330 kB on 1,000 GPUs: ~2.7 ms, and each copy of
+    a buffer that size ~0.4 ms) was a sixth of a forced decision step's CPU; between two steps
+    only the GPUs whose records moved are new, and the parts go to the hash without being
+    joined.
+    """
+    global _gpu_json
+    known, fresh = _gpu_json, {}
+    digest = hashlib.sha256(b"[{")
+    for i, f in enumerate(fields(topology)):
+        digest.update(b'%s"%s":' % (b"," if i else b"", f.name.encode()))
+        if f.name != "gpus":
+            digest.update(orjson.dumps(getattr(topology, f.name)))
+            continue
+        digest.update(b"[")
+        for j, gpu in enumerate(topology.gpus):
+            hit = known.get(id(gpu))
+            if hit is None or hit[0] is not gpu:  # NOTE: the object is kept: its id is not reused
+                hit = (gpu, b"," + orjson.dumps(gpu))
+            fresh[id(gpu)] = hit
+            digest.update(hit[1] if j else hit[1][1:])
+        digest.update(b"]")
+    digest.update(b"}")
+    _gpu_json = fresh
+    return digest

@@ -174,3 +174,9 @@ def test_digest_is_the_hash_of_topology_and_load_together_also_when_the_topology
     assert (
         snapshot_digest(other, load) == hashlib.sha256(orjson.dumps([other, load])).hexdigest()[:16]
     )
+    # NOTE: a later snapshot shares most GPU objects (whose JSON is reused) and replaces one
+    moved = replace(snap.gpus[1], utilisation=0.5, last_seen_s=NOW_S + 2)
+    later = replace(other, now_s=NOW_S + 2, gpus=(snap.gpus[0], moved, *snap.gpus[2:]))
+    expected = hashlib.sha256(orjson.dumps([later, load])).hexdigest()[:16]
+    assert snapshot_digest(later, load) == expected
+    assert expected != snapshot_digest(replace(later, gpus=snap.gpus), load)
