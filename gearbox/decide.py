@@ -7,7 +7,11 @@ Small pure steps, in order of precedence:
    any problem).
 2. No current plan: take the best candidate (first placement).
 3. Current plan infeasible (GPUs lost, TP now spanning blocks, memory): forced switch — no
-   hysteresis, no cooldown — to the feasible candidate with the best gain − cost.
+   hysteresis, no cooldown — to the feasible candidate with the best gain − cost, where the cost
+   also counts the candidate's outage: its whole transition (the shadow weight load included,
+   :attr:`gearbox.switch.SwitchCost.transition_s`) × its utility above what the surviving
+   replicas serve, the gain forgone until it is up. So the plan that restores service soonest
+   wins unless a slower one's steady gain outweighs its longer outage.
 4. Otherwise propose → clamp → debounce: gain = (utility − current utility) × horizon, discounted
    by the candidate's block stability; keep candidates with gain > cost × hysteresis; hold while
    the cooldown since the last switch runs (``reverse_cooldown_factor`` longer to switch straight
@@ -107,6 +111,7 @@ class _Scored:
     cost: SwitchCost
     raw_gain_tokens: float  # before the stability discount
     worthwhile: bool  # gain > cost × hysteresis, before the downshift guard
+    outage_tokens: float = 0.0  # in the summary's cost: a forced switch's gain forgone
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +190,8 @@ def decide(
     problems = (
         plan_problems(current, blocks, tick.available, model, load, config) if current else ()
     )
-    scored = _score_all(tick, ranked, _current_utility(tick, problems))
+    forced = current is not None and bool(problems)
+    scored = _score_all(tick, ranked, _current_utility(tick, problems), forced=forced)
     untried = tuple(s for s in scored if s.plan.plan_id not in quarantined)
     if current is None or problems:
         # a forced switch retries a rolled-back target only when nothing else is feasible
@@ -366,11 +372,25 @@ def _summary(plan_id: str, strategy: str, made: _Estimate, stability: float) -> 
     )
 
 
+def _outage_tokens(cost: SwitchCost, gain_tok_s: float) -> float:
+    """The gain a forced switch forgoes until its target serves: ``gain_tok_s`` (the target's
+    utility above the surviving replicas') over the whole transition.
+
+    NOTE: ``cost.total_tokens`` counts only what the switch takes from replicas that still
+    serve; with the serving plan broken the deployment runs on its survivors (often nothing)
+    for the whole transition, the shadow weight load included, so a plan that loads for 14 s
+    would otherwise rank as if it were up as soon as one that loads for 2 s.
+    """
+    return max(0.0, gain_tok_s) * cost.transition_s
+
+
 def _score(
     tick: _Tick,
     candidate: RankedCandidate,
     base_utility: float,
     current: DeploymentEstimate | None,
+    *,
+    forced: bool,
 ) -> _Scored:
     config = tick.config
     cost = switch_cost(
@@ -378,29 +398,38 @@ def _score(
     )
     estimate = _at_service_rate(tick, candidate.plan, candidate.estimate)
     made = _corrected(tick, candidate.plan, estimate)
-    raw = (made.corrected.utility_tok_s - base_utility) * config.gain_horizon_s
+    gain_tok_s = made.corrected.utility_tok_s - base_utility
+    raw = gain_tok_s * config.gain_horizon_s
     gain = raw * candidate.stability if raw > 0 else raw
-    worthwhile = gain > cost.total_tokens * config.hysteresis
+    # NOTE: voluntary switches keep the old plan serving while the new one loads in its
+    # shadow, so only a forced switch pays for its transition's length (module docstring)
+    outage = _outage_tokens(cost, gain_tok_s) if forced else 0.0
+    cost_tokens = cost.total_tokens + outage
+    worthwhile = gain > cost_tokens * config.hysteresis
     blocked = _downshift_block(tick, made.corrected, current)
     summary = replace(
         _summary(candidate.plan.plan_id, candidate.strategy, made, candidate.stability),
         gain_tokens=gain,
-        cost_tokens=cost.total_tokens,
+        cost_tokens=cost_tokens,
         eligible=worthwhile and not blocked,
         blocked=blocked,
     )
-    return _Scored(candidate.plan, summary, cost, raw, worthwhile)
+    return _Scored(candidate.plan, summary, cost, raw, worthwhile, outage)
 
 
 def _score_all(
-    tick: _Tick, ranked: Sequence[RankedCandidate], base_utility: float
+    tick: _Tick, ranked: Sequence[RankedCandidate], base_utility: float, *, forced: bool
 ) -> tuple[_Scored, ...]:
+    """Every candidate but the current plan scored, best gain − cost first; ``forced`` (the
+    current plan is broken) charges each its outage (:func:`_outage_tokens`)."""
     current_id = tick.current.plan_id if tick.current is not None else None
     current = None
     if tick.current is not None:
         current = _current_estimate(tick, tick.current).corrected
     scored = [
-        _score(tick, c, base_utility, current) for c in ranked if c.plan.plan_id != current_id
+        _score(tick, c, base_utility, current, forced=forced)
+        for c in ranked
+        if c.plan.plan_id != current_id
     ]
     return tuple(sorted(scored, key=_net_order))
 
@@ -587,6 +616,11 @@ def _explain(
             f"KV {cost.kv_choice.value} ({cost.kv_sequences_migrated} migrated, "
             f"{cost.kv_sequences_replayed} replayed), weights {cost.weights_load_s:.1f} s."
         )
+        if chosen.outage_tokens > 0:
+            parts.append(
+                f"The cost includes {chosen.outage_tokens:,.0f} tok of outage: the gain "
+                f"forgone over the whole transition ≈ {cost.transition_s:.1f} s."
+            )
     elif candidates:
         best = candidates[0]
         parts.append(

@@ -86,7 +86,7 @@ class CandidateSummary(Serialisable):
     est_tbt_p95_ms: float
     stability: float  # discount applied to its gain (1 = stable blocks)
     gain_tokens: float  # (utility − current utility) × horizon × stability
-    cost_tokens: float  # switch cost from the current plan
+    cost_tokens: float  # switch cost from the current plan (a forced switch's: + its outage)
     eligible: bool  # gain > cost × hysteresis, and not blocked
     blocked: str = ""  # why a voluntary downshift to it may not be taken ("" = not blocked)
     model_ttft_p95_ms: float = 0.0  # the cost model's TTFT p95, before the correction

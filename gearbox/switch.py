@@ -100,6 +100,16 @@ class SwitchCost(Serialisable):
         """The cost of staying put."""
         return cls(0, 0.0, 0.0, KvChoice.NONE, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
+    @property
+    def transition_s(self) -> float:
+        """The whole modelled transition, from its start until the new plan serves.
+
+        ``duration_s`` counts the weight load only where it blocks serving; here the shadow
+        load counts too (the runtime loads weights before it switches), which is what the
+        deployment waits for when the plan it serves on is broken.
+        """
+        return self.duration_s - self.blocking_weights_s + self.weights_load_s
+
 
 def handover_link(
     sources: Sequence[ExecutionPlan], targets: Sequence[ExecutionPlan], snapshot: TopologySnapshot

@@ -26,8 +26,10 @@ from gearbox import (
 )
 from tests.gearbox.builders import (
     NOW_S,
+    DomainSpec,
     article_cluster,
     deployment,
+    make_cluster,
     make_load,
     tp_plan,
     with_gpus,
@@ -168,6 +170,68 @@ def test_lost_gpus_force_a_switch_inside_the_cooldown() -> None:
     assert result.decision.trigger is Trigger.TOPOLOGY_CHANGE
     assert set(lost).isdisjoint(result.decision.to_plan.gpu_uuids)
     assert any("not live" in p for p in result.problems)
+
+
+X4 = ("X-g00", "X-g01", "X-g02", "X-g03")
+
+
+def _forced_onto_b(weight_load_gbps: float) -> DecideResult:
+    """The 70B's only island X (4 H100) is gone; block B (8 A100-80G, NVLink) is all that is
+    left. At 1 rps gearbox offers TP4 (35 GB a GPU to load, more utility: 4 GPUs handed back)
+    and TP8 (17.5 GB a GPU: half the load, and a shorter replay of the lost sequences)."""
+    domains = (
+        DomainSpec("X", "nvlink", ("h100-sxm",) * 4),
+        DomainSpec("B", "nvlink", ("a100-80g",) * 8),
+    )
+    broken = with_gpus(make_cluster(domains, now_s=NOW_S + 5), X4, healthy=False)
+    current = deployment(tp_plan(X4, MODEL_70B_GQA, block_id="X", domain_id="X"))
+    config = GearboxConfig(weight_load_gbps=weight_load_gbps)
+    blocks = build_blocks(broken, config)
+    history = record_blocks(GearState().history, blocks, NOW_S - 30, config)
+    return decide(
+        current,
+        broken,
+        make_load(1.0, now_s=broken.now_s),
+        GearState(blocks, history, NOW_S, None),
+        config,
+        model=MODEL_70B_GQA,
+        deployment="chat",
+        trigger=Trigger.TOPOLOGY_CHANGE,
+    )
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("weight_load_gbps", "slow_wins"), [(5.0, True), (0.5, False)])
+def test_a_forced_switch_counts_its_outage(weight_load_gbps: float, slow_wins: bool) -> None:
+    """Of two feasible targets, the one with the far longer transition but more steady utility
+    wins while its gain outweighs the longer outage (5 GB/s loads: modelled transitions of 33 s
+    against 18 s), and loses once the outage outweighs it (0.5 GB/s: 95 s against 49 s)."""
+    result = _forced_onto_b(weight_load_gbps)
+    assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
+    by_gpus = {c.num_gpus: c for c in result.candidates}
+    slow, quick = by_gpus[4], by_gpus[8]
+    assert slow.gain_tokens > quick.gain_tokens  # more steady utility
+    chosen = slow if slow_wins else quick
+    assert result.decision.to_plan_id == chosen.plan_id
+    switch = result.decision.switch_cost
+    # the chosen plan's cost is its switch cost plus its gain rate over the whole transition
+    rate = chosen.gain_tokens / DEFAULT_CONFIG.gain_horizon_s  # stable block: no discount
+    outage = rate * switch.transition_s
+    assert chosen.cost_tokens == pytest.approx(switch.total_tokens + outage)
+    assert f"{outage:,.0f} tok of outage" in result.explanation
+
+
+@pytest.mark.unit
+def test_the_outage_changes_no_voluntary_decision() -> None:
+    """A voluntary switch keeps the old plan serving while the new one loads in its shadow:
+    slower weight loads change neither its target nor its cost."""
+    fast = _decide(_on_c()).decision
+    slow = _decide(_on_c(), config=GearboxConfig(weight_load_gbps=0.5)).decision
+    assert fast is not None and slow is not None and not slow.forced
+    assert slow.to_plan_id == fast.to_plan_id
+    chosen = next(c for c in slow.candidates if c.plan_id == slow.to_plan_id)
+    assert chosen.cost_tokens == pytest.approx(slow.switch_cost.total_tokens)
+    assert "outage" not in slow.explanation
 
 
 @pytest.mark.unit

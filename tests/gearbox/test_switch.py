@@ -116,6 +116,19 @@ def test_reusing_the_same_gpus_blocks_on_weight_loading() -> None:
     cost = _cost(current, target)
     assert cost.blocking_weights_s > 0
     assert cost.duration_s > cost.kv_handover_s + cost.blocking_weights_s
+    # the whole transition counts the load once, blocking or not
+    assert cost.transition_s == pytest.approx(cost.duration_s)
+
+
+@pytest.mark.unit
+def test_the_whole_transition_counts_the_shadow_weight_load() -> None:
+    cost = _cost(deployment(_b_plan()), deployment(tp_plan(A8, MODEL_70B_GQA)))
+    assert cost.blocking_weights_s == 0.0 and cost.weights_load_s > 1.0
+    # 70B over TP8: a 1/8 shard per GPU at weight_load_gbps
+    shard_s = MODEL_70B_GQA.weight_bytes / 8 / (DEFAULT_CONFIG.weight_load_gbps * 1e9)
+    assert cost.weights_load_s == pytest.approx(shard_s, rel=1e-3)
+    assert cost.transition_s == pytest.approx(cost.weights_load_s + cost.duration_s)
+    assert SwitchCost.zero().transition_s == 0.0
 
 
 @pytest.mark.unit
