@@ -213,7 +213,11 @@ class StreamsConfig(_Section):
 
     app_id: str = Field("flexpipe-streams", pattern=r"^[A-Za-z0-9._-]+$")
     worker_id: str | None = Field(None, description="names this worker in decisions; None = pid")
-    debounce_ms: float = Field(25.0, ge=0, le=5000, description="topology-event debounce")
+    # NOTE: a burst of topology events from one failure reaches the worker within a few ms
+    # (one fetch); the window is added to every forced decision's latency, and a round it
+    # fails to merge costs one more decision step (~10 ms CPU on 1,000 GPUs). 25 ms was a
+    # quarter of bench.pipeline's median trigger-to-decision latency.
+    debounce_ms: float = Field(10.0, ge=0, le=5000, description="topology-event debounce")
     warmup_s: float = Field(5.0, ge=0, le=600, description="event time seen before deciding")
     load_window_s: float = Field(60.0, gt=0, le=3600, description="serving-load hopping window")
     load_step_s: float = Field(10.0, gt=0, le=3600)

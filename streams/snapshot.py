@@ -91,6 +91,8 @@ class TopologyBuilder:
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
         self._gpus: dict[str, tuple[GpuState, NodeState | None, Gpu]] = {}
+        # the node records the domains were last derived from, and those domains
+        self._domains: tuple[list[NodeState], tuple[Domain, ...], LinkClass] | None = None
 
     def build(
         self,
@@ -112,15 +114,31 @@ class TopologyBuilder:
         if len(cache) > len(gpus):
             for uuid in [u for u in cache if u not in gpus]:
                 del cache[uuid]
-        links = _links(nodes.values(), self.catalog)
-        inter = links.pop(INTER_DOMAIN_ID, None) or self.catalog.link(DEFAULT_INTER_DOMAIN_LINK)
+        domains, inter = self._links(nodes)
         return TopologySnapshot(
             now_s=now_s,
             gpus=tuple(out),
-            domains=tuple(Domain(d, link) for d, link in sorted(links.items())),
+            domains=domains,
             inter_domain_link=inter,
             heartbeat_timeout_s=heartbeat_timeout_s,
         )
+
+    def _links(self, nodes: Mapping[str, NodeState]) -> tuple[tuple[Domain, ...], LinkClass]:
+        """The domains and the inter-domain link, derived again only when a node record was
+        replaced (cluster events, node reports: rare next to decisions)."""
+        records = list(nodes.values())
+        last = self._domains
+        if (
+            last is not None
+            and len(last[0]) == len(records)
+            and all(a is b for a, b in zip(last[0], records, strict=True))
+        ):
+            return last[1], last[2]
+        links = _links(records, self.catalog)
+        inter = links.pop(INTER_DOMAIN_ID, None) or self.catalog.link(DEFAULT_INTER_DOMAIN_LINK)
+        domains = tuple(Domain(d, link) for d, link in sorted(links.items()))
+        self._domains = (records, domains, inter)
+        return domains, inter
 
 
 @dataclass(frozen=True, slots=True)
