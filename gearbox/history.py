@@ -112,15 +112,29 @@ def record_blocks(
 ) -> BlockHistory:
     """Append each block's size at ``now_s``; known blocks that vanished record 0 GPUs.
 
-    Samples older than ``history_window_s`` or beyond ``max_history_samples`` are dropped, and
-    series left empty disappear.
+    A block whose size did not change since its last sample gets one only once that sample is
+    ``history_window_s / max_history_samples`` old: the cap then spans the whole window however
+    often decisions come (a deployment decided several times a second filled it in two minutes
+    with copies of the same sizes, and wrote every block's copy to the gear-state table on every
+    decision). Samples older than ``history_window_s`` or beyond ``max_history_samples`` are
+    dropped, and series left empty disappear.
     """
     sizes = {b.block_id: b.num_gpus for b in blocks}
-    known = {s.block_id: s.samples for s in history.series}
+    known = {s.block_id: s for s in history.series}
     horizon = now_s - config.history_window_s
+    spacing_s = config.history_window_s / config.max_history_samples
     series = []
     for block_id in sorted(set(known) | set(sizes)):
-        samples = (*known.get(block_id, ()), BlockSample(now_s, sizes.get(block_id, 0)))
+        entry = known.get(block_id)
+        samples = entry.samples if entry is not None else ()
+        size = sizes.get(block_id, 0)
+        last = samples[-1] if samples else None
+        # NOTE: a millisecond short: ticks one spacing apart may differ by a hair less (floats)
+        if last is None or last.num_gpus != size or now_s - last.t_s >= spacing_s - 1e-3:
+            samples = (*samples, BlockSample(now_s, size))
+        elif entry is not None and samples[0].t_s >= horizon and last.t_s <= now_s:
+            series.append(entry)  # NOTE: unchanged: the same object (cheap to diff and store)
+            continue
         kept = tuple(s for s in samples if s.t_s >= horizon)[-config.max_history_samples :]
         if any(s.num_gpus for s in kept):
             series.append(BlockSeries(block_id, kept))

@@ -74,3 +74,25 @@ def test_gear_state_round_trips() -> None:
         last_to_plan_id="dp-b",
     )
     assert GearState.from_dict(state.to_dict()) == state
+
+
+@pytest.mark.unit
+def test_frequent_decisions_sample_unchanged_blocks_once_per_spacing_and_every_change() -> None:
+    config = GearboxConfig(history_window_s=600.0, max_history_samples=10)  # one per 60 s
+    history = BlockHistory()
+    for i, size in enumerate([8, 8, 8, 7, 7, 8]):  # decisions 5 s apart
+        history = record_blocks(history, [_block(size)], i * 5.0, config)
+    assert [(s.t_s, s.num_gpus) for s in history.samples("blk")] == [
+        (0.0, 8),
+        (15.0, 7),
+        (25.0, 8),
+    ]
+    history = record_blocks(history, [_block(8)], 84.0, config)  # 59 s after the last one
+    assert len(history.samples("blk")) == 3
+    history = record_blocks(history, [_block(8)], 85.0, config)
+    assert [s.t_s for s in history.samples("blk")][-1] == 85.0
+    # every 5 s for an hour: the cap holds the window's last 10 minutes, not its last 50 s
+    for i in range(18, 720):
+        history = record_blocks(history, [_block(8)], i * 5.0, config)
+    times = [s.t_s for s in history.samples("blk")]
+    assert len(times) == 10 and times[-1] - times[0] >= 500.0

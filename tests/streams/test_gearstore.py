@@ -17,6 +17,8 @@ from streams.ports import TableName
 from tests.streams.fakes import FakeTables
 
 CONFIG = replace(DEFAULT_CONFIG, max_history_samples=40)
+# NOTE: decisions this far apart sample every block (gearbox.history.record_blocks)
+STEP_S = CONFIG.history_window_s / CONFIG.max_history_samples
 
 
 NVLINK = LinkClass("nvlink", 450.0, 2.0)
@@ -45,10 +47,10 @@ def _steps(n: int, seed: int = 7) -> list[GearState]:
         if rng.random() < 0.05:
             sizes[f"x{step}"] = 4  # a new block
         blocks = _blocks(sizes)
-        history = record_blocks(gear.history, blocks, 1000.0 + step * 0.5, CONFIG)
+        history = record_blocks(gear.history, blocks, 1000.0 + step * STEP_S, CONFIG)
         gear = replace(gear, blocks=blocks, history=history)
         if step % 17 == 0:
-            gear = record_failed_target(gear, f"plan-{step}", 1000.0 + step, CONFIG)
+            gear = record_failed_target(gear, f"plan-{step}", 1000.0 + step * STEP_S, CONFIG)
         out.append(gear)
     return out
 
