@@ -13,8 +13,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -104,10 +105,12 @@ class WorkerProcess:
         """Whether the child runs."""
         return self.proc is not None and self.proc.poll() is None
 
-    def metrics(self) -> dict[str, float]:
-        """Scrape the child's metrics; empty while it is not serving."""
+    def metrics(self, names: Sequence[str] = ()) -> dict[str, float]:
+        """Scrape the child's metrics (only the samples ``names`` when given: the exporter then
+        collects only those metrics); empty while it is not serving."""
         try:
-            url = f"http://127.0.0.1:{self.port}/metrics"
+            query = urllib.parse.urlencode([("name[]", n) for n in names])
+            url = f"http://127.0.0.1:{self.port}/metrics" + (f"?{query}" if query else "")
             with urllib.request.urlopen(url, timeout=2) as resp:
                 return parse_metrics(resp.read().decode())
         except OSError:
