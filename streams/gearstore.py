@@ -1,9 +1,10 @@
 """A deployment's :class:`~gearbox.history.GearState` in two tables: the block history apart, as a
 base and the difference from it.
 
-At 1,000 GPUs the block history is ≈ 1 MB of JSON (one sample per block per decision, up to
-``max_history_samples`` per block) and every decision appends to it, while the rest of the
-state (blocks, last switch, quarantine, TTFT corrections) is small. Writing the whole state on
+At 1,000 GPUs the block history is ≈ 1 MB of JSON (up to ``max_history_samples`` per block:
+a sample when a block's size changed, else one per spacing, :func:`gearbox.history.record_blocks`)
+and decisions append to it, while the rest of the state (blocks, last switch, quarantine, TTFT
+corrections) is small. Writing the whole state on
 every decision whose blocks moved cost ≈ 25 ms of the event loop's time per write. So:
 
 * ``gear_state[name]`` holds a :class:`GearRecord`: the state with an empty history, the epoch of
