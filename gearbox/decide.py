@@ -185,7 +185,15 @@ def decide(
         return _override(tick, overrides.pinned_plan, DecisionReason.PINNED)
     factors = stability_factors(history, blocks, config)
     ranked = rank_candidates(
-        snapshot, blocks, model, load, config, deployment=name, current=current, stability=factors
+        snapshot,
+        blocks,
+        model,
+        load,
+        config,
+        deployment=name,
+        current=current,
+        stability=factors,
+        available=available,
     )
     problems = (
         plan_problems(current, blocks, tick.available, model, load, config) if current else ()

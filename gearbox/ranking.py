@@ -48,13 +48,10 @@ def available_memory(snapshot: TopologySnapshot, own_gpus: frozenset[str]) -> di
     NOTE: the deployment's own GPUs report its weights and KV as used; a new plan for the same
     deployment reuses that memory, so those GPUs count at total memory.
     """
-    # NOTE: TopologySnapshot.gpu_is_live inlined (the same comparison): a call per GPU was
-    # most of this function's cost, and it runs twice per decision over every GPU of the cluster
-    now_s, timeout_s = snapshot.now_s, snapshot.heartbeat_timeout_s
     return {
         g.uuid: g.total_memory_bytes if g.uuid in own_gpus else g.free_memory_bytes
         for g in snapshot.gpus
-        if g.healthy and g.schedulable and now_s - g.last_seen_s <= timeout_s
+        if snapshot.gpu_is_live(g)
     }
 
 
@@ -171,17 +168,20 @@ def rank_candidates(
     deployment: str,
     current: DeploymentPlan | None = None,
     stability: Mapping[str, float] | None = None,
+    available: Mapping[str, int] | None = None,
 ) -> tuple[RankedCandidate, ...]:
     """Feasible candidate deployments, best utility first (ties broken by plan id).
 
     A candidate keeps current replicas unchanged or adds new replicas on GPUs no running current
     replica holds (:func:`held_gpus`): the runtime loads new replicas before it releases old
     ones, so reusing such a GPU in place would not fit. Deterministic for equal inputs.
-    ``stability`` maps block id → factor (default: all 1).
+    ``stability`` maps block id → factor (default: all 1); ``available`` is
+    :func:`available_memory` for ``current``'s GPUs, when the caller has it already.
     """
     factors = stability or {}
-    own = current.gpu_uuids if current is not None else frozenset()
-    available = available_memory(snapshot, own)
+    if available is None:
+        own = current.gpu_uuids if current is not None else frozenset()
+        available = available_memory(snapshot, own)
     prompt, output = request_profile(load, config)
     held = held_gpus(current, blocks)
     fresh = {u: b for u, b in available.items() if u not in held}
