@@ -9,7 +9,8 @@
 * Anti-affinity: replicas go to distinct GPUs, and to nodes not yet used while any feasible GPU
   remains on one — fault tolerance outranks score.
 * Nothing fits: queue, naming the rule that rejected most GPUs, and propose evictions — least
-  recently used first, only models with no active and no queued requests, idle past
+  recently used first, only models with no active and no queued requests and not in transition
+  (loading, or already promised for eviction), idle past
   ``cold_after_s``, and only when the expected time to their next request exceeds the reload
   cost × ``eviction_reload_factor``.
   The next request is expected one mean gap after the last while the model is on schedule, and
@@ -106,6 +107,7 @@ class ResidentModel(Serialisable):
     mean_interarrival_s: float  # mean gap between its requests
     reload_s: float  # time to load it again after an eviction
     queued_requests: int = 0  # requests waiting for it (its queue, or a front end holding them)
+    in_transition: bool = False  # loading, or already promised for eviction: never proposed
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +212,8 @@ def _evictable(
     gap = _expected_gap_s(resident, now_s)
     # NOTE: a queued request counts like a running one: evicting its model would fail it.
     if resident.active_requests != 0 or resident.queued_requests != 0:
+        return None
+    if resident.in_transition:  # NOTE: its memory is spoken for until the runtime confirms
         return None
     if idle < config.cold_after_s:
         return None
