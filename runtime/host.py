@@ -9,7 +9,9 @@ discrete-event benchmark drive the same object; time is always the caller's ``no
 
 NOTE: one host = one inventory shared by its deployments, as a production worker serving
 several deployments (``runtime.deployments``) has: a GPU claimed by one is not free for the
-others. Workers started one per deployment do not see each other's claims; the decision step's
+others, except that on-demand deployments share GPUs: each holds a share of the memory, and the
+one VMM ledger (per GPU, across their engines) holds the watermark and refuses what does not
+fit. Workers started one per deployment do not see each other's claims; the decision step's
 view of what other deployments hold (telemetry) is then the only guard.
 """
 
@@ -72,7 +74,8 @@ class RuntimeHost:
         hold_s: Mapping[str, float] | None = None,
     ) -> None:
         self.pool = pool or SimGpuPool()
-        self.inventory = GpuInventory()
+        # NOTE: on-demand deployments (those that hold requests for a load) share GPUs' memory
+        self.inventory = GpuInventory(sharing=(hold_s or {}).keys())
         self.vmm = vmm or ReservationManager()
         self.runtimes = {
             d: DeploymentRuntime(
