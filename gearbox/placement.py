@@ -1,9 +1,10 @@
 """Multi-model placement: filter → score → anti-affinity, else queue with eviction proposals.
 
-* Filter (hard): the GPU is live; ``free >= estimated`` with ``estimated = model_size + k × batch
-  × seq_len × kv_bytes_per_token`` (k = ``memory_k``, 1.3 by default; weights are not counted
-  again on a GPU that already holds the model); the fill after placing stays under the pre-OOM
-  ``oom_watermark``; fewer than ``max_models_per_gpu`` resident models (concurrency cap).
+* Filter (hard): the GPU is live; ``free >= estimated`` with ``estimated = model_size + overhead
+  + k × batch × seq_len × kv_bytes_per_token`` (k = ``memory_k``, 1.3 by default; the overhead
+  is a replica's runtime memory beside its weights, 0 unless given; weights and overhead are not
+  counted again on a GPU that already holds the model); the fill after placing stays under the
+  pre-OOM ``oom_watermark``; fewer than ``max_models_per_gpu`` resident models (concurrency cap).
 * Score (soft): ``weight_affinity × holds-the-model + weight_free_memory × free-after / total +
   weight_utilisation × (1 − utilisation)`` (0.5 / 0.3 / 0.2 by default).
 * Anti-affinity: replicas go to distinct GPUs, and to nodes not yet used while any feasible GPU
@@ -74,10 +75,18 @@ class ModelFootprint(Serialisable):
     batch_size: int
     seq_len_tokens: int
     num_replicas: int = 1
+    # held by each replica beside its weights (CUDA context, activations): counts once per model
+    # on a GPU, so it matters when models share one
+    overhead_bytes: int = 0
 
     @classmethod
     def from_spec(
-        cls, spec: ModelSpec, batch_size: int, seq_len_tokens: int, num_replicas: int = 1
+        cls,
+        spec: ModelSpec,
+        batch_size: int,
+        seq_len_tokens: int,
+        num_replicas: int = 1,
+        overhead_bytes: int = 0,
     ) -> ModelFootprint:
         """Footprint of a :class:`ModelSpec`."""
         return cls(
@@ -87,12 +96,14 @@ class ModelFootprint(Serialisable):
             batch_size,
             seq_len_tokens,
             num_replicas,
+            overhead_bytes,
         )
 
     def estimated_bytes(self, memory_k: float, *, resident: bool = False) -> int:
-        """``model_size + k × batch × seq_len × kv_bytes_per_token`` (no weights if resident)."""
+        """``model_size + overhead + k × batch × seq_len × kv_bytes_per_token`` (no weights
+        or overhead if resident)."""
         kv = memory_k * self.batch_size * self.seq_len_tokens * self.kv_bytes_per_token
-        return int(kv) + (0 if resident else self.model_bytes)
+        return int(kv) + (0 if resident else self.model_bytes + self.overhead_bytes)
 
 
 @dataclass(frozen=True, slots=True)

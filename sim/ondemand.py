@@ -29,7 +29,8 @@ from gearbox.placement import ModelFootprint, dead_memory
 from gearbox.types import Gpu, TopologySnapshot
 from sim.fleet import SimFleet
 from sim.summary import Check, OnDemandInvariant
-from streams.ondemand import FOOTPRINT_BATCH
+from streams.deployments import resolve_deployments
+from streams.ondemand import footprint, is_on_demand
 
 __all__ = [
     "DEAD_MEMORY_EVERY_S",
@@ -159,14 +160,8 @@ async def follow_memory(
 
 def footprints_of(cfg: FlexPipeConfig) -> list[ModelFootprint]:
     """The on-demand models' placement footprints (as the stream computes them)."""
-    models = cfg.catalog.model_specs()
-    return [
-        ModelFootprint.from_spec(
-            models[d.model], FOOTPRINT_BATCH, max(1, round(d.prompt_tokens + d.output_tokens))
-        )
-        for d in cfg.deployments
-        if d.residency == "on_demand"
-    ]
+    _, deployments = resolve_deployments(cfg)
+    return [footprint(d, cfg.gearbox) for d in deployments if is_on_demand(d)]
 
 
 def _switch_windows(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -258,3 +259,18 @@ def test_anti_affinity_binds_both_ways_when_gpus_are_shared() -> None:
     assert decide_residency("m", [named, _model("m", queued=1)], snap, PACK).gpu_uuids == ("g1",)
     free = _resident("peer", "g0", idle_s=5.0)
     assert decide_residency("m", [free, _model("m", queued=1)], snap, PACK).gpu_uuids == ("g0",)
+
+
+@pytest.mark.unit
+def test_each_models_runtime_overhead_counts_on_a_shared_gpu() -> None:
+    # l40s, 40.8 GiB under the watermark: two 18 GiB models fit (37.3), not with 2 GiB each
+    # of runtime memory beside their weights (41.3)
+    bare = ModelFootprint("w", 18 * GIB, 64 * 1024, batch_size=8, seq_len_tokens=1024)
+    heavy = replace(bare, overhead_bytes=2 * GIB)
+    for footprint, fits in ((bare, True), (heavy, False)):
+        models = [
+            _model("r", footprint, state=Residency.RESIDENT, gpu="g0", idle_s=5.0),
+            _model("m", footprint, queued=1),
+        ]
+        verdict = decide_residency("m", models, _snapshot(TWO_GPUS[0]), PACK)
+        assert (verdict.action is ResidencyAction.LOAD) is fits
