@@ -29,7 +29,11 @@ state, demand and the GPUs they hold) and acts only for itself:
   Anything else holds.
 
 NOTE: a model loads as one TP1 replica. The runtime's VMM ledger is per GPU across every
-model's engine, so its watermark and 429s hold whatever share placement estimated.
+model's engine, so its watermark and 429s hold whatever share placement estimated; past its
+footprint a model's KV competes with its neighbours' (no per-model floor). Measured with
+``flexpipe up --scenario many-models`` (24 models, 12 GPUs, up to four per GPU): serving GPUs
+held two or more models 40 % of the time, at most four; 27 loads, 7 evictions, none with a
+request in flight, no OOM, 27 requests refused ``throttled_watermark``.
 """
 
 from __future__ import annotations
