@@ -29,11 +29,12 @@ state, demand and the GPUs they hold) and acts only for itself:
   Anything else holds.
 
 NOTE: a model loads as one TP1 replica. The runtime's VMM ledger is per GPU across every
-model's engine, so its watermark and 429s hold whatever share placement estimated; past its
-footprint a model's KV competes with its neighbours' (no per-model floor). Measured with
-``flexpipe up --scenario many-models`` (24 models, 12 GPUs, up to four per GPU): serving GPUs
-held two or more models 40 % of the time, at most four; 27 loads, 7 evictions, none with a
-request in flight, no OOM, 27 requests refused ``throttled_watermark``.
+model's engine, so its watermark and 429s hold whatever share placement estimated, and each
+on-demand replica's footprint (weights, overhead, :func:`kv_floor_tokens` of KV) is a floor the
+others' admissions see as held; past it a model's KV competes with its neighbours'. Measured
+with ``flexpipe up --scenario many-models`` (24 models, 12 GPUs, up to four per GPU): serving
+GPUs held two or more models 44 % of the time, at most four; 27 loads, 6 evictions, none with a
+request in flight, no OOM, 28 requests refused ``throttled_watermark``.
 """
 
 from __future__ import annotations
@@ -58,15 +59,29 @@ from gearbox.serde import Serialisable
 from gearbox.types import TopologySnapshot
 
 __all__ = [
+    "FOOTPRINT_BATCH",
     "OnDemandModel",
     "Residency",
     "ResidencyAction",
     "ResidencyVerdict",
     "decide_residency",
     "held_bytes",
+    "kv_floor_tokens",
     "needs",
     "room",
 ]
+
+# NOTE: the batch a replica must hold at its nominal sequence length for the placement's memory
+# filter (model_size + k × batch × seq_len × kv_bytes_per_token): enough for a burst's running
+# sequences; KV beyond it is the runtime's admission's to refuse (429), not the placement's.
+FOOTPRINT_BATCH = 8
+
+
+def kv_floor_tokens(seq_len_tokens: float, config: PlacementConfig) -> int:
+    """The KV tokens an on-demand model's footprint counts at its nominal sequence length
+    (``memory_k`` × ``FOOTPRINT_BATCH`` × seq_len): what the runtime guarantees it on a shared
+    GPU."""
+    return math.ceil(config.memory_k * FOOTPRINT_BATCH * max(1, round(seq_len_tokens)))
 
 
 class Residency(StrEnum):

@@ -72,6 +72,7 @@ class RuntimeHost:
         engine_factories: Mapping[str, EngineFactory] | None = None,
         routers: Mapping[str, Router] | None = None,
         hold_s: Mapping[str, float] | None = None,
+        kv_floor_tokens: Mapping[str, int] | None = None,
     ) -> None:
         self.pool = pool or SimGpuPool()
         # NOTE: on-demand deployments (those that hold requests for a load) share GPUs' memory
@@ -96,6 +97,10 @@ class RuntimeHost:
         for d, wait_s in (hold_s or {}).items():
             if d in self.runtimes:
                 self.runtimes[d].core.hold_s = wait_s
+        # On a shared GPU each on-demand replica is guaranteed its footprint's KV (a VMM floor).
+        for d, tokens in (kv_floor_tokens or {}).items():
+            if d in self.runtimes:
+                self.runtimes[d].core.kv_floor_tokens = tokens
 
     def on_cluster_event(self, event: ClusterEvent) -> None:
         """A cluster event: the inventory learns it; the simulated hardware follows."""

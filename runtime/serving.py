@@ -123,6 +123,8 @@ class ServingCore:
         self._unplaced: dict[str, _Live] = {}  # recovered before any replica could take them
         self._staged: dict[str, _Staged] = {}
         self.hold_s: float | None = None  # on demand: how long a request waits for a load
+        # on demand: KV tokens each replica is guaranteed on a shared GPU (its VMM floor)
+        self.kv_floor_tokens: int | None = None
         self._held: dict[str, tuple[Request, float]] = {}  # request id → (request, deadline)
         self.refused: list[tuple[str, Reason]] = []  # held requests refused since the drain
 
@@ -147,6 +149,10 @@ class ServingCore:
         if not self.vmm.commit(self.ledger_id(rid), WEIGHTS_REQUEST, weights):
             self.vmm.unreserve_replica(self.ledger_id(rid))
             return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=self._vmm_detail())
+        if self.kv_floor_tokens is not None:
+            kv = timing.kv_bytes_per_token_per_gpu
+            floor = {u: b + kv[u] * self.kv_floor_tokens for u, b in weights.items()}
+            self.vmm.set_floor(self.ledger_id(rid), floor)
         engine = self._factory(timing)
         pager = None
         if isinstance(engine, PagedEngine):
@@ -281,7 +287,9 @@ class ServingCore:
             elif len(self.router.queued(choice.replica_id)) >= self.settings.max_queue_per_replica:
                 refused.add(Reason.QUEUE_FULL)
             elif not check_watermark(
-                self.vmm.memory_of(need), need, self.settings.watermark
+                self.vmm.memory_for(self.ledger_id(choice.replica_id), need),
+                need,
+                self.settings.watermark,
             ).allowed:
                 refused.add(Reason.THROTTLED_WATERMARK)
             elif not self.vmm.commit(self.ledger_id(choice.replica_id), rid_, need):

@@ -22,6 +22,7 @@ from gearbox.model import ModelSpec
 from gearbox.placement import ModelFootprint
 from gearbox.plans import DeploymentPlan, ExecutionPlan
 from gearbox.residency import (
+    FOOTPRINT_BATCH,
     OnDemandModel,
     Residency,
     ResidencyAction,
@@ -68,11 +69,6 @@ __all__ = [
     "residency_of",
     "residency_result",
 ]
-
-# NOTE: the batch a replica must hold at its nominal sequence length for the placement's memory
-# filter (model_size + k × batch × seq_len × kv_bytes_per_token): enough for a burst's running
-# sequences; KV beyond it is the runtime's admission's to refuse (429), not the placement's.
-FOOTPRINT_BATCH = 8
 
 
 def is_on_demand(dep: Deployment) -> bool:

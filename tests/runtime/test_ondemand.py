@@ -146,3 +146,29 @@ def test_two_on_demand_models_share_a_gpu_and_the_watermark_counts_both() -> Non
     assert before - _committed(host, "A0") == b_weights > 0
     assert hs["a"].rt.core.replica_ids() == (plans["a"].replicas[0].plan_id,)
     assert len(hs["a"].rt.core.router.ownership()) == admitted
+
+
+def test_a_kv_floor_keeps_a_busy_neighbour_from_starving_a_quiet_model() -> None:
+    settings = RuntimeSettings(policy=FAST_POLICY, executor=FAST_EXECUTOR)
+    floors = {"a": 16_000, "b": 16_000}  # 8 GiB of a 7B's KV each
+    host = RuntimeHost(
+        ("a", "b"), settings, hold_s=dict.fromkeys("ab", HOLD_S), kv_floor_tokens=floors
+    )
+    hs = {d: Harness(rt) for d, rt in host.runtimes.items()}
+    plans = {d: make_plan(make_replica(["A0"]), deployment=d) for d in "ab"}
+    for d in "ab":
+        hs[d].deliver(make_decision(1, plans[d], deployment=d))
+    _step_all(hs, lambda: all(hs[d].rt.state.serving is not None for d in "ab"), 60)
+    admitted = 0
+    while hs["a"].submit(make_request(admitted, prompt=8000, output=2000, prefix="a")).admitted:
+        admitted += 1
+    assert hs["a"].admissions[-1].reason is Reason.THROTTLED_WATERMARK
+    # "a" stopped short of b's floor: b's requests inside it are admitted (without a floor
+    # its first one was refused, above), and the GPU stays under the watermark
+    served = 0
+    while hs["b"].submit(make_request(served, prompt=4000, output=16, prefix="b")).admitted:
+        served += 1
+    assert served >= 3 and hs["b"].admissions[-1].reason is (  # 3 × (4000 + a page) < 16000
+        Reason.THROTTLED_WATERMARK
+    )
+    assert host.vmm.memory()["A0"].fill <= 0.85
