@@ -5,23 +5,22 @@ on-demand deployment runs :func:`decide_residency` over the same view of all of 
 state, demand and the GPUs they hold) and acts only for itself:
 
 * **Room.** Several models share a GPU. What a GPU offers is its free memory as telemetry shows
-  it, at most its total minus the footprint (weights + ``memory_k`` × batch × seq_len × KV
-  bytes per token) of every model resident, loading or being evicted there (:func:`room`):
-  the decided plans count before telemetry shows the memory.
+  it, at most its total minus the footprint (weights + the runtime's overhead + ``memory_k`` ×
+  batch × seq_len × KV bytes per token) of every model resident, loading or being evicted there
+  (:func:`room`): the decided plans count before telemetry shows the memory.
 * **Round.** Cold models with requests (queued or held at the front end) are served in order —
   largest footprint first (big models need the big GPUs), then most requests waiting, then
   name. Each is placed by :func:`gearbox.placement.place_model` (memory filter, the
   ``oom_watermark`` fill across all models on the GPU, ``max_models_per_gpu``) on the GPUs its
   pin domain allows, none on a node that holds a model it is anti-affine to (either model
-  naming the other), the nodes of its
-  affine models tried first; among the feasible GPUs, best fit — the one it leaves with the
-  least room under the watermark, so a small model fills a partly used or small GPU before it
-  opens a big empty one a big model may need. Placed: its footprint is promised on that GPU for
-  the rest of the round. Queued: the least recently used resident whose eviction makes room
-  (with others on its GPU, least recently used first, if one is not enough; place_model's rule:
-  never a model with active or queued requests, idle past ``cold_after_s``, worth its reload)
-  is promised to it — its memory stays held until the runtime confirms, and the rest of the
-  waiting model's footprint is promised on that GPU.
+  naming the other), the nodes of its affine models tried first; among the feasible GPUs, best
+  fit — the one it leaves with the least room under the watermark, so a small model fills a
+  partly used or small GPU before it opens a big empty one a big model may need. Placed: its
+  footprint is promised on that GPU for the rest of the round. Queued: the least recently used
+  resident whose eviction makes room (with others on its GPU, least recently used first, if one
+  is not enough; place_model's rule: never a model with active or queued requests, idle past
+  ``cold_after_s``, worth its reload) is promised to it — its memory stays held until the
+  runtime confirms, and the rest of the waiting model's footprint is promised on that GPU.
 * **Me.** A cold model placed in the round loads there (``LOAD_ON_DEMAND``); queued, it waits
   (``WAITING_FOR_ROOM``, naming the evictions under way). A resident model proposed for eviction
   in the round — and with no active and no queued request, checked again here — is evicted
@@ -142,8 +141,8 @@ def needs(model: OnDemandModel) -> bool:
 
 
 def held_bytes(model: OnDemandModel, config: PlacementConfig) -> int:
-    """What ``model`` holds or reserves on each GPU it is on: its placement footprint (weights
-    and its batch's KV at ``memory_k``), whether resident, loading or being evicted."""
+    """What ``model`` holds or reserves on each GPU it is on: its placement footprint (weights,
+    overhead and its batch's KV at ``memory_k``), whether resident, loading or being evicted."""
     return model.footprint.estimated_bytes(config.memory_k)
 
 
@@ -333,9 +332,10 @@ def _round(
         if decision.status is PlacementStatus.PLACED:
             for uuid in decision.gpu_uuids:
                 free = _take(free, uuid, need)
-                residents.append(
-                    ResidentModel(model.name, uuid, need, 0, snapshot.now_s, 0.0, 0.0, 0, True)
+                promised = ResidentModel(
+                    model.name, uuid, need, 0, snapshot.now_s, 0.0, 0.0, in_transition=True
                 )
+                residents.append(promised)
             continue
         for proposal in decision.evictions:
             victims[proposal.model_name] = model.name
