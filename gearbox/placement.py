@@ -1,15 +1,17 @@
 """Multi-model placement: filter → score → anti-affinity, else queue with eviction proposals.
 
-* Filter (hard): the GPU is live; ``free >= estimated`` with ``estimated = model_size + k × batch
-  × seq_len × kv_bytes_per_token`` (k = ``memory_k``, 1.3 by default; weights are not counted
-  again on a GPU that already holds the model); the fill after placing stays under the pre-OOM
-  ``oom_watermark``; fewer than ``max_models_per_gpu`` resident models (concurrency cap).
+* Filter (hard): the GPU is live; ``free >= estimated`` with ``estimated = model_size + overhead
+  + k × batch × seq_len × kv_bytes_per_token`` (k = ``memory_k``, 1.3 by default; the overhead
+  is a replica's runtime memory beside its weights, 0 unless given; weights and overhead are not
+  counted again on a GPU that already holds the model); the fill after placing stays under the
+  pre-OOM ``oom_watermark``; fewer than ``max_models_per_gpu`` resident models (concurrency cap).
 * Score (soft): ``weight_affinity × holds-the-model + weight_free_memory × free-after / total +
   weight_utilisation × (1 − utilisation)`` (0.5 / 0.3 / 0.2 by default).
 * Anti-affinity: replicas go to distinct GPUs, and to nodes not yet used while any feasible GPU
   remains on one — fault tolerance outranks score.
 * Nothing fits: queue, naming the rule that rejected most GPUs, and propose evictions — least
-  recently used first, only models with no active and no queued requests, idle past
+  recently used first, only models with no active and no queued requests and not in transition
+  (loading, or already promised for eviction), idle past
   ``cold_after_s``, and only when the expected time to their next request exceeds the reload
   cost × ``eviction_reload_factor``.
   The next request is expected one mean gap after the last while the model is on schedule, and
@@ -73,10 +75,18 @@ class ModelFootprint(Serialisable):
     batch_size: int
     seq_len_tokens: int
     num_replicas: int = 1
+    # held by each replica beside its weights (CUDA context, activations): counts once per model
+    # on a GPU, so it matters when models share one
+    overhead_bytes: int = 0
 
     @classmethod
     def from_spec(
-        cls, spec: ModelSpec, batch_size: int, seq_len_tokens: int, num_replicas: int = 1
+        cls,
+        spec: ModelSpec,
+        batch_size: int,
+        seq_len_tokens: int,
+        num_replicas: int = 1,
+        overhead_bytes: int = 0,
     ) -> ModelFootprint:
         """Footprint of a :class:`ModelSpec`."""
         return cls(
@@ -86,12 +96,14 @@ class ModelFootprint(Serialisable):
             batch_size,
             seq_len_tokens,
             num_replicas,
+            overhead_bytes,
         )
 
     def estimated_bytes(self, memory_k: float, *, resident: bool = False) -> int:
-        """``model_size + k × batch × seq_len × kv_bytes_per_token`` (no weights if resident)."""
+        """``model_size + overhead + k × batch × seq_len × kv_bytes_per_token`` (no weights
+        or overhead if resident)."""
         kv = memory_k * self.batch_size * self.seq_len_tokens * self.kv_bytes_per_token
-        return int(kv) + (0 if resident else self.model_bytes)
+        return int(kv) + (0 if resident else self.model_bytes + self.overhead_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +118,7 @@ class ResidentModel(Serialisable):
     mean_interarrival_s: float  # mean gap between its requests
     reload_s: float  # time to load it again after an eviction
     queued_requests: int = 0  # requests waiting for it (its queue, or a front end holding them)
+    in_transition: bool = False  # loading, or already promised for eviction: never proposed
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +223,8 @@ def _evictable(
     gap = _expected_gap_s(resident, now_s)
     # NOTE: a queued request counts like a running one: evicting its model would fail it.
     if resident.active_requests != 0 or resident.queued_requests != 0:
+        return None
+    if resident.in_transition:  # NOTE: its memory is spoken for until the runtime confirms
         return None
     if idle < config.cold_after_s:
         return None

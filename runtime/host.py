@@ -9,7 +9,9 @@ discrete-event benchmark drive the same object; time is always the caller's ``no
 
 NOTE: one host = one inventory shared by its deployments, as a production worker serving
 several deployments (``runtime.deployments``) has: a GPU claimed by one is not free for the
-others. Workers started one per deployment do not see each other's claims; the decision step's
+others, except that on-demand deployments share GPUs: each holds a share of the memory, and the
+one VMM ledger (per GPU, across their engines) holds the watermark and refuses what does not
+fit. Workers started one per deployment do not see each other's claims; the decision step's
 view of what other deployments hold (telemetry) is then the only guard.
 """
 
@@ -70,9 +72,11 @@ class RuntimeHost:
         engine_factories: Mapping[str, EngineFactory] | None = None,
         routers: Mapping[str, Router] | None = None,
         hold_s: Mapping[str, float] | None = None,
+        kv_floor_tokens: Mapping[str, int] | None = None,
     ) -> None:
         self.pool = pool or SimGpuPool()
-        self.inventory = GpuInventory()
+        # NOTE: on-demand deployments (those that hold requests for a load) share GPUs' memory
+        self.inventory = GpuInventory(sharing=(hold_s or {}).keys())
         self.vmm = vmm or ReservationManager()
         self.runtimes = {
             d: DeploymentRuntime(
@@ -93,6 +97,10 @@ class RuntimeHost:
         for d, wait_s in (hold_s or {}).items():
             if d in self.runtimes:
                 self.runtimes[d].core.hold_s = wait_s
+        # On a shared GPU each on-demand replica is guaranteed its footprint's KV (a VMM floor).
+        for d, tokens in (kv_floor_tokens or {}).items():
+            if d in self.runtimes:
+                self.runtimes[d].core.kv_floor_tokens = tokens
 
     def on_cluster_event(self, event: ClusterEvent) -> None:
         """A cluster event: the inventory learns it; the simulated hardware follows."""

@@ -2,9 +2,12 @@
 
 Prepare re-checks a transition's target GPUs here: a GPU preempted by another tenant, isolated,
 unhealthy, lost to a fatal XID (until GPU_RESTORED) or on a node that went down is not free, and
-a GPU claimed by another deployment of this worker is not free either. GPUs never reported are
-assumed usable (a worker may run without probes); the engine's own load is the final check.
-Pure state, updated by the worker.
+a GPU claimed by another deployment of this worker is not free either — unless both claims are
+*memory shares*: deployments named ``sharing`` (on-demand models) hold a share of a GPU's memory
+and several share one GPU; whether the memory is there is the VMM's to say when the replica
+reserves and commits its weights (a refusal fails the prepare, which rolls back). GPUs never
+reported are assumed usable (a worker may run without probes); the engine's own load is the
+final check. Pure state, updated by the worker.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ _GIVES = {
 class GpuInventory:
     """Unavailable GPUs with why, the node of each GPU, and claims by deployments."""
 
-    def __init__(self) -> None:
+    def __init__(self, sharing: Iterable[str] = ()) -> None:
+        """``sharing``: the deployments whose claims are memory shares (see the module)."""
         self._why: dict[str, set[str]] = {}
         self._node_of: dict[str, str] = {}
         self._down_nodes: set[str] = set()
-        self._claims: dict[str, str] = {}
+        self._claims: dict[str, set[str]] = {}  # GPU → the deployments holding it
+        self._sharing = frozenset(sharing)
 
     def apply_sample(self, sample: GpuSample) -> None:
         """A GPU sample: remembers the node and tracks health."""
@@ -82,9 +87,9 @@ class GpuInventory:
             reasons = sorted(self._why.get(uuid, ()))
             if self._node_of.get(uuid) in self._down_nodes:
                 reasons.append("node down")
-            holder = self._claims.get(uuid)
-            if holder is not None and holder != owner:
-                reasons.append(f"claimed by {holder}")
+            others = self._claims.get(uuid, set()) - {owner}
+            if others and not (owner in self._sharing and others <= self._sharing):
+                reasons.append(f"claimed by {', '.join(sorted(others))}")
             if reasons:
                 out.append(f"{uuid}: {', '.join(reasons)}")
         return tuple(out)
@@ -94,12 +99,15 @@ class GpuInventory:
         return not self._why.get(gpu_uuid) and self._node_of.get(gpu_uuid) not in self._down_nodes
 
     def claim(self, gpu_uuids: Iterable[str], owner: str) -> None:
-        """Mark GPUs as held by ``owner``."""
+        """Mark GPUs as held by ``owner`` (beside the other holders of a shared GPU)."""
         for uuid in gpu_uuids:
-            self._claims[uuid] = owner
+            self._claims.setdefault(uuid, set()).add(owner)
 
     def release(self, gpu_uuids: Iterable[str], owner: str) -> None:
         """Return GPUs ``owner`` held; others' claims are untouched."""
         for uuid in gpu_uuids:
-            if self._claims.get(uuid) == owner:
-                del self._claims[uuid]
+            holders = self._claims.get(uuid)
+            if holders is not None:
+                holders.discard(owner)
+                if not holders:
+                    del self._claims[uuid]

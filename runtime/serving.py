@@ -123,6 +123,8 @@ class ServingCore:
         self._unplaced: dict[str, _Live] = {}  # recovered before any replica could take them
         self._staged: dict[str, _Staged] = {}
         self.hold_s: float | None = None  # on demand: how long a request waits for a load
+        # on demand: KV tokens each replica is guaranteed on a shared GPU (its VMM floor)
+        self.kv_floor_tokens: int | None = None
         self._held: dict[str, tuple[Request, float]] = {}  # request id → (request, deadline)
         self.refused: list[tuple[str, Reason]] = []  # held requests refused since the drain
 
@@ -140,17 +142,21 @@ class ServingCore:
         if rid in self._slots:
             return OpResult(True, 0.0)
         mem = timing.memory_bytes_per_gpu
-        if not self.vmm.reserve_replica(rid, {u: (m, m) for u, m in mem.items()}):
+        if not self.vmm.reserve_replica(self.ledger_id(rid), {u: (m, m) for u, m in mem.items()}):
             return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=self._vmm_detail())
         overhead = timing.config.runtime_overhead_bytes
         weights = {u: b + overhead for u, b in timing.weight_bytes_per_gpu.items()}
-        if not self.vmm.commit(rid, WEIGHTS_REQUEST, weights):
-            self.vmm.unreserve_replica(rid)
+        if not self.vmm.commit(self.ledger_id(rid), WEIGHTS_REQUEST, weights):
+            self.vmm.unreserve_replica(self.ledger_id(rid))
             return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=self._vmm_detail())
+        if self.kv_floor_tokens is not None:
+            kv = timing.kv_bytes_per_token_per_gpu
+            floor = {u: b + kv[u] * self.kv_floor_tokens for u, b in weights.items()}
+            self.vmm.set_floor(self.ledger_id(rid), floor)
         engine = self._factory(timing)
         pager = None
         if isinstance(engine, PagedEngine):
-            pager = VmmPager(self.vmm, rid, timing)
+            pager = VmmPager(self.vmm, self.ledger_id(rid), timing)
             engine.attach_pager(pager, self.settings.kv_admission)
         ready = 0.0
         for index in range(len(timing.plan.stages)):
@@ -168,6 +174,14 @@ class ServingCore:
         self.model_name = timing.model.name
         return OpResult(True, ready)
 
+    def ledger_id(self, replica_id: str) -> str:
+        """The replica's id in the host's VMM ledger.
+
+        NOTE: a replica's id is its plan's, which names the model and GPUs, not the deployment:
+        two deployments of one model sharing a GPU (on-demand models) would hold one entry.
+        """
+        return f"{self.deployment}/{replica_id}"
+
     def _vmm_detail(self) -> str:
         failure = self.vmm.last_failure
         if failure is None:
@@ -177,7 +191,7 @@ class ServingCore:
     def _discard(self, rid: str, engine: Engine, timing: ReplicaTiming) -> None:
         for index in range(len(timing.plan.stages)):
             engine.unload_shard(index)
-        self.vmm.unreserve_replica(rid)
+        self.vmm.unreserve_replica(self.ledger_id(rid))
 
     def retire(self, replica_id: str) -> bool:
         """Unload and release a replica that owns nothing; False while it still owns sequences."""
@@ -273,10 +287,12 @@ class ServingCore:
             elif len(self.router.queued(choice.replica_id)) >= self.settings.max_queue_per_replica:
                 refused.add(Reason.QUEUE_FULL)
             elif not check_watermark(
-                self.vmm.memory_of(need), need, self.settings.watermark
+                self.vmm.memory_for(self.ledger_id(choice.replica_id), need),
+                need,
+                self.settings.watermark,
             ).allowed:
                 refused.add(Reason.THROTTLED_WATERMARK)
-            elif not self.vmm.commit(choice.replica_id, rid_, need):
+            elif not self.vmm.commit(self.ledger_id(choice.replica_id), rid_, need):
                 refused.add(Reason.REJECTED_OOM_RISK)
             else:
                 self.router.enqueue(request, choice.replica_id)
@@ -328,7 +344,7 @@ class ServingCore:
         slot = self._slots.get(replica_id)
         if slot is not None and slot.pager is not None:
             slot.pager.forget(seq_id)
-        self.vmm.release(replica_id, seq_id)
+        self.vmm.release(self.ledger_id(replica_id), seq_id)
 
     @staticmethod
     def _ctx(live: _Live) -> int:
@@ -357,9 +373,9 @@ class ServingCore:
                 return
             live = self._live[seq_id]
             req = live.request
-            if not self.vmm.holds(rid, seq_id):
+            if not self.vmm.holds(self.ledger_id(rid), seq_id):
                 need = self._kv_need(slot, req, live.generated)
-                if not self.vmm.commit(rid, seq_id, need):
+                if not self.vmm.commit(self.ledger_id(rid), seq_id, need):
                     continue  # waits for memory; later queue entries may still fit
             spec = SeqSpec(
                 seq_id, req.prompt_tokens, req.max_output_tokens, live.generated,
@@ -416,7 +432,7 @@ class ServingCore:
     def _fail_replica(self, rid: str, now_s: float) -> None:
         """An engine died: its memory is gone; its sequences wait for replay elsewhere."""
         self.router.set_role(rid, ReplicaRole.FAILED)
-        self.vmm.unreserve_replica(rid)
+        self.vmm.unreserve_replica(self.ledger_id(rid))
         pager = self._slots[rid].pager
         if pager is not None:
             pager.forget_all()
@@ -469,7 +485,7 @@ class ServingCore:
             now = [p.generated_tokens for p in src.progress() if p.seq_id == seq_id]
             generated = max(now, default=generated)
         need = self._kv_need(dst, live.request, generated)
-        if not self.vmm.commit(target, seq_id, need):
+        if not self.vmm.commit(self.ledger_id(target), seq_id, need):
             return None
         exports = src.export_kv([seq_id], now_s)  # pauses it at the source until commit/abort
         if not exports:

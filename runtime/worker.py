@@ -42,6 +42,7 @@ from flexpipe.topics import Topic, topic_name
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.presets import LINK_CLASSES
+from gearbox.residency import kv_floor_tokens
 from runtime.clock import SimClock
 from runtime.deployment import DeploymentRuntime, EngineFactory, Outbox, RuntimeSettings
 from runtime.engine.paging import KvAdmission
@@ -146,6 +147,11 @@ class RuntimeWorker:
             engine_factories=engine_factories or self._engines.factories,  # default SimEngine
             hold_s={
                 d.name: self.rc.model_load_wait_s
+                for d in cfg.deployments
+                if d.residency == "on_demand"
+            },
+            kv_floor_tokens={
+                d.name: kv_floor_tokens(d.prompt_tokens + d.output_tokens, cfg.placement)
                 for d in cfg.deployments
                 if d.residency == "on_demand"
             },

@@ -97,12 +97,13 @@ class SimCluster:
         self._bandwidth = {d.id: scenario.link(d.link).bandwidth_gbps for d in scenario.domains}
         self._deployments = {d.name: d for d in scenario.deployments}
         self._placement: dict[str, tuple[tuple[str, ...], ...]] = self._initial_placement()
-        self._workers: dict[str, Worker] = {}
+        # GPU → its serving processes: one, or several on-demand models' sharing its memory
+        self._workers: dict[str, tuple[Worker, ...]] = {}
         self._reservations: dict[str, Reservation] = {}  # insertion order = age
         self._next_pid = 4100
         self._applied = 0
         self._agent_queues: dict[str, list[ClusterEvent]] = {n: [] for n in self._nodes}
-        self._load_cache: tuple[float, dict[str, GpuLoad]] | None = None
+        self._load_cache: tuple[float, dict[tuple[str, str], GpuLoad]] | None = None
         self._reconcile()
         self._pending: list[TimedEvent] = []
         self._startup_events()
@@ -136,9 +137,9 @@ class SimCluster:
 
     def processes(self, gpu_uuid: str) -> tuple[int, ...]:
         """Pids holding memory on a GPU (worker or tenant job)."""
-        g, worker = self._gpus[gpu_uuid], self._workers.get(gpu_uuid)
+        g, workers = self._gpus[gpu_uuid], self._workers.get(gpu_uuid, ())
         tenant = g.reservation.job_pid(g.spec.index) if g.reservation else None
-        return tuple(p for p in (tenant, worker and worker.pid) if p)
+        return tuple(p for p in (tenant, *(w.pid for w in workers)) if p)
 
     # ---- driving ----------------------------------------------------------------------------
 
@@ -297,34 +298,57 @@ class SimCluster:
         groups = hint_groups(((d.name, d.plan) for d in self.scenario.deployments), available)
         return {name: chosen or () for name, chosen in groups.items()}
 
+    def _wanted(self) -> dict[str, list[tuple[str, int]]]:
+        """(deployment, replica) of the processes each placed, schedulable GPU runs.
+
+        On-demand deployments share a GPU, one process each (the runtime's inventory lets their
+        memory shares coexist); any other deployment owns its GPUs whole: the last placed wins.
+        """
+        wanted: dict[str, list[tuple[str, int]]] = {}
+        for name, groups in self._placement.items():
+            shares = self._deployments[name].on_demand
+            for r, group in enumerate(groups):
+                for uuid in group:
+                    if not self.is_schedulable(uuid):
+                        continue
+                    held = wanted.setdefault(uuid, [])
+                    if not (shares and all(self._deployments[d].on_demand for d, _ in held)):
+                        held.clear()
+                    held.append((name, r))
+        return wanted
+
     def _reconcile(self) -> None:
         """Workers exist exactly on placed, schedulable GPUs (restarted with a new pid)."""
-        wanted = {
-            uuid: (name, r)
-            for name, groups in self._placement.items()
-            for r, group in enumerate(groups)
-            for uuid in group
-            if self.is_schedulable(uuid)
-        }
+        wanted = self._wanted()
         for uuid in list(self._workers):
-            w = self._workers[uuid]
-            if wanted.get(uuid) != (w.deployment, w.replica):
+            keep = tuple(
+                w for w in self._workers[uuid] if (w.deployment, w.replica) in wanted.get(uuid, ())
+            )
+            if keep:
+                self._workers[uuid] = keep
+            else:
                 del self._workers[uuid]
-        for uuid, (name, r) in wanted.items():
-            if uuid not in self._workers:
-                group = self._placement[name][r]
-                dep = self._deployments[name]
-                held = dep.memory_utilisation * self._gpus[uuid].cls.memory_total_bytes
-                weights = dep.model.weight_bytes / len(group)
-                self._workers[uuid] = Worker(self._new_pid(), name, r, weights, len(group), held)
+        for uuid, keys in wanted.items():
+            have = {(w.deployment, w.replica): w for w in self._workers.get(uuid, ())}
+            workers = []
+            for name, r in keys:
+                worker = have.get((name, r))
+                if worker is None:
+                    group = self._placement[name][r]
+                    dep = self._deployments[name]
+                    held = dep.memory_utilisation * self._gpus[uuid].cls.memory_total_bytes
+                    weights = dep.model.weight_bytes / len(group)
+                    worker = Worker(self._new_pid(), name, r, weights, len(group), held)
+                workers.append(worker)
+            self._workers[uuid] = tuple(workers)
         self._load_cache = None
 
     def _new_pid(self) -> int:
         self._next_pid += 7  # NOTE: spaced like real pids; only determinism matters
         return self._next_pid
 
-    def _loads(self, t_s: float) -> dict[str, GpuLoad]:
-        """Per-GPU load of every serving replica at ``t_s``.
+    def _loads(self, t_s: float) -> dict[tuple[str, str], GpuLoad]:
+        """Load of every serving replica on each of its GPUs, by (GPU, deployment), at ``t_s``.
 
         Arrival rates are held for a whole simulated second (launch drains come five times as
         often as samples and the load curve is smooth), so the cache is per second.
@@ -332,18 +356,27 @@ class SimCluster:
         t_s = float(math.floor(t_s))
         if self._load_cache is not None and self._load_cache[0] == t_s:
             return self._load_cache[1]
-        loads: dict[str, GpuLoad] = {}
+        loads: dict[tuple[str, str], GpuLoad] = {}
         for name, groups in self._placement.items():
             # NOTE: a replica missing a worker stalls; the router sends its share elsewhere,
             # by compute capacity, as queue-length routing would on average.
-            serving = [g for g in groups if g and all(u in self._workers for u in g)]
+            serving = [g for g in groups if g and all(self._runs(u, name) for u in g)]
             classes = [[self._gpus[u].cls for u in g] for g in serving]
             caps = [len(c) * min(x.peak_bf16_tflops for x in c) for c in classes]
             for group, cls, cap in zip(serving, classes, caps, strict=True):
                 load = replica_load(self._deployments[name], cls, cap / sum(caps), t_s)
-                loads.update(dict.fromkeys(group, load))
+                loads.update(dict.fromkeys(((u, name) for u in group), load))
         self._load_cache = (t_s, loads)
         return loads
+
+    def _runs(self, gpu_uuid: str, deployment: str) -> bool:
+        return any(w.deployment == deployment for w in self._workers.get(gpu_uuid, ()))
+
+    def _served(
+        self, gpu_uuid: str, loads: dict[tuple[str, str], GpuLoad]
+    ) -> list[tuple[Worker, GpuLoad | None]]:
+        """The GPU's serving processes with their loads, in placement order."""
+        return [(w, loads.get((gpu_uuid, w.deployment))) for w in self._workers.get(gpu_uuid, ())]
 
     def _node_view(self, node: str) -> tuple[list[GpuState], LinkSpec]:
         if node not in self._nodes:
@@ -371,11 +404,9 @@ class SimGpuSampler:
         cluster.advance_to(now_s)
         if not cluster.is_node_up(self._node):
             return []
-        loads, workers = cluster._loads(now_s), cluster._workers
+        loads = cluster._loads(now_s)
         return [
-            build_sample(
-                g, workers.get(g.spec.uuid), loads.get(g.spec.uuid), self._link, now_s, self._rng
-            )
+            build_sample(g, cluster._served(g.spec.uuid, loads), self._link, now_s, self._rng)
             for g in self._gpus
         ]
 
@@ -407,13 +438,11 @@ class SimLaunchCounter:
         last_s, self._last_s = self._last_s, now_s
         if last_s is None or not cluster.is_node_up(self._node):
             return []
-        loads, workers = cluster._loads(now_s), cluster._workers
+        loads = cluster._loads(now_s)
         out = []
         for g in self._gpus:
-            uuid = g.spec.uuid
-            counts = build_launches(
-                g, workers.get(uuid), loads.get(uuid), now_s - last_s, self._rng
-            )
+            served = cluster._served(g.spec.uuid, loads)
+            counts = build_launches(g, served, now_s - last_s, self._rng)
             if counts is not None:
                 out.append(counts)
         return out

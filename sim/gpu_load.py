@@ -189,8 +189,7 @@ def replica_load(
 
 def build_sample(
     g: GpuState,
-    worker: Worker | None,
-    load: GpuLoad | None,
+    served: Sequence[tuple[Worker, GpuLoad | None]],
     link: LinkSpec,
     now_s: float,
     rng: random.Random,
@@ -213,15 +212,23 @@ def build_sample(
         busy, mem_busy, tp_share = TENANT_BUSY, 0.6, 0.08  # a training job runs flat out
         used_bytes = int(usable * 0.94)
         procs = (GpuProcess(g.reservation.job_pid(fixed.index), used_bytes),)
-    elif healthy and worker is not None:
-        used = CONTEXT_BYTES + WORKSPACE_BYTES + worker.weight_bytes
-        if load is not None:
-            busy, mem_busy = min(1.0, load.busy), load.mem_busy
-            used += load.kv_bytes * (0.995 + 0.01 * rng.random())  # sequences come and go
-            tp_share = 0.04 if worker.replica_gpus > 1 else 0.0
-        used = max(used, worker.held_bytes)  # a preallocated KV pool is held, used or not
-        used_bytes = int(min(used, usable - 256 * MIB))
-        procs = (GpuProcess(worker.pid, used_bytes),)
+    elif healthy and served:
+        # NOTE: several processes (on-demand models sharing the GPU) each hold their context,
+        # weights and KV; the GPU's memory and activity are their sums.
+        cap = usable - 256 * MIB
+        total = 0.0
+        held: list[GpuProcess] = []
+        for worker, load in served:
+            used = CONTEXT_BYTES + WORKSPACE_BYTES + worker.weight_bytes
+            if load is not None:
+                busy, mem_busy = min(1.0, busy + load.busy), min(1.0, mem_busy + load.mem_busy)
+                used += load.kv_bytes * (0.995 + 0.01 * rng.random())  # sequences come and go
+                tp_share = max(tp_share, 0.04 if worker.replica_gpus > 1 else 0.0)
+            used = max(used, worker.held_bytes)  # a preallocated KV pool is held, used or not
+            total += used
+            held.append(GpuProcess(worker.pid, int(min(used, cap))))
+        used_bytes = int(min(total, cap))
+        procs = tuple(held)
     if g.pending_xids:
         xids = g.fatal + tuple(g.pending_xids)
         g.pending_xids = []
@@ -290,43 +297,56 @@ def _thermal(
     return round(power, 1), float(round(g.temp_c))
 
 
+def _worker_launches(
+    worker: Worker, load: GpuLoad, interval_s: float, rng: random.Random
+) -> ProcessLaunches:
+    jitter = 0.97 + 0.06 * rng.random()
+    steps = load.decode_steps_per_s * interval_s * jitter
+    prefill_kernels = load.prefill_chunks_per_s * load.layers * KERNELS_PER_LAYER
+    kernels = int(prefill_kernels * interval_s * jitter + steps * KERNELS_PER_DECODE_STEP)
+    kv_bytes = load.tokens_per_s * interval_s * load.kv_bytes_per_token
+    freed = kv_bytes * (0.96 + 0.08 * rng.random())  # finished sequences give pages back
+    return ProcessLaunches(
+        pid=worker.pid,
+        comm=worker.comm,
+        launches=kernels,
+        launches_per_s=round(kernels / interval_s, 1),
+        graph_launches=int(steps),  # one decode-graph replay per step
+        mem_alloc_bytes=_pages(kv_bytes * jitter),
+        mem_free_bytes=_pages(freed),
+    )
+
+
 def build_launches(
     g: GpuState,
-    worker: Worker | None,
-    load: GpuLoad | None,
+    served: Sequence[tuple[Worker, GpuLoad | None]],
     interval_s: float,
     rng: random.Random,
 ) -> KernelLaunches | None:
-    """Kernel launches on one GPU over ``interval_s``; None when nothing launched."""
+    """Kernel launches on one GPU over ``interval_s`` (every serving process's, or the
+    tenant's); None when nothing launched."""
     if interval_s <= 0.0 or not g.healthy:
         return None
     resv = g.reservation
     if resv is not None:
         kernels = int(TENANT_LAUNCHES_PER_S * interval_s * (0.95 + 0.1 * rng.random()))
-        rate = round(kernels / interval_s, 1)
-        proc = ProcessLaunches(resv.job_pid(g.spec.index), "sim-tenant-job", kernels, rate)
-    elif worker is not None and load is not None:
-        jitter = 0.97 + 0.06 * rng.random()
-        steps = load.decode_steps_per_s * interval_s * jitter
-        prefill_kernels = load.prefill_chunks_per_s * load.layers * KERNELS_PER_LAYER
-        kernels = int(prefill_kernels * interval_s * jitter + steps * KERNELS_PER_DECODE_STEP)
-        rate = round(kernels / interval_s, 1)
-        kv_bytes = load.tokens_per_s * interval_s * load.kv_bytes_per_token
-        freed = kv_bytes * (0.96 + 0.08 * rng.random())  # finished sequences give pages back
-        proc = ProcessLaunches(
-            pid=worker.pid,
-            comm=worker.comm,
-            launches=kernels,
-            launches_per_s=rate,
-            graph_launches=int(steps),  # one decode-graph replay per step
-            mem_alloc_bytes=_pages(kv_bytes * jitter),
-            mem_free_bytes=_pages(freed),
+        procs: tuple[ProcessLaunches, ...] = (
+            ProcessLaunches(
+                resv.job_pid(g.spec.index),
+                "sim-tenant-job",
+                kernels,
+                round(kernels / interval_s, 1),
+            ),
         )
     else:
-        return None
+        procs = tuple(
+            _worker_launches(w, load, interval_s, rng) for w, load in served if load is not None
+        )
+        kernels = sum(p.launches for p in procs)
     if not kernels:
         return None
-    return KernelLaunches(g.spec.uuid, g.spec.node, interval_s, kernels, rate, (proc,))
+    rate = round(kernels / interval_s, 1)
+    return KernelLaunches(g.spec.uuid, g.spec.node, interval_s, kernels, rate, procs)
 
 
 def _pages(num_bytes: float) -> int:

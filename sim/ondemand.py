@@ -3,7 +3,8 @@
 A scenario whose deployments are ``on_demand`` (``sim/scenarios/many-models.yaml``) is served by
 loads and evictions the stream decides (:mod:`gearbox.residency`). :class:`OnDemandLedger`
 follows every request the load generator offered — its span from arrival to completion or
-refusal, its tokens, whether it met its deployment's SLOs — and samples the GPUs' memory;
+refusal, its tokens, whether it met its deployment's SLOs — and samples the GPUs' memory and
+how many models each GPU holds (several on-demand models share a GPU);
 :func:`on_demand_figures` turns that and the transitions read back into ``summary.json``'s
 ``on_demand`` section and :func:`on_demand_checks` into three invariants:
 
@@ -28,19 +29,32 @@ from gearbox.placement import ModelFootprint, dead_memory
 from gearbox.types import Gpu, TopologySnapshot
 from sim.fleet import SimFleet
 from sim.summary import Check, OnDemandInvariant
-from streams.ondemand import FOOTPRINT_BATCH
+from streams.deployments import resolve_deployments
+from streams.ondemand import footprint, is_on_demand
 
 __all__ = [
     "DEAD_MEMORY_EVERY_S",
+    "MemorySample",
     "OnDemandLedger",
     "evicted_with_active",
     "on_demand_checks",
     "on_demand_figures",
     "on_demand_lines",
+    "packing_figures",
     "sample_memory",
 ]
 
 DEAD_MEMORY_EVERY_S = 30.0  # simulated seconds between memory samples
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySample:
+    """The schedulable GPUs' memory at one simulated time."""
+
+    t_s: float
+    dead_share: float  # of free memory: free memory no model fits in
+    stranded_share: float  # of free memory: free memory on GPUs that serve a model
+    models_per_gpu: tuple[int, ...]  # models loaded or loading on each schedulable GPU
 
 
 @dataclass
@@ -54,7 +68,7 @@ class OnDemandLedger:
     good_tokens: Counter[str] = field(default_factory=Counter)  # of requests within both SLOs
     refused: Counter[str] = field(default_factory=Counter)  # 429s etc. by reason
     spans: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
-    memory: list[tuple[float, float, float]] = field(default_factory=list)  # (t, dead, stranded)
+    memory: list[MemorySample] = field(default_factory=list)  # every DEAD_MEMORY_EVERY_S
 
     def offer(self, deployment: str, output_tokens: int) -> None:
         """A request arrived for ``deployment``."""
@@ -86,21 +100,21 @@ class OnDemandLedger:
 
 def sample_memory(
     worker: Any, fleet: SimFleet, cfg: FlexPipeConfig, footprints: Sequence[ModelFootprint]
-) -> tuple[float, float]:
-    """(dead, stranded) shares of the free memory on schedulable GPUs now.
+) -> MemorySample:
+    """The schedulable GPUs' memory now.
 
     Dead: free memory no model fits in (:func:`gearbox.placement.dead_memory`, the simulated
     GPUs' allocations as free memory). Stranded: free memory on GPUs that serve a model —
-    usable by that model's KV only, since a GPU serves one model.
+    usable by their models' KV, or by another model that fits beside them. Models per GPU:
+    the deployments with a replica installed there (loaded, or loading as a shadow).
     """
     now_s = float(worker.now_s())
     classes = cfg.catalog.gpu_class_specs()
-    serving = {
-        u
-        for rt in worker.runtimes.values()
-        for rid in rt.core.replica_ids()
-        for u in rt.core.plan_of(rid).gpu_uuids
-    }
+    holders: dict[str, set[str]] = defaultdict(set)
+    for name, rt in worker.runtimes.items():
+        for rid in rt.core.replica_ids():
+            for u in rt.core.plan_of(rid).gpu_uuids:
+                holders[u].add(name)
     gpus = []
     for spec in fleet.scenario.gpus:
         if not fleet.cluster.is_schedulable(spec.uuid):
@@ -123,9 +137,10 @@ def sample_memory(
         )
     link = cfg.catalog.link_specs()[fleet.scenario.inter_domain_link]
     report = dead_memory(TopologySnapshot(now_s, tuple(gpus), (), link), footprints, cfg.placement)
-    stranded = sum(g.free_memory_bytes for g in gpus if g.uuid in serving)
+    stranded = sum(g.free_memory_bytes for g in gpus if g.uuid in holders)
     free = report.free_bytes
-    return report.dead_share, (stranded / free if free else 0.0)
+    counts = tuple(len(holders.get(g.uuid, ())) for g in gpus)
+    return MemorySample(now_s, report.dead_share, stranded / free if free else 0.0, counts)
 
 
 async def follow_memory(
@@ -138,22 +153,15 @@ async def follow_memory(
 ) -> None:
     """Sample the memory every ``DEAD_MEMORY_EVERY_S`` simulated seconds until ``stop``."""
     while not stop.is_set():
-        dead, stranded = sample_memory(worker, fleet, cfg, footprints)
-        ledger.memory.append((float(worker.now_s()), dead, stranded))
+        ledger.memory.append(sample_memory(worker, fleet, cfg, footprints))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), DEAD_MEMORY_EVERY_S / worker.clock.speed)
 
 
 def footprints_of(cfg: FlexPipeConfig) -> list[ModelFootprint]:
     """The on-demand models' placement footprints (as the stream computes them)."""
-    models = cfg.catalog.model_specs()
-    return [
-        ModelFootprint.from_spec(
-            models[d.model], FOOTPRINT_BATCH, max(1, round(d.prompt_tokens + d.output_tokens))
-        )
-        for d in cfg.deployments
-        if d.residency == "on_demand"
-    ]
+    _, deployments = resolve_deployments(cfg)
+    return [footprint(d, cfg.gearbox) for d in deployments if is_on_demand(d)]
 
 
 def _switch_windows(
@@ -205,6 +213,28 @@ def _counts(transitions: Sequence[tuple[float, GearTransition]], names: set[str]
     }
 
 
+def packing_figures(samples: Sequence[MemorySample]) -> dict[str, Any]:
+    """How packed the GPUs were, over the memory samples (equally spaced in simulated time, so
+    their means are time-weighted): the share of schedulable-GPU time holding n models, the
+    share of serving-GPU time holding two or more, and the most models one GPU held."""
+    gpu_time: Counter[int] = Counter()
+    packed = serving = 0
+    for s in samples:
+        gpu_time.update(s.models_per_gpu)
+        serving += sum(1 for n in s.models_per_gpu if n >= 1)
+        packed += sum(1 for n in s.models_per_gpu if n >= 2)
+    total = sum(gpu_time.values())
+    return {
+        "gpu_time_share_by_models": {
+            str(n): round(gpu_time[n] / total, 3) for n in sorted(gpu_time)
+        }
+        if total
+        else {},
+        "packed_share_of_serving_gpu_time": round(packed / serving, 3) if serving else None,
+        "max_models_per_gpu": max((n for s in samples for n in s.models_per_gpu), default=0),
+    }
+
+
 def on_demand_figures(
     ledger: OnDemandLedger,
     transitions: Sequence[tuple[float, GearTransition]],
@@ -233,13 +263,16 @@ def on_demand_figures(
         "evicted_with_active_detail": evicted,
         "rejections_by_reason": dict(sorted(ledger.refused.items())),
         "oom": oom,
-        "dead_memory_share_mean": round(sum(s[1] for s in samples) / len(samples), 3)
+        "dead_memory_share_mean": round(sum(s.dead_share for s in samples) / len(samples), 3)
         if samples
         else None,
-        "dead_memory_share_max": round(max(s[1] for s in samples), 3) if samples else None,
-        "stranded_memory_share_mean": round(sum(s[2] for s in samples) / len(samples), 3)
+        "dead_memory_share_max": round(max(s.dead_share for s in samples), 3) if samples else None,
+        "stranded_memory_share_mean": round(
+            sum(s.stranded_share for s in samples) / len(samples), 3
+        )
         if samples
         else None,
+        "packing": packing_figures(samples),
         "goodput": round(
             sum(ledger.good_tokens.values()) / max(1, sum(ledger.offered_tokens.values())), 3
         ),
@@ -262,6 +295,9 @@ def on_demand_lines(figures: Mapping[str, Any]) -> list[str]:
         f"   dead memory share mean {f['dead_memory_share_mean']} max "
         f"{f['dead_memory_share_max']}; stranded on serving GPUs mean "
         f"{f['stranded_memory_share_mean']}",
+        f"   packing: GPU time by models held {f['packing']['gpu_time_share_by_models']}; "
+        f"serving GPUs holding 2+ models {f['packing']['packed_share_of_serving_gpu_time']}; "
+        f"at most {f['packing']['max_models_per_gpu']} models on one GPU",
         f"   goodput {f['goodput']} (lowest: " + ", ".join(f"{d} {g}" for g, d in worst) + ")",
     ]
 

@@ -22,6 +22,7 @@ from gearbox.model import ModelSpec
 from gearbox.placement import ModelFootprint
 from gearbox.plans import DeploymentPlan, ExecutionPlan
 from gearbox.residency import (
+    FOOTPRINT_BATCH,
     OnDemandModel,
     Residency,
     ResidencyAction,
@@ -62,16 +63,12 @@ class PlanView(Protocol):
 
 __all__ = [
     "FOOTPRINT_BATCH",
+    "footprint",
     "is_on_demand",
     "on_demand_view",
     "residency_of",
     "residency_result",
 ]
-
-# NOTE: the batch a replica must hold at its nominal sequence length for the placement's memory
-# filter (model_size + k × batch × seq_len × kv_bytes_per_token): enough for a burst's running
-# sequences; KV beyond it is the runtime's admission's to refuse (429), not the placement's.
-FOOTPRINT_BATCH = 8
 
 
 def is_on_demand(dep: Deployment) -> bool:
@@ -95,9 +92,14 @@ def residency_of(
     return (Residency.RESIDENT if conf else Residency.COLD), gpus
 
 
-def _footprint(dep: Deployment) -> ModelFootprint:
+def footprint(dep: Deployment, gearbox: GearboxConfig) -> ModelFootprint:
+    """The placement footprint of ``dep``'s replica: weights, the runtime's overhead beside them
+    (which every model on a shared GPU holds once), and ``FOOTPRINT_BATCH`` sequences of its
+    nominal length."""
     seq = round(dep.nominal.prompt_tokens + dep.nominal.output_tokens)
-    return ModelFootprint.from_spec(dep.model, FOOTPRINT_BATCH, max(1, seq))
+    return ModelFootprint.from_spec(
+        dep.model, FOOTPRINT_BATCH, max(1, seq), overhead_bytes=gearbox.runtime_overhead_bytes
+    )
 
 
 def _model(
@@ -112,7 +114,7 @@ def _model(
     last_s = now_s if demand else (last_demand_ms / 1000.0 if last_demand_ms >= 0 else -math.inf)
     return OnDemandModel(
         name=dep.name,
-        footprint=_footprint(dep),
+        footprint=footprint(dep, gearbox),
         state=state[0],
         gpu_uuids=state[1],
         active_requests=load.active_sequences,

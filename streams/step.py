@@ -366,9 +366,12 @@ def step(inp: StepInput) -> StepOutput | None:
     own = frozenset().union(*(p.gpu_uuids for p in (plan.current, plan.confirmed) if p))
     topology = _without_claims(inp.topology, inp.claims - own)
     if is_on_demand(inp.deployment):
-        # NOTE: its own GPU too is full for the round, which places other models (a GPU
-        # serves one model)
-        result, plan, more = _on_demand(inp, plan, _without_claims(inp.topology, inp.claims | own))
+        # NOTE: on-demand models share GPUs: the round takes what each holds off its GPUs
+        # (gearbox.residency.room); only GPUs that other deployments' plans hold are full.
+        shared = frozenset(u for m in inp.on_demand for u in m.gpu_uuids)
+        result, plan, more = _on_demand(
+            inp, plan, _without_claims(inp.topology, inp.claims - shared)
+        )
     else:
         overrides, more = _overrides(inp.overrides, plan)
         result = decide(

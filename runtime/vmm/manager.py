@@ -5,6 +5,12 @@ each request then commits its KV pages on every GPU of the replica at once — a
 a request never holds pages on half a pipeline — and may extend them as it generates tokens
 (paged KV, :mod:`runtime.engine.paging`). The manager's ledger is what the watermark throttle
 reads.
+
+Replicas of several deployments may share a GPU (on-demand models). A replica may be given a
+*floor* per GPU — its weights and the KV its placement counted on: admission then sees every
+other replica on the GPU as holding at least its floor (:meth:`ReservationManager.memory_for`),
+so a busy neighbour's KV never takes the room a quiet model's next requests were placed with.
+Extensions of admitted sequences are bounded by the GPU's memory only, as before.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class ReservationManager:
         self._totals: dict[tuple[str, str], dict[str, int]] = {}
         # (replica, request) → the most commits it holds on one GPU: an extension's chunk id
         self._chunks: dict[tuple[str, str], int] = {}
+        self._floors: dict[str, dict[str, int]] = {}  # gpu → replica → bytes it is guaranteed
         self.last_failure: CommitFailure | None = None
 
     def backend(self, gpu_uuid: str, capacity_bytes: int) -> ReservationBackend | None:
@@ -210,8 +217,36 @@ class ReservationManager:
             for commit in commits:
                 release_commit(commit)
 
+    def set_floor(self, replica_id: str, bytes_per_gpu: Mapping[str, int]) -> None:
+        """Guarantee the replica ``bytes_per_gpu`` on its GPUs against the others' admissions
+        (see the module docstring); dropped with its reservation."""
+        for uuid, size in bytes_per_gpu.items():
+            self._floors.setdefault(uuid, {})[replica_id] = size
+
+    def memory_for(self, replica_id: str, need: Mapping[str, int]) -> dict[str, GpuMemory]:
+        """:meth:`memory_of` the GPUs of ``need`` as an admission of ``need`` for the replica
+        sees it: on a GPU with floors, every other replica holds at least its floor, and the
+        replica's own floor already covers what it commits below it. The fill after ``need``
+        is then ``(committed + need) / total`` as ever (:func:`runtime.throttle.check_watermark`).
+        """
+        memory = self.memory_of(need)
+        for uuid, mem in memory.items():
+            floors = self._floors.get(uuid)
+            if not floors:
+                continue
+            used: dict[str, int] = dict.fromkeys(floors, 0)
+            for (rid, _), held in self._totals.items():
+                if uuid in held:
+                    used[rid] = used.get(rid, 0) + held[uuid]
+            others = sum(max(c, floors.get(r, 0)) for r, c in used.items() if r != replica_id)
+            mine = max(used.get(replica_id, 0) + need[uuid], floors.get(replica_id, 0))
+            memory[uuid] = GpuMemory(mem.total_bytes, others + mine - need[uuid])
+        return memory
+
     def unreserve_replica(self, replica_id: str) -> None:
-        """Release every commit and reservation of the replica; idempotent."""
+        """Release every commit and reservation of the replica, and its floors; idempotent."""
+        for floors in self._floors.values():
+            floors.pop(replica_id, None)
         for key in [k for k in self._commits if k[0] == replica_id]:
             self.release(*key)
         for uuid, resv in self._reservations.pop(replica_id, {}).items():

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from gearbox.config import PlacementConfig
 from gearbox.decisions import DecisionReason
-from gearbox.placement import ModelFootprint
+from gearbox.placement import ModelFootprint, PlacementReason
 from gearbox.presets import GIB, LINK_CLASSES
 from gearbox.residency import (
     OnDemandModel,
     Residency,
     ResidencyAction,
     decide_residency,
+    held_bytes,
+    room,
 )
 from gearbox.types import TopologySnapshot
 from tests.gearbox.builders import NOW_S, make_gpu
@@ -24,11 +27,11 @@ SMALL = ModelFootprint("small", 10 * GIB, 64 * 1024, batch_size=8, seq_len_token
 BIG = ModelFootprint("big", 60 * GIB, 128 * 1024, batch_size=8, seq_len_tokens=1024)
 
 
-def _snapshot(held: dict[str, str], *gpus: tuple[str, str, str]) -> TopologySnapshot:
-    """GPUs as (uuid, node, class); a GPU some model holds shows no free memory, as the step's
-    claims show it."""
+def _snapshot(*gpus: tuple[str, str, str], free_fraction: float = 1.0) -> TopologySnapshot:
+    """GPUs as (uuid, node, class), all free as telemetry shows them before a load's memory
+    shows (the round takes what the models' plans hold off them)."""
     out = tuple(
-        make_gpu(uuid, node=node, gpu_class=cls, free_fraction=0.0 if uuid in held else 1.0)
+        make_gpu(uuid, node=node, gpu_class=cls, free_fraction=free_fraction)
         for uuid, node, cls in gpus
     )
     return TopologySnapshot(NOW_S, out, (), LINK_CLASSES["pcie"])
@@ -70,7 +73,7 @@ TWO_GPUS = (("g0", "n0", "l40s"), ("g1", "n1", "l40s"))
 @pytest.mark.unit
 def test_a_requested_cold_model_loads_on_a_free_gpu_with_its_explanation() -> None:
     models = [_model("m", queued=3), _resident("r", "g0", idle_s=5.0)]
-    verdict = decide_residency("m", models, _snapshot({"g0": "r"}, *TWO_GPUS), CONFIG)
+    verdict = decide_residency("m", models, _snapshot(*TWO_GPUS), CONFIG)
     assert verdict.action is ResidencyAction.LOAD and verdict.gpu_uuids == ("g1",)
     assert verdict.reason is DecisionReason.LOAD_ON_DEMAND
     assert "3 requests wait" in verdict.explanation and "g1" in verdict.explanation
@@ -78,19 +81,18 @@ def test_a_requested_cold_model_loads_on_a_free_gpu_with_its_explanation() -> No
 
 @pytest.mark.unit
 def test_a_cold_model_nobody_asks_for_stays_cold() -> None:
-    verdict = decide_residency("m", [_model("m")], _snapshot({}, *TWO_GPUS), CONFIG)
+    verdict = decide_residency("m", [_model("m")], _snapshot(*TWO_GPUS), CONFIG)
     assert verdict.action is ResidencyAction.HOLD and verdict.reason is DecisionReason.COLD
 
 
 @pytest.mark.unit
 def test_the_least_recently_used_idle_model_is_evicted_for_a_waiting_one() -> None:
-    held = {"g0": "old", "g1": "recent"}
     models = [
         _model("m", queued=2),
         _resident("old", "g0", idle_s=600.0),
         _resident("recent", "g1", idle_s=120.0),
     ]
-    snap = _snapshot(held, *TWO_GPUS)
+    snap = _snapshot(*TWO_GPUS)
     old = decide_residency("old", models, snap, CONFIG)
     recent = decide_residency("recent", models, snap, CONFIG)
     waiting = decide_residency("m", models, snap, CONFIG)
@@ -105,9 +107,9 @@ def test_the_least_recently_used_idle_model_is_evicted_for_a_waiting_one() -> No
 @pytest.mark.parametrize("busy", [{"active": 1}, {"queued": 1}])
 def test_a_model_with_active_or_queued_requests_is_never_evicted(busy: dict[str, int]) -> None:
     models = [_model("m", queued=2), _resident("r", "g0", idle_s=3600.0, **busy)]
-    verdict = decide_residency("r", models, _snapshot({"g0": "r"}, TWO_GPUS[0]), CONFIG)
+    verdict = decide_residency("r", models, _snapshot(TWO_GPUS[0]), CONFIG)
     assert verdict.action is ResidencyAction.HOLD
-    waiting = decide_residency("m", models, _snapshot({"g0": "r"}, TWO_GPUS[0]), CONFIG)
+    waiting = decide_residency("m", models, _snapshot(TWO_GPUS[0]), CONFIG)
     assert waiting.reason is DecisionReason.WAITING_FOR_ROOM and waiting.placement is not None
     assert waiting.placement.evictions == ()
 
@@ -115,14 +117,14 @@ def test_a_model_with_active_or_queued_requests_is_never_evicted(busy: dict[str,
 @pytest.mark.unit
 def test_a_model_idle_less_than_cold_after_is_kept() -> None:
     models = [_model("m", queued=2), _resident("r", "g0", idle_s=30.0)]
-    verdict = decide_residency("r", models, _snapshot({"g0": "r"}, TWO_GPUS[0]), CONFIG)
+    verdict = decide_residency("r", models, _snapshot(TWO_GPUS[0]), CONFIG)
     assert verdict.action is ResidencyAction.HOLD and verdict.reason is DecisionReason.RESIDENT
 
 
 @pytest.mark.unit
 def test_two_waiting_models_never_take_the_same_gpu_in_one_round() -> None:
     models = [_model("a", queued=5), _model("b", queued=1)]
-    snap = _snapshot({}, TWO_GPUS[0])
+    snap = _snapshot(TWO_GPUS[0])
     first = decide_residency("a", models, snap, CONFIG)
     second = decide_residency("b", models, snap, CONFIG)
     assert first.action is ResidencyAction.LOAD and second.action is ResidencyAction.HOLD
@@ -132,7 +134,7 @@ def test_two_waiting_models_never_take_the_same_gpu_in_one_round() -> None:
 def test_a_big_model_goes_first_and_a_small_one_packs_onto_the_small_gpu() -> None:
     gpus = (("big-gpu", "n0", "h100-sxm"), ("small-gpu", "n1", "l40s"))
     models = [_model("tiny", queued=9), _model("huge", BIG, queued=1)]
-    snap = _snapshot({}, *gpus)
+    snap = _snapshot(*gpus)
     assert decide_residency("huge", models, snap, CONFIG).gpu_uuids == ("big-gpu",)
     assert decide_residency("tiny", models, snap, CONFIG).gpu_uuids == ("small-gpu",)
 
@@ -141,7 +143,7 @@ def test_a_big_model_goes_first_and_a_small_one_packs_onto_the_small_gpu() -> No
 def test_pin_and_anti_affinity_restrict_the_gpus_and_affinity_prefers_a_node() -> None:
     gpus = (("g0", "n0", "l40s"), ("g0b", "n0", "l40s"), ("g1", "n1", "l40s"))
     peer = _resident("peer", "g0", idle_s=1.0)
-    snap = _snapshot({"g0": "peer"}, *gpus)
+    snap = _snapshot(*gpus)
     free = _model("m", queued=1)
     away = _model("m", queued=1, anti_affinity=("peer",))
     assert decide_residency("m", [free, peer], snap, CONFIG).gpu_uuids == ("g0b",)
@@ -152,7 +154,7 @@ def test_pin_and_anti_affinity_restrict_the_gpus_and_affinity_prefers_a_node() -
     near = _model("m", queued=1, affinity=("peer2",))
     peer2 = _resident("peer2", "g2b", idle_s=1.0)
     gpus4 = (*gpus, ("g2", "n2", "l40s"), ("g2b", "n2", "l40s"))
-    snap4 = _snapshot({"g0": "peer", "g2b": "peer2"}, *gpus4)
+    snap4 = _snapshot(*gpus4)
     assert decide_residency("m", [free, peer, peer2], snap4, CONFIG).gpu_uuids == ("g0b",)
     assert decide_residency("m", [near, peer, peer2], snap4, CONFIG).gpu_uuids == ("g2",)
 
@@ -160,6 +162,115 @@ def test_pin_and_anti_affinity_restrict_the_gpus_and_affinity_prefers_a_node() -
 @pytest.mark.unit
 def test_a_model_in_transition_holds() -> None:
     loading = _model("m", state=Residency.LOADING, gpu="g0", queued=4)
-    verdict = decide_residency("m", [loading], _snapshot({"g0": "m"}, *TWO_GPUS), CONFIG)
+    verdict = decide_residency("m", [loading], _snapshot(*TWO_GPUS), CONFIG)
     assert verdict.action is ResidencyAction.HOLD
     assert verdict.reason is DecisionReason.TRANSITION_IN_FLIGHT
+
+
+# ---- several models per GPU ------------------------------------------------------------------
+
+PACK = PlacementConfig(cold_after_s=60.0, max_models_per_gpu=4)  # oom_watermark 0.85
+MID = ModelFootprint("mid", 25 * GIB, 64 * 1024, batch_size=8, seq_len_tokens=1024)
+
+
+@pytest.mark.unit
+def test_room_is_telemetry_free_at_most_total_minus_what_the_models_hold() -> None:
+    gpu = ("g0", "n0", "h100-sxm")  # 80 GiB
+    models = [_resident("r", "g0", idle_s=5.0), _model("l", MID, state=Residency.LOADING, gpu="g0")]
+    held = held_bytes(models[0], PACK) + held_bytes(models[1], PACK)
+    assert held_bytes(models[0], PACK) == SMALL.estimated_bytes(PACK.memory_k)
+    lagging = room(_snapshot(gpu), models, PACK).gpus[0]  # the load's memory not sampled yet
+    assert lagging.free_memory_bytes == 80 * GIB - held
+    busy = room(_snapshot(gpu, free_fraction=0.25), models, PACK).gpus[0]  # KV past footprints
+    assert busy.free_memory_bytes == 20 * GIB
+
+
+@pytest.mark.unit
+def test_small_models_share_a_gpu_while_all_their_footprints_fit_under_the_watermark() -> None:
+    # l40s: 48 GiB, watermark 40.8 GiB; SMALL holds 10.65 GiB: four would need 42.6
+    models = [
+        _resident("a", "g0", idle_s=5.0),
+        _model("b", queued=1),
+        _model("c", queued=1),
+        _model("d", queued=1),
+    ]
+    snap = _snapshot(TWO_GPUS[0])
+    assert decide_residency("b", models, snap, PACK).gpu_uuids == ("g0",)
+    assert decide_residency("c", models, snap, PACK).gpu_uuids == ("g0",)
+    d = decide_residency("d", models, snap, PACK)
+    assert d.action is ResidencyAction.HOLD and d.reason is DecisionReason.WAITING_FOR_ROOM
+    assert d.placement is not None and d.placement.reason is PlacementReason.OOM_WATERMARK
+    assert d.placement.evictions == ()  # "a" was requested 5 s ago: not cold
+    capped = PlacementConfig(cold_after_s=60.0, max_models_per_gpu=2)
+    assert decide_residency("c", models, snap, capped).action is ResidencyAction.HOLD
+
+
+@pytest.mark.unit
+def test_best_fit_fills_a_partly_used_gpu_before_an_empty_big_one() -> None:
+    gpus = (("big", "n0", "h100-sxm"), ("mid", "n1", "l40s"))
+    models = [_resident("r", "mid", idle_s=5.0), _model("tiny", queued=1)]
+    tiny = decide_residency("tiny", models, _snapshot(*gpus), PACK)
+    assert tiny.gpu_uuids == ("mid",) and "best fit on mid" in tiny.explanation
+    both = [*models, _model("huge", BIG, queued=1)]  # placed first: the big GPU stays its own
+    assert decide_residency("huge", both, _snapshot(*gpus), PACK).gpu_uuids == ("big",)
+    assert decide_residency("tiny", both, _snapshot(*gpus), PACK).gpu_uuids == ("mid",)
+
+
+@pytest.mark.unit
+def test_a_loading_model_holds_its_share_and_is_never_proposed_for_eviction() -> None:
+    loading = _model("l", MID, state=Residency.LOADING, gpu="g0", idle_s=600.0)
+    waiting = _model("m", MID, queued=1)
+    alone = decide_residency("m", [loading, waiting], _snapshot(TWO_GPUS[0]), PACK)
+    assert alone.reason is DecisionReason.WAITING_FOR_ROOM
+    assert alone.placement is not None and alone.placement.evictions == ()
+    two = decide_residency("m", [loading, waiting], _snapshot(*TWO_GPUS), PACK)
+    assert two.gpu_uuids == ("g1",)
+
+
+@pytest.mark.unit
+def test_an_eviction_frees_only_its_models_share_and_the_busy_neighbour_stays() -> None:
+    # g0 (l40s, 40.8 GiB under the watermark): busy SMALL 10.65 + idle MID 25.65 GiB
+    models = [
+        _resident("busy", "g0", idle_s=600.0, active=2),
+        _model("old", MID, state=Residency.RESIDENT, gpu="g0", idle_s=600.0),
+        _model("m", MID, queued=2),
+        _model("s", queued=1),
+    ]
+    snap = _snapshot(TWO_GPUS[0])
+    old = decide_residency("old", models, snap, PACK)
+    assert old.action is ResidencyAction.EVICT and old.for_model == "m"
+    assert decide_residency("busy", models, snap, PACK).action is ResidencyAction.HOLD
+    m = decide_residency("m", models, snap, PACK)
+    assert m.reason is DecisionReason.WAITING_FOR_ROOM and m.placement is not None
+    (proposal,) = m.placement.evictions
+    assert (proposal.model_name, proposal.gpu_uuid) == ("old", "g0")
+    assert proposal.freed_bytes == MID.estimated_bytes(PACK.memory_k)  # not the whole GPU
+    # what the eviction frees is promised to m: s neither gets it nor evicts the busy model
+    s = decide_residency("s", models, snap, PACK)
+    assert s.reason is DecisionReason.WAITING_FOR_ROOM and s.placement is not None
+    assert s.placement.evictions == ()
+
+
+@pytest.mark.unit
+def test_anti_affinity_binds_both_ways_when_gpus_are_shared() -> None:
+    gpus = (("g0", "n0", "l40s"), ("g1", "n1", "l40s"))
+    named = _resident("peer", "g0", idle_s=5.0, anti_affinity=("m",))
+    snap = _snapshot(*gpus)
+    assert decide_residency("m", [named, _model("m", queued=1)], snap, PACK).gpu_uuids == ("g1",)
+    free = _resident("peer", "g0", idle_s=5.0)
+    assert decide_residency("m", [free, _model("m", queued=1)], snap, PACK).gpu_uuids == ("g0",)
+
+
+@pytest.mark.unit
+def test_each_models_runtime_overhead_counts_on_a_shared_gpu() -> None:
+    # l40s, 40.8 GiB under the watermark: two 18 GiB models fit (37.3), not with 2 GiB each
+    # of runtime memory beside their weights (41.3)
+    bare = ModelFootprint("w", 18 * GIB, 64 * 1024, batch_size=8, seq_len_tokens=1024)
+    heavy = replace(bare, overhead_bytes=2 * GIB)
+    for footprint, fits in ((bare, True), (heavy, False)):
+        models = [
+            _model("r", footprint, state=Residency.RESIDENT, gpu="g0", idle_s=5.0),
+            _model("m", footprint, queued=1),
+        ]
+        verdict = decide_residency("m", models, _snapshot(TWO_GPUS[0]), PACK)
+        assert (verdict.action is ResidencyAction.LOAD) is fits

@@ -138,3 +138,16 @@ def test_replica_timing_memo_gives_the_cost_model_figures() -> None:
     assert timing.decode_cycle_s(0, 10.0) == 0.0
     assert timing.decode_cycle_s(17, 700.5) == timing.decode_cycle_s(17, 704.0)  # one bucket
     assert timing == ReplicaTiming.build(make_replica(["g0"]), MODEL_7B_MHA, DEFAULT_CONFIG)
+
+
+def test_on_demand_claims_share_a_gpu_and_any_other_claim_owns_it_whole() -> None:
+    inv = GpuInventory(sharing=("a", "b"))
+    inv.claim(["A0"], "a")
+    assert inv.problems(["A0"], "b") == ()  # memory shares: the VMM says whether it fits
+    inv.claim(["A0"], "b")
+    assert inv.problems(["A0"], "whole") == ("A0: claimed by a, b",)
+    inv.release(["A0"], "a")
+    assert inv.problems(["A0"], "whole") == ("A0: claimed by b",)
+    inv.release(["A0"], "b")
+    inv.claim(["A0"], "whole")
+    assert inv.problems(["A0"], "a") == ("A0: claimed by whole",)

@@ -50,7 +50,9 @@ def _serve(
     ]
     outcomes = [h.submit(r) for r in requests]
     held = [
-        h.rt.core.vmm.held_bytes(o.replica_id, o.request_id) if o.replica_id else {}
+        h.rt.core.vmm.held_bytes(h.rt.core.ledger_id(o.replica_id), o.request_id)
+        if o.replica_id
+        else {}
         for o in outcomes
     ]
     h.until(lambda: not h.rt.core.router.ownership(), 900)

@@ -1,16 +1,25 @@
-"""On-demand deployments in the runtime: requests held for a load, refused after the wait, and
-evictions (transitions to the empty plan) that never unload a model with requests."""
+"""On-demand deployments in the runtime: requests held for a load, refused after the wait,
+evictions (transitions to the empty plan) that never unload a model with requests, and several
+on-demand models sharing one GPU under one watermark."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 
 from flexpipe.schemas import TransitionPhase
 from gearbox.plans import DeploymentPlan
+from runtime.deployment import RuntimeSettings
+from runtime.host import RuntimeHost
 from runtime.types import Reason
+from runtime.vmm.manager import WEIGHTS_REQUEST
 from tests.runtime.builders import (
     DEPLOYMENT,
+    FAST_EXECUTOR,
+    FAST_POLICY,
     Harness,
+    make_decision,
     make_plan,
     make_replica,
     make_request,
@@ -79,3 +88,87 @@ def test_an_idle_model_is_evicted_and_its_next_request_is_held() -> None:
     h.until(lambda: h.rt.state.active is None, 60)
     assert h.rt.state.serving_plan_id == EMPTY.plan_id and h.rt.core.replica_ids() == ()
     assert h.submit(make_request(1)).reason is Reason.HELD_FOR_LOAD
+
+
+# ---- on-demand models sharing one GPU ------------------------------------------------------
+
+
+def _shared_host() -> tuple[RuntimeHost, dict[str, Harness]]:
+    """Two on-demand 7B deployments and one that is not, on one host (one inventory, one VMM
+    ledger), each with a driver."""
+    settings = RuntimeSettings(policy=FAST_POLICY, executor=FAST_EXECUTOR)
+    host = RuntimeHost(("a", "b", "whole"), settings, hold_s={"a": HOLD_S, "b": HOLD_S})
+    return host, {d: Harness(rt) for d, rt in host.runtimes.items()}
+
+
+def _step_all(drivers: dict[str, Harness], predicate: Callable[[], bool], limit_s: float) -> None:
+    """Tick every deployment together until ``predicate`` holds; fail after ``limit_s``."""
+    end = min(h.now_s for h in drivers.values()) + limit_s
+    while not predicate():
+        now_s = max(h.now_s for h in drivers.values())
+        assert now_s < end, f"not met within {limit_s} simulated s"
+        for h in drivers.values():
+            h.advance_to(now_s + 0.05)
+
+
+def _committed(host: RuntimeHost, uuid: str) -> int:
+    return host.vmm.memory()[uuid].committed_bytes
+
+
+def test_two_on_demand_models_share_a_gpu_and_the_watermark_counts_both() -> None:
+    host, hs = _shared_host()
+    plans = {d: make_plan(make_replica(["A0"]), deployment=d) for d in ("a", "b", "whole")}
+    hs["a"].deliver(make_decision(1, plans["a"], deployment="a"))
+    hs["b"].deliver(make_decision(1, plans["b"], deployment="b"))
+    _step_all(hs, lambda: all(hs[d].rt.state.serving is not None for d in "ab"), 60)
+    assert all(hs[d].rt.state.serving == plans[d] for d in "ab")  # both DONE on A0
+    b_replica = plans["b"].replicas[0].plan_id
+    b_weights = host.vmm.held_bytes(hs["b"].rt.core.ledger_id(b_replica), WEIGHTS_REQUEST)["A0"]
+    # a deployment that owns GPUs whole is still refused a GPU others hold
+    hs["whole"].deliver(make_decision(1, plans["whole"], deployment="whole"))
+    _step_all(hs, lambda: hs["whole"].rt.state.active is None, 60)
+    assert hs["whole"].rt.state.serving is None
+    assert any("claimed by a, b" in r.detail for r in hs["whole"].outputs.records)
+    # "a" fills the GPU with KV until the next prompt would pass 85 % across both models
+    admitted = 0
+    while hs["a"].submit(make_request(admitted, prompt=8000, output=2000, prefix="a")).admitted:
+        admitted += 1
+    assert admitted > 0 and hs["a"].admissions[-1].reason is Reason.THROTTLED_WATERMARK
+    refused = hs["b"].submit(make_request(1, prompt=8000, output=16, prefix="b"))
+    assert refused.reason is Reason.THROTTLED_WATERMARK  # b's own replica holds only weights
+    assert host.vmm.memory()["A0"].fill <= 0.85 and host.pool.oom_events == 0
+    # evicting the idle "b" frees its share only: "a" keeps its weights, KV and sequences
+    before = _committed(host, "A0")
+    empty = DeploymentPlan("b", plans["b"].model_name, ())
+    hs["b"].deliver(make_decision(2, empty, from_plan_id=plans["b"].plan_id, deployment="b"))
+    _step_all(hs, lambda: hs["b"].rt.state.active is None, 60)
+    assert hs["b"].rt.state.serving_plan_id == empty.plan_id
+    assert before - _committed(host, "A0") == b_weights > 0
+    assert hs["a"].rt.core.replica_ids() == (plans["a"].replicas[0].plan_id,)
+    assert len(hs["a"].rt.core.router.ownership()) == admitted
+
+
+def test_a_kv_floor_keeps_a_busy_neighbour_from_starving_a_quiet_model() -> None:
+    settings = RuntimeSettings(policy=FAST_POLICY, executor=FAST_EXECUTOR)
+    floors = {"a": 16_000, "b": 16_000}  # 8 GiB of a 7B's KV each
+    host = RuntimeHost(
+        ("a", "b"), settings, hold_s=dict.fromkeys("ab", HOLD_S), kv_floor_tokens=floors
+    )
+    hs = {d: Harness(rt) for d, rt in host.runtimes.items()}
+    plans = {d: make_plan(make_replica(["A0"]), deployment=d) for d in "ab"}
+    for d in "ab":
+        hs[d].deliver(make_decision(1, plans[d], deployment=d))
+    _step_all(hs, lambda: all(hs[d].rt.state.serving is not None for d in "ab"), 60)
+    admitted = 0
+    while hs["a"].submit(make_request(admitted, prompt=8000, output=2000, prefix="a")).admitted:
+        admitted += 1
+    assert hs["a"].admissions[-1].reason is Reason.THROTTLED_WATERMARK
+    # "a" stopped short of b's floor: b's requests inside it are admitted (without a floor
+    # its first one was refused, above), and the GPU stays under the watermark
+    served = 0
+    while hs["b"].submit(make_request(served, prompt=4000, output=16, prefix="b")).admitted:
+        served += 1
+    assert served >= 3 and hs["b"].admissions[-1].reason is (  # 3 × (4000 + a page) < 16000
+        Reason.THROTTLED_WATERMARK
+    )
+    assert host.vmm.memory()["A0"].fill <= 0.85

@@ -136,7 +136,7 @@ def test_admission_commits_the_prompts_pages_not_the_stated_max_tokens() -> None
         if mode is KvAdmission.INCREMENTAL:
             replica = outcomes[0].replica_id
             assert replica is not None
-            kv = h.rt.core.vmm.held_bytes(replica, "r0")["A0"]
+            kv = h.rt.core.vmm.held_bytes(h.rt.core.ledger_id(replica), "r0")["A0"]
             per_token = MODEL_7B_MHA.kv_bytes_per_token
             assert kv < paged(1_000 + 2 * PAGE_TOKENS) * per_token + 2 * 1024**2
     assert admitted[KvAdmission.INCREMENTAL] == 10
@@ -164,7 +164,9 @@ def test_under_pressure_the_live_runtime_preempts_and_every_request_finishes() -
     core = h.rt.core
     assert core.preemptions > 0 and core.engine_oom_events == 0 and h.rt.pool.oom_events == 0
     assert h.rt.status(h.now_s)["preemptions"] == core.preemptions
-    assert not any(core.vmm.holds(replica, r) for r in admitted)  # every page given back
+    assert not any(
+        core.vmm.holds(core.ledger_id(replica), r) for r in admitted
+    )  # every page given back
 
 
 def test_the_admission_mode_is_one_validated_config_key() -> None:

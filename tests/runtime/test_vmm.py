@@ -397,3 +397,22 @@ def test_extend_to_commits_what_extending_by_the_lack_commits(
         if release:
             fused.release("rep", request)
             by_hand.release("rep", request)
+
+
+@pytest.mark.unit
+def test_admission_sees_other_replicas_holding_at_least_their_floor() -> None:
+    gib = 1024**3
+    vmm = ReservationManager(lambda u, cap: HostReservationBackend(u, cap, map_address_space=False))
+    for rid in ("x", "y"):
+        assert vmm.reserve_replica(rid, {"g": (100 * gib, 100 * gib)})
+        assert vmm.commit(rid, "weights", {"g": 10 * gib})
+    assert vmm.memory_for("x", {"g": gib}) == vmm.memory_of(["g"])  # no floors: the ledger
+    vmm.set_floor("y", {"g": 30 * gib})
+    # y holds 10 GiB committed but 30 guaranteed: x's admission sees 40
+    assert vmm.memory_for("x", {"g": gib})["g"].committed_bytes == 40 * gib
+    # y's own request inside its floor adds nothing to what the GPU holds for it
+    assert vmm.memory_for("y", {"g": 5 * gib})["g"].committed_bytes == 10 * gib + 30 * gib - 5 * gib
+    assert vmm.commit("y", "r", {"g": 25 * gib})  # past its floor: its commits count as they are
+    assert vmm.memory_for("x", {"g": gib})["g"].committed_bytes == 45 * gib
+    vmm.unreserve_replica("y")
+    assert vmm.memory_for("x", {"g": gib})["g"].committed_bytes == 10 * gib

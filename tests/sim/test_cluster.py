@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from flexpipe.errors import ValidationError
 from flexpipe.schemas import INTER_DOMAIN_ID, ClusterEventType, GpuSample
 from probes.base import GpuSampler, LaunchCounter
 from sim.cluster import Origin, SimCluster, SimGpuSampler, SimLaunchCounter
-from sim.scenario import parse_scenario
+from sim.scenario import load_scenario, parse_scenario
 from sim.spec import Scenario
 from tests.fixtures.scenarios.builders import tiny, tiny_raw
 
@@ -255,3 +256,21 @@ def test_a_preallocating_engine_reports_its_gpus_full_before_they_are_busy() -> 
     with pytest.raises(ValidationError, match="memory_utilisation"):
         raw["deployments"]["chat"]["memory_utilisation"] = 1.5
         parse_scenario(raw, source="tiny")
+
+
+def test_on_demand_models_sharing_a_gpu_each_show_in_its_memory_and_processes() -> None:
+    fixture = Path(__file__).parents[1] / "fixtures" / "scenarios" / "on-demand-small.yaml"
+    cluster = SimCluster(load_scenario(fixture), seed=7)
+    node = cluster.scenario.nodes[0]
+    uuid = node.gpus[0].uuid
+    sampler = SimGpuSampler(cluster, node.name)
+    cluster.place("m1", [[uuid]])
+    alone = by_uuid(sampler.sample(1.0))[uuid]
+    cluster.place("m2", [[uuid]])
+    shared = by_uuid(sampler.sample(2.0))[uuid]
+    assert len(alone.processes) == 1 and len(shared.processes) == 2
+    assert shared.memory_used_bytes == sum(p.used_memory_bytes or 0 for p in shared.processes)
+    assert shared.memory_used_bytes >= 2 * alone.memory_used_bytes * 0.99  # both models' memory
+    cluster.place("m1", [])  # an eviction frees that model's process and memory only
+    after = by_uuid(sampler.sample(3.0))[uuid]
+    assert [p.pid for p in after.processes] == [shared.processes[1].pid]

@@ -22,8 +22,9 @@ from runtime.types import Reason
 from runtime.worker import runtime_settings
 from sim.catalog import with_scenario
 from sim.loadgen import generate, rates_from_workload
-from sim.ondemand import evicted_with_active
+from sim.ondemand import MemorySample, evicted_with_active, packing_figures
 from sim.scenario import load_scenario, parse_scenario, scenario_path
+from sim.spec import Scenario
 from sim.world import World
 
 SCENARIO = Path(__file__).parents[1] / "fixtures" / "scenarios" / "on-demand-small.yaml"
@@ -31,11 +32,21 @@ HOLD_S = 120.0
 RUN_S = 420.0
 
 
-def _run() -> tuple[World, Counter[str], dict[str, list[tuple[float, float]]], list[Any]]:
+def _packed() -> Scenario:
+    """The fixture with up to four models per GPU (two of its 7B models fit in one's 85 %)."""
+    raw = yaml.safe_load(SCENARIO.read_text())
+    raw["placement"]["max_models_per_gpu"] = 4
+    return parse_scenario(raw)
+
+
+def _run(
+    scenario: Scenario | None = None,
+) -> tuple[World, Counter[str], dict[str, list[tuple[float, float]]], list[Any]]:
     """Four models, two GPUs, ``RUN_S`` simulated seconds: requests submitted at their arrival,
     the runtime ticked and pumped every second, serving reported every 5 s, the stream stepping
-    every 15 s; the outcomes, each request's span and the transition records with their time."""
-    scenario = load_scenario(SCENARIO)
+    every 15 s; the outcomes (``most_models_on_a_gpu``: the most processes the simulated cluster
+    ran on one GPU), each request's span and the transition records with their time."""
+    scenario = scenario or load_scenario(SCENARIO)
     cfg = with_scenario(FlexPipeConfig(), scenario)
     names = [d.name for d in cfg.deployments]
     host = RuntimeHost(
@@ -87,6 +98,8 @@ def _run() -> tuple[World, Counter[str], dict[str, list[tuple[float, float]]], l
         if t % 15 == 0:
             for out in world.decision_step(Trigger.TIMER, t):
                 outcomes[f"decision:{out.decision.reason}"] += 1
+        most = max(len(world.fleet.cluster.processes(g.uuid)) for g in scenario.gpus)
+        outcomes["most_models_on_a_gpu"] = max(outcomes["most_models_on_a_gpu"], most)
         t += 1.0
     return world, outcomes, spans, records
 
@@ -108,6 +121,36 @@ def test_four_models_on_two_gpus_load_on_demand_and_evict_only_idle_models() -> 
     assert outcomes[f"refused:{Reason.MODEL_LOADING}"] == 0, outcomes
     assert world.host.pool.oom_events == 0
     assert evicted_with_active(records, spans) == []
+
+
+@pytest.mark.integration
+def test_with_room_for_two_the_models_share_gpus_and_nothing_runs_out_of_memory() -> None:
+    world, outcomes, spans, records = _run(_packed())
+    loads = [r for _, r in records if r.phase is TransitionPhase.DONE and r.plan is not None]
+    assert {r.deployment for r in loads if r.plan is not None and r.plan.replicas} == {
+        "m1",
+        "m2",
+        "m3",
+        "m4",
+    }
+    assert outcomes["most_models_on_a_gpu"] == 2, outcomes  # packed, and never three 7Bs
+    assert all(spans[f"m{k}"] for k in (1, 2, 3, 4)), outcomes
+    assert world.host.pool.oom_events == 0 and evicted_with_active(records, spans) == []
+    assert all(rt.core.engine_oom_events == 0 for rt in world.host.runtimes.values())
+    assert outcomes[f"refused:{Reason.MODEL_LOADING}"] == 0, outcomes
+
+
+@pytest.mark.unit
+def test_packing_figures_are_time_shares_over_the_samples() -> None:
+    samples = [
+        MemorySample(0.0, 0.0, 0.0, (0, 1, 2, 0)),
+        MemorySample(30.0, 0.0, 0.0, (1, 1, 3, 0)),
+    ]
+    figures = packing_figures(samples)
+    assert figures["gpu_time_share_by_models"] == {"0": 0.375, "1": 0.375, "2": 0.125, "3": 0.125}
+    assert figures["packed_share_of_serving_gpu_time"] == 0.4  # 2 of 5 serving GPU-samples
+    assert figures["max_models_per_gpu"] == 3
+    assert packing_figures([])["packed_share_of_serving_gpu_time"] is None
 
 
 def _record(
