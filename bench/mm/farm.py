@@ -52,7 +52,7 @@ from gearbox.config import GearboxConfig
 from gearbox.model import ModelSpec
 from gearbox.plans import ExecutionPlan, Stage, StageRole
 from gearbox.presets import LINK_CLASSES, MODEL_7B_MHA, MODEL_70B_GQA
-from gearbox.types import GpuClass, TopologySnapshot
+from gearbox.types import Gpu, TopologySnapshot
 from runtime.timing import ReplicaTiming
 
 __all__ = [
@@ -109,8 +109,9 @@ def make_farm_cluster() -> TopologySnapshot:
     )
 
 
-def _is_encoder(profile: ModelProfile) -> bool:
-    return profile.spec.name.startswith("bert")
+def _is_encoder(spec: ModelSpec) -> bool:
+    """A BERT-class model: short inputs, one output token (classification, embedding)."""
+    return spec.name.startswith("bert")
 
 
 def farm_catalogue() -> tuple[ModelProfile, ...]:
@@ -129,7 +130,7 @@ def farm_catalogue() -> tuple[ModelProfile, ...]:
                 MEAN_BURST_S,
                 prompt,
                 output,
-                0.0 if spec.name.startswith("bert") else 0.5,
+                0.0 if _is_encoder(spec) else 0.5,
             ),
         )
         for name, spec, replicas, batch, context, prompt, output in _FARM
@@ -160,24 +161,24 @@ def _shares(ranking: list[str]) -> dict[str, float]:
     return shares
 
 
-def _home_class(profile: ModelProfile, cluster: TopologySnapshot, config: GearboxConfig) -> str:
-    """The smallest GPU in the cluster that holds the model's placement footprint."""
+def _home_gpu(profile: ModelProfile, cluster: TopologySnapshot, config: GearboxConfig) -> Gpu:
+    """A GPU of the smallest class that holds the model's placement footprint (weights,
+    runtime overhead, KV of its placement batch)."""
     need = (
         profile.spec.weight_bytes
         + config.runtime_overhead_bytes
         + profile.batch_size * profile.seq_len_tokens * profile.spec.kv_bytes_per_token
     )
     fits = [g for g in cluster.gpus if g.total_memory_bytes >= need]
-    return min(fits, key=lambda g: g.total_memory_bytes).uuid
+    return min(fits, key=lambda g: g.total_memory_bytes)
 
 
 def request_gpu_s(profile: ModelProfile, cluster: TopologySnapshot, config: GearboxConfig) -> float:
     """GPU-seconds of a mean-shaped request at ``COST_BATCH`` on the model's home GPU class."""
-    gpu = next(g for g in cluster.gpus if g.uuid == _home_class(profile, cluster, config))
-    gpu_class: GpuClass = gpu.gpu_class
+    gpu = _home_gpu(profile, cluster, config)
     stage = Stage(
         gpu.domain, gpu.domain, (gpu.uuid,), 0, profile.spec.num_layers, StageRole.UNIFIED,
-        gpu_class, LINK_CLASSES["pcie-local"],
+        gpu.gpu_class, LINK_CLASSES["pcie-local"],
     )  # fmt: skip
     timing = ReplicaTiming.build(ExecutionPlan(profile.name, (stage,)), profile.spec, config)
     traffic = profile.traffic
@@ -214,7 +215,7 @@ def _model_requests(
     """The model's requests over every phase (one RNG per model, phases in order)."""
     rng = random.Random(f"{seed}:farm:{profile.name}")
     traffic = profile.traffic
-    encoder = _is_encoder(profile)
+    encoder = _is_encoder(profile.spec)
     max_prompt = ENCODER_MAX_TOKENS if encoder else LONG_PROMPT_TOKENS[0]
     max_tokens = traffic.mean_output_tokens if encoder else MAX_OUTPUT_TOKENS
     out: list[SimRequest] = []

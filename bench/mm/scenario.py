@@ -12,7 +12,7 @@ requests arriving inside them long prompts, raising KV demand.
 
 Everything is drawn from ``random.Random`` seeded per model and per spike stream with string
 seeds (hashed with SHA-512 by ``random``, independent of ``PYTHONHASHSEED``), so the same seed
-gives the same requests on every machine; both systems replay the same tuple of requests.
+gives the same requests on every machine; every system replays the same tuple of requests.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class SimRequest:
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    """Everything both systems are given."""
+    """Everything every system is given."""
 
     seed: int
     duration_s: float
