@@ -24,6 +24,10 @@ Definitions (the same for every system):
 * ``goodput_req_s`` — requests served within gearbox's default SLOs (TTFT ≤ ``ttft_slo_ms``,
   mean time between tokens ≤ ``tbt_slo_ms``) per simulated second; ``slo_attainment`` is their
   share of all arrivals (rejected, timed out and unfinished ones count as misses).
+* ``goodput_tok_per_gpu_s`` — goodput utilisation: prompt + output tokens of requests served
+  within those SLOs per GPU-second of the cluster (GPUs × duration). Unlike ``busy_frac`` and
+  ``useful_frac`` it does not rise when the same work runs in smaller batches, and GPU time lost
+  to loads, recompute, idle memory-stranded cards or SLO misses earns nothing.
 * ``dead_frac`` — time-average of gearbox's ``dead_memory`` dead bytes / cluster memory, sampled
   every tick (the article's "share of cluster memory"); ``dead_share`` is the same report's dead
   / free.
@@ -129,6 +133,7 @@ class Metrics:
             "goodput_requests": self.goodput_requests,
             "goodput_req_s": self.goodput_requests / duration_s,
             "goodput_tok_s": self.goodput_tokens / duration_s,
+            "goodput_tok_per_gpu_s": self.goodput_tokens / (num_gpus * duration_s),
             "slo_attainment": self.goodput_requests / self.arrivals if self.arrivals else 0.0,
             "served_tok_s": self.served_tokens / duration_s,
         }

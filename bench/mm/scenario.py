@@ -12,7 +12,7 @@ requests arriving inside them long prompts, raising KV demand.
 
 Everything is drawn from ``random.Random`` seeded per model and per spike stream with string
 seeds (hashed with SHA-512 by ``random``, independent of ``PYTHONHASHSEED``), so the same seed
-gives the same requests on every machine; both systems replay the same tuple of requests.
+gives the same requests on every machine; every system replays the same tuple of requests.
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ __all__ = [
     "SimRequest",
     "TrafficProfile",
     "build_scenario",
+    "cluster_of",
+    "in_spike",
+    "lognormal_int",
     "make_cluster",
+    "mmpp_arrivals",
+    "spike_windows",
 ]
 
 # NVIDIA A10 datasheet (2021): 125 TFLOPS bf16 dense, 24 GB GDDR6, 600 GB/s.
@@ -92,7 +97,7 @@ class SimRequest:
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    """Everything both systems are given."""
+    """Everything every system is given."""
 
     seed: int
     duration_s: float
@@ -100,16 +105,15 @@ class Scenario:
     models: tuple[ModelProfile, ...]
     spikes: tuple[tuple[float, float], ...]  # long-prompt spike windows [start, end)
     requests: tuple[SimRequest, ...]  # sorted by arrival time, then id
+    popularity: tuple[tuple[str, ...], ...] = ()  # per phase, models with traffic by rank (farm)
 
 
-def make_cluster() -> TopologySnapshot:
-    """4 × H100 80 GB on 2 NVLink nodes + 8 × A10 24 GB on 2 PCIe nodes, all free."""
-    layout = (
-        ("big-0", "h100-sxm", "nvlink", 2),
-        ("big-1", "h100-sxm", "nvlink", 2),
-        ("small-0", "a10-24g", "pcie-local", 4),
-        ("small-1", "a10-24g", "pcie-local", 4),
-    )
+# node, GPU class, link inside the node, GPUs
+NodeLayout = tuple[str, str, str, int]
+
+
+def cluster_of(layout: tuple[NodeLayout, ...]) -> TopologySnapshot:
+    """A cluster of the given nodes, every GPU healthy and empty (free memory = total)."""
     gpus: list[Gpu] = []
     domains: list[Domain] = []
     for node, class_name, link, count in layout:
@@ -131,6 +135,18 @@ def make_cluster() -> TopologySnapshot:
                 )
             )
     return TopologySnapshot(0.0, tuple(gpus), tuple(domains), LINK_CLASSES["ethernet"])
+
+
+def make_cluster() -> TopologySnapshot:
+    """4 × H100 80 GB on 2 NVLink nodes + 8 × A10 24 GB on 2 PCIe nodes, all free."""
+    return cluster_of(
+        (
+            ("big-0", "h100-sxm", "nvlink", 2),
+            ("big-1", "h100-sxm", "nvlink", 2),
+            ("small-0", "a10-24g", "pcie-local", 4),
+            ("small-1", "a10-24g", "pcie-local", 4),
+        )
+    )
 
 
 def _traffic(
@@ -195,7 +211,7 @@ def _scaled(profile: ModelProfile, load_scale: float) -> ModelProfile:
     return dataclasses.replace(profile, traffic=scaled)
 
 
-def _spikes(seed: int, duration_s: float) -> tuple[tuple[float, float], ...]:
+def spike_windows(seed: int, duration_s: float) -> tuple[tuple[float, float], ...]:
     """Long-prompt spike windows: gaps ~ Exp(mean 10 min), lengths uniform 1–3 min."""
     rng = random.Random(f"{seed}:spikes")
     out: list[tuple[float, float]] = []
@@ -207,17 +223,17 @@ def _spikes(seed: int, duration_s: float) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
-def _in_spike(t: float, spikes: tuple[tuple[float, float], ...]) -> bool:
+def in_spike(t: float, spikes: tuple[tuple[float, float], ...]) -> bool:
     return any(start <= t < end for start, end in spikes)
 
 
-def _lognormal(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:
+def lognormal_int(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:
     """A lognormal draw with the given mean, clipped to [lo, hi]."""
     mu = math.log(mean) - sigma * sigma / 2
     return max(lo, min(hi, round(rng.lognormvariate(mu, sigma))))
 
 
-def _arrivals(rng: random.Random, traffic: TrafficProfile, duration_s: float) -> list[float]:
+def mmpp_arrivals(rng: random.Random, traffic: TrafficProfile, duration_s: float) -> list[float]:
     """MMPP arrival times: Poisson at the state's rate, the state flipping after Exp sojourns."""
     end = min(duration_s, traffic.active_until_s)
     t, burst = traffic.active_from_s, False
@@ -244,13 +260,13 @@ def _requests_for(
     rng = random.Random(f"{seed}:{profile.name}")
     traffic = profile.traffic
     out: list[SimRequest] = []
-    for n, t in enumerate(_arrivals(rng, traffic, duration_s)):
-        long_prompt = _in_spike(t, spikes) and rng.random() < traffic.long_prompt_share
+    for n, t in enumerate(mmpp_arrivals(rng, traffic, duration_s)):
+        long_prompt = in_spike(t, spikes) and rng.random() < traffic.long_prompt_share
         if long_prompt:
             prompt = rng.randint(*LONG_PROMPT_TOKENS)
         else:
-            prompt = _lognormal(rng, traffic.mean_prompt_tokens, 0.6, 16, LONG_PROMPT_TOKENS[0])
-        output = _lognormal(rng, traffic.mean_output_tokens, 0.6, 1, MAX_OUTPUT_TOKENS)
+            prompt = lognormal_int(rng, traffic.mean_prompt_tokens, 0.6, 16, LONG_PROMPT_TOKENS[0])
+        output = lognormal_int(rng, traffic.mean_output_tokens, 0.6, 1, MAX_OUTPUT_TOKENS)
         out.append(
             SimRequest(
                 f"{profile.name}/{n}", profile.name, round(t, 6), prompt, output, long_prompt
@@ -264,7 +280,7 @@ def build_scenario(seed: int, duration_s: float, load_scale: float = 1.0) -> Sce
 
     ``load_scale`` multiplies every model's arrival rates (a load sweep keeps all else equal).
     """
-    spikes = _spikes(seed, duration_s)
+    spikes = spike_windows(seed, duration_s)
     models = tuple(_scaled(m, load_scale) for m in catalogue(duration_s))
     requests = [r for m in models for r in _requests_for(seed, m, duration_s, spikes)]
     requests.sort(key=lambda r: (r.arrival_s, r.request_id))

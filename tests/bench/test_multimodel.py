@@ -10,6 +10,15 @@ from pathlib import Path
 import pytest
 
 from bench.mm.core import Instance, Seq, Simulator, System
+from bench.mm.farm import (
+    ACTIVE_MODELS,
+    ENCODER_MAX_TOKENS,
+    FARM_LOAD,
+    PHASE_S,
+    build_farm,
+    make_farm_cluster,
+    offered_gpu_load,
+)
 from bench.mm.metrics import Metrics, percentile, union_length_s
 from bench.mm.scenario import (
     MAX_OUTPUT_TOKENS,
@@ -20,7 +29,13 @@ from bench.mm.scenario import (
     build_scenario,
     make_cluster,
 )
-from bench.mm.systems import GearboxSystem, ModelAwareRoundRobin, NaiveRoundRobin, VllmLikeSystem
+from bench.mm.systems import (
+    GPU_MEMORY_UTILIZATION,
+    GearboxSystem,
+    ModelAwareRoundRobin,
+    NaiveRoundRobin,
+    VllmLikeSystem,
+)
 from bench.multimodel import main, results_text, run_seed
 from gearbox.config import GearboxConfig, PlacementConfig
 from gearbox.presets import GIB, MODEL_7B_MHA
@@ -235,14 +250,15 @@ def test_naive_round_robin_loads_the_model_where_the_request_lands() -> None:
 @pytest.mark.unit
 def test_json_line_matches_results_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "multimodel.json"
-    code = main(["--seed", "2", "--seeds", "1", "--duration-s", "600", "--out", str(out)])
+    argv = ["--scenario", "fits", "--seed", "2", "--seeds", "1", "--duration-s", "600"]
+    code = main([*argv, "--out", str(out)])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == (1 if last["missed"] else 0)
-    assert last["admission"] == "incremental"
+    assert last["admission"] == "incremental" and last["scenario"] == "fits"
     required = {
         "oom_ours",
-        "util_ratio_vs_naive_rr",
-        "util_ratio_vs_model_aware_rr",
+        "goodput_util_ratio_vs_naive_rr",
+        "goodput_util_ratio_vs_model_aware_rr",
         "goodput_ratio_vs_vllm_like",
         "dead_memory_frac_ours",
         "evicted_with_active",
@@ -250,10 +266,13 @@ def test_json_line_matches_results_file(tmp_path: Path, capsys: pytest.CaptureFi
     }
     assert required <= set(last)
     reported = {
+        "util_ratio_vs_naive_rr_median",
+        "util_ratio_vs_model_aware_rr_median",
         "useful_util_ratio_vs_naive_rr_median",
         "useful_util_ratio_vs_model_aware_rr_median",
     }
-    assert reported <= set(last) and {"busy_frac", "useful_frac"} <= set(last["definitions"])
+    definitions = {"busy_frac", "useful_frac", "goodput_tok_per_gpu_s"}
+    assert reported <= set(last) and definitions <= set(last["definitions"])
     assert set(last["targets"]) == {f for f in required if f != "calibration_ms"}  # no new target
     del last["wall_s"], last["calibration_ms"]
     written = json.loads(out.read_text())
@@ -267,3 +286,74 @@ def test_metric_helpers() -> None:
     assert union_length_s([]) == 0.0
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([], 95) == 0.0
+
+
+@pytest.mark.unit
+def test_goodput_utilisation_counts_delivered_tokens_not_gpu_time() -> None:
+    thin, packed = Metrics(goodput_tokens=3600), Metrics(goodput_tokens=3600)
+    thin.busy = {"g0": [(0.0, 90.0)], "g1": [(0.0, 90.0)]}  # the same work, spread thin
+    packed.busy = {"g0": [(0.0, 60.0)]}
+    figures = [m.summary(48 * GIB, 2, 100.0) for m in (thin, packed)]
+    assert figures[0]["busy_frac"] == pytest.approx(0.9)
+    assert figures[1]["busy_frac"] == pytest.approx(0.3)
+    assert figures[0]["goodput_tok_per_gpu_s"] == figures[1]["goodput_tok_per_gpu_s"] == 18.0
+
+
+@pytest.mark.unit
+def test_farm_catalogue_does_not_fit_statically() -> None:
+    scenario = build_farm(7, 600.0)
+    config = GearboxConfig()
+    big_cards = [g for g in scenario.cluster.gpus if g.total_memory_bytes >= 80 * GIB]
+    mid = max(g.total_memory_bytes for g in scenario.cluster.gpus if g not in big_cards)
+    weights = [m.spec.weight_bytes + config.runtime_overhead_bytes for m in scenario.models]
+    assert sum(w > mid for w in weights) > len(big_cards)  # more 80 GB-only models than cards
+    cap = GPU_MEMORY_UTILIZATION * sum(g.total_memory_bytes for g in scenario.cluster.gpus)
+    assert sum(weights) > cap
+    sizes = sorted(m.spec.weight_bytes for m in scenario.models)
+    assert sizes[0] < GIB and sizes[-1] > 60 * GIB
+    sim = Simulator(scenario, PlacementConfig())
+    sim.run(VllmLikeSystem(sim))
+    placed = {i.profile.name for i in sim.instances.values()}
+    assert len(placed) < len(scenario.models)  # the static plan leaves models without a home
+
+
+@pytest.mark.unit
+def test_farm_popularity_is_heavy_tailed_shifts_and_silences_models() -> None:
+    scenario = build_farm(7, 2 * PHASE_S)
+    assert scenario == build_farm(7, 2 * PHASE_S)
+    assert scenario.requests != build_farm(8, 2 * PHASE_S).requests
+    assert len(scenario.popularity) == 2
+    assert all(len(p) == ACTIVE_MODELS < len(scenario.models) for p in scenario.popularity)
+    assert scenario.popularity[0] != scenario.popularity[1]
+    for phase, active in enumerate(scenario.popularity):
+        inside = [
+            r for r in scenario.requests if phase * PHASE_S <= r.arrival_s < (phase + 1) * PHASE_S
+        ]
+        counts = {name: sum(r.model_name == name for r in inside) for name in active}
+        assert {r.model_name for r in inside} <= set(active)  # silent models get nothing
+        assert counts[active[0]] > 5 * counts[active[-1]]  # rank 1 vs rank 20 under Zipf(1.1)
+
+
+@pytest.mark.unit
+def test_farm_load_is_around_capacity_and_encoders_stay_short() -> None:
+    scenario = build_farm(9)
+    assert len(scenario.cluster.gpus) == len(make_farm_cluster().gpus) == 12
+    load = offered_gpu_load(scenario, GearboxConfig())
+    assert 0.8 * FARM_LOAD < load < 1.2 * FARM_LOAD
+    assert offered_gpu_load(build_scenario(9, 1800.0), GearboxConfig()) < 0.6 * load
+    encoders = [r for r in scenario.requests if r.model_name.startswith("cls-")]
+    assert encoders and all(r.prompt_tokens <= ENCODER_MAX_TOKENS for r in encoders)
+    assert all(r.max_tokens == 1 == r.output_tokens and not r.long_prompt for r in encoders)
+    assert any(r.long_prompt for r in scenario.requests)
+
+
+@pytest.mark.unit
+def test_default_run_covers_both_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--seed", "3", "--seeds", "1", "--duration-s", "300", "--out", "-"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(last["scenarios"]) == {"fits", "farm"}
+    assert last["scenarios"]["farm"]["scenario"] == "farm"
+    missed = [f"{n}:{f}" for n, s in last["scenarios"].items() for f in s["missed"]]
+    assert sorted(last["missed"]) == sorted(missed) and code == (1 if missed else 0)
+    with pytest.raises(SystemExit):
+        main(["--seeds", "1", "--duration-s", "300", "--out", "somewhere.json"])
