@@ -55,6 +55,7 @@ class DecisionReason(StrEnum):
     # on-demand models (gearbox.residency): load when requested, evict when cold and needed
     LOAD_ON_DEMAND = "load_on_demand"  # a cold model has requests and a GPU fits it
     EVICT_COLD = "evict_cold"  # idle, least recently used, and its GPU lets a waiting model in
+    EVICT_QUEUE = "evict_queue"  # idle, not cold, but the requests it unblocks outweigh its loss
     WAITING_FOR_ROOM = "waiting_for_room"  # a cold model has requests but no GPU fits it yet
     COLD = "cold"  # not loaded and not requested
     RESIDENT = "resident"  # loaded, and either in use or not needed elsewhere

@@ -9,22 +9,37 @@
   weight_utilisation × (1 − utilisation)`` (0.5 / 0.3 / 0.2 by default).
 * Anti-affinity: replicas go to distinct GPUs, and to nodes not yet used while any feasible GPU
   remains on one — fault tolerance outranks score.
-* Nothing fits: queue, naming the rule that rejected most GPUs, and propose evictions — least
-  recently used first, only models with no active and no queued requests and not in transition
-  (loading, or already promised for eviction), idle past
-  ``cold_after_s``, and only when the expected time to their next request exceeds the reload
-  cost × ``eviction_reload_factor``.
+* Nothing fits: queue, naming the rule that rejected most GPUs, and propose evictions, only of
+  models with no active and no queued requests and not in transition (loading, or already
+  promised for eviction) — correctness first:
+
+  - **cold** (the article's rule, least recently used first): idle past ``cold_after_s``, and
+    the expected time to its next request exceeds its reload × ``eviction_reload_factor``;
+  - **queue** (only when no cold model makes room, and only for a placement that requests are
+    already waiting for, its :class:`Backlog`): an idle model may go before it is cold when
+    what waits outweighs what evicting it costs, by the same margin. Over the victim's reload
+    time ``R`` (the horizon its comeback is delayed by), the waiting model's demand is its
+    queued requests + its arrival rate × ``R``; the victim's is the request that finds it gone
+    + ``R`` / its mean gap, the ones that would wait out its reload. Several victims on one GPU:
+    their costs add up, the horizon is the longest reload.
+    Hysteresis: a model idle for less than ``eviction_reload_factor`` × its reload is never
+    evicted by this rule. It was loaded for a request, so it has been resident at least that
+    long, its load paid back that many times over, and two models short of memory take turns
+    at most once per that time each, spending at most 1 / (factor + 1) of the GPU on loads.
+
   The next request is expected one mean gap after the last while the model is on schedule, and
-  one mean gap from now once it is overdue.
+  one mean gap from now once it is overdue. Among GPUs, a plan with fewer queue evictions wins
+  (cold models go first), then fewer evictions, then fewer bytes freed.
 * Fragmentation: "dead memory" is free memory on GPUs whose free space is below every model's
   minimum footprint — free, but of no use to any model.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from gearbox.config import PlacementConfig
@@ -33,7 +48,9 @@ from gearbox.serde import Serialisable
 from gearbox.types import Gpu, TopologySnapshot
 
 __all__ = [
+    "Backlog",
     "EvictionProposal",
+    "EvictionRule",
     "FragmentationReport",
     "GpuVerdict",
     "ModelFootprint",
@@ -122,6 +139,26 @@ class ResidentModel(Serialisable):
 
 
 @dataclass(frozen=True, slots=True)
+class Backlog(Serialisable):
+    """Requests already waiting for a placement: what evicting an idle model before it is cold
+    would unblock."""
+
+    waiting_requests: int  # queued, or held at the front end, for the model to place
+    arrival_rps: float = 0.0  # its expected arrival rate
+
+    def demand_over(self, horizon_s: float) -> float:
+        """Requests for the model waiting now plus those expected within ``horizon_s``."""
+        return self.waiting_requests + self.arrival_rps * horizon_s
+
+
+class EvictionRule(StrEnum):
+    """Which rule let a model be evicted."""
+
+    COLD = "cold"  # idle past cold_after_s and its next request is far off: worth its reload
+    QUEUE = "queue"  # idle, and the requests waiting for the placement outweigh its loss
+
+
+@dataclass(frozen=True, slots=True)
 class GpuVerdict(Serialisable):
     """One GPU's filter result and score."""
 
@@ -142,6 +179,8 @@ class EvictionProposal(Serialisable):
     idle_s: float
     expected_gap_s: float  # expected time to its next request
     reload_s: float
+    rule: EvictionRule = EvictionRule.COLD
+    expected_loss: float = 0.0  # QUEUE: its requests expected to wait out its reload
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,9 +255,21 @@ def _expected_gap_s(resident: ResidentModel, now_s: float) -> float:
     return gap - idle if idle < gap else gap
 
 
-def _evictable(
+def _expected_loss(resident: ResidentModel) -> float:
+    """Requests that would wait out the model's reload if it went now: the one that finds it
+    gone and those expected during the reload."""
+    if resident.mean_interarrival_s <= 0:
+        return math.inf  # no gap estimate: nothing can outweigh it
+    return 1.0 + resident.reload_s / resident.mean_interarrival_s
+
+
+def _proposal(
     resident: ResidentModel, now_s: float, config: PlacementConfig
 ) -> EvictionProposal | None:
+    """``resident`` as an eviction candidate, by the first rule that allows it (None: neither).
+
+    A QUEUE candidate still has to be outweighed by the backlog (:func:`_worth_it`).
+    """
     idle = now_s - resident.last_request_s
     gap = _expected_gap_s(resident, now_s)
     # NOTE: a queued request counts like a running one: evicting its model would fail it.
@@ -226,13 +277,23 @@ def _evictable(
         return None
     if resident.in_transition:  # NOTE: its memory is spoken for until the runtime confirms
         return None
-    if idle < config.cold_after_s:
-        return None
-    if gap <= resident.reload_s * config.eviction_reload_factor:
-        return None
-    return EvictionProposal(
+    proposal = EvictionProposal(
         resident.model_name, resident.gpu_uuid, resident.memory_bytes, idle, gap, resident.reload_s
     )
+    if idle >= config.cold_after_s and gap > resident.reload_s * config.eviction_reload_factor:
+        return proposal
+    # NOTE: hysteresis — the minimum residence (see the module docstring)
+    if idle < resident.reload_s * config.eviction_reload_factor:
+        return None
+    return replace(proposal, rule=EvictionRule.QUEUE, expected_loss=_expected_loss(resident))
+
+
+def _worth_it(queue: Sequence[EvictionProposal], backlog: Backlog, config: PlacementConfig) -> bool:
+    """The backlog outweighs the queue evictions' loss by ``eviction_reload_factor``, over the
+    longest of their reloads."""
+    horizon = max(p.reload_s for p in queue)
+    loss = sum(p.expected_loss for p in queue)
+    return backlog.demand_over(horizon) > loss * config.eviction_reload_factor
 
 
 def _fits_after(gpu: Gpu, free: int, models: int, need: int, config: PlacementConfig) -> bool:
@@ -250,19 +311,33 @@ def _evictions_on(
     on_gpu: Sequence[ResidentModel],
     now_s: float,
     config: PlacementConfig,
+    backlog: Backlog | None,
 ) -> tuple[EvictionProposal, ...] | None:
+    """Cold models least recently used first; then, if still short and a backlog waits, idle
+    ones by the queue rule, least recently used first, each only while the backlog still
+    outweighs their loss together (one it would not skips to the next)."""
     free, models = gpu.free_memory_bytes, len(on_gpu)
+    candidates = [
+        p
+        for r in sorted(on_gpu, key=lambda r: (r.last_request_s, r.model_name))
+        if (p := _proposal(r, now_s, config)) is not None
+    ]
     proposals: list[EvictionProposal] = []
-    for resident in sorted(on_gpu, key=lambda r: (r.last_request_s, r.model_name)):
+    for proposal in candidates:
         if _fits_after(gpu, free, models, need, config):
             break
-        proposal = _evictable(resident, now_s, config)
-        if proposal is not None:
+        if proposal.rule is EvictionRule.COLD:
             proposals.append(proposal)
-            free += resident.memory_bytes
-            models -= 1
-    if proposals and _fits_after(gpu, free, models, need, config):
-        return tuple(proposals)
+            free, models = free + proposal.freed_bytes, models - 1
+    queue: list[EvictionProposal] = []
+    for proposal in candidates:
+        if backlog is None or _fits_after(gpu, free, models, need, config):
+            break
+        if proposal.rule is EvictionRule.QUEUE and _worth_it([*queue, proposal], backlog, config):
+            queue.append(proposal)
+            free, models = free + proposal.freed_bytes, models - 1
+    if (proposals or queue) and _fits_after(gpu, free, models, need, config):
+        return (*proposals, *queue)
     return None
 
 
@@ -271,21 +346,47 @@ def _eviction_plan(
     snapshot: TopologySnapshot,
     residents: Sequence[ResidentModel],
     config: PlacementConfig,
+    backlog: Backlog | None,
 ) -> tuple[EvictionProposal, ...]:
-    """Fewest LRU evictions on one GPU that make the request fit there (empty if none does)."""
+    """The evictions on one GPU that make the request fit there (empty if none does): fewest
+    queue evictions (cold models first), then fewest evictions, then fewest bytes freed."""
     need = request.estimated_bytes(config.memory_k)
-    best: tuple[tuple[int, int, str], tuple[EvictionProposal, ...]] | None = None
+    best: tuple[tuple[int, int, int, str], tuple[EvictionProposal, ...]] | None = None
     for gpu in snapshot.gpus:
         if not snapshot.gpu_is_live(gpu):
             continue
         on_gpu = [r for r in residents if r.gpu_uuid == gpu.uuid]
-        proposals = _evictions_on(gpu, need, on_gpu, snapshot.now_s, config)
+        proposals = _evictions_on(gpu, need, on_gpu, snapshot.now_s, config, backlog)
         if proposals is None:
             continue
-        key = (len(proposals), sum(p.freed_bytes for p in proposals), gpu.uuid)
+        queue = sum(1 for p in proposals if p.rule is EvictionRule.QUEUE)
+        key = (queue, len(proposals), sum(p.freed_bytes for p in proposals), gpu.uuid)
         if best is None or key < best[0]:
             best = (key, proposals)
     return best[1] if best is not None else ()
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def _eviction_text(
+    request: ModelFootprint, evictions: Sequence[EvictionProposal], backlog: Backlog | None
+) -> str:
+    """Each proposal with the rule that allows it, e.g. "evict X@g0 (idle 6 min, next expected
+    in 9 min) for Y: 412 requests waiting"."""
+    parts = []
+    for e in evictions:
+        where = f"{e.model_name}@{e.gpu_uuid} (idle {_minutes(e.idle_s)}, next expected in "
+        where += f"{_minutes(e.expected_gap_s)}"
+        if e.rule is EvictionRule.COLD:
+            parts.append(f"evict {where}, reload {_minutes(e.reload_s)}: cold)")
+        else:
+            parts.append(f"evict {where}, ~{e.expected_loss:.1f} requests would wait its reload)")
+    text = "; ".join(parts) + f" for {request.model_name}"
+    if backlog is not None and any(e.rule is EvictionRule.QUEUE for e in evictions):
+        text += f": {backlog.waiting_requests} requests waiting (queue rule)"
+    return text + "."
 
 
 def place_model(
@@ -293,10 +394,13 @@ def place_model(
     snapshot: TopologySnapshot,
     residents: Sequence[ResidentModel],
     config: PlacementConfig,
+    backlog: Backlog | None = None,
 ) -> PlacementDecision:
     """Place ``request.num_replicas`` replicas, or queue it with eviction proposals.
 
-    Deterministic: ties break on GPU uuid. ``residents`` lists every loaded model instance.
+    Deterministic: ties break on GPU uuid. ``residents`` lists every loaded model instance;
+    ``backlog``: the requests already waiting for this placement (None: none, and only cold
+    models may be evicted).
     """
     models_on: dict[str, set[str]] = {}
     for r in residents:
@@ -329,10 +433,10 @@ def place_model(
         if rejections
         else PlacementReason.NO_LIVE_GPU
     )
-    evictions = _eviction_plan(request, snapshot, residents, config)
+    evictions = _eviction_plan(request, snapshot, residents, config, backlog)
     counts = ", ".join(f"{r.value}={n}" for r, n in sorted(rejections.items()))
     explanation = f"{request.model_name}: queued, no feasible GPU ({counts or 'no live GPU'}); " + (
-        f"evicting {', '.join(f'{e.model_name}@{e.gpu_uuid}' for e in evictions)} would fit it."
+        _eviction_text(request, evictions, backlog)
         if evictions
         else "no eviction would make room (active, recently used or cheap to keep)."
     )

@@ -18,14 +18,16 @@ state, demand and the GPUs they hold) and acts only for itself:
   partly used or small GPU before it opens a big empty one a big model may need. Placed: its
   footprint is promised on that GPU for the rest of the round. Queued: the least recently used
   resident whose eviction makes room (with others on its GPU, least recently used first, if one
-  is not enough; place_model's rule: never a model with active or queued requests, idle past
-  ``cold_after_s``, worth its reload) is promised to it — its memory stays held until the
-  runtime confirms, and the rest of the waiting model's footprint is promised on that GPU.
+  is not enough; place_model's rules: never a model with active or queued requests; cold — idle
+  past ``cold_after_s``, worth its reload — on any GPU before the queue rule — idle, and the
+  model's waiting requests outweigh its expected loss — on any) is promised to it — its memory
+  stays held until the runtime confirms, and the rest of the waiting model's footprint is
+  promised on that GPU.
 * **Me.** A cold model placed in the round loads there (``LOAD_ON_DEMAND``); queued, it waits
   (``WAITING_FOR_ROOM``, naming the evictions under way). A resident model proposed for eviction
   in the round — and with no active and no queued request, checked again here — is evicted
-  (``EVICT_COLD``, naming the model it makes room for); that frees its share of the GPU only.
-  Anything else holds.
+  (``EVICT_COLD`` or ``EVICT_QUEUE`` by the rule, naming the model it makes room for); that
+  frees its share of the GPU only. Anything else holds.
 
 NOTE: a model loads as one TP1 replica. The runtime's VMM ledger is per GPU across every
 model's engine, so its watermark and 429s hold whatever share placement estimated, and each
@@ -46,6 +48,8 @@ from enum import StrEnum
 from gearbox.config import PlacementConfig
 from gearbox.decisions import DecisionReason
 from gearbox.placement import (
+    Backlog,
+    EvictionRule,
     GpuVerdict,
     ModelFootprint,
     PlacementDecision,
@@ -207,7 +211,7 @@ def _best_fit(
     """place_model's decision, on the feasible GPU that the model leaves with the least room
     under the watermark (ties: uuid) — packing: a small model fills a partly used or small GPU
     before it opens a big empty one that a big model may need."""
-    decision = place_model(model.footprint, snapshot, residents, config)
+    decision = place_model(model.footprint, snapshot, residents, config, _backlog(model))
     if decision.status is not PlacementStatus.PLACED:
         return decision
     by_uuid = {g.uuid: g for g in snapshot.gpus}
@@ -268,6 +272,11 @@ def _place(
     return decision, "; ".join(notes)
 
 
+def _backlog(model: OnDemandModel) -> Backlog:
+    """The requests waiting for ``model``'s load, and its arrival rate."""
+    return Backlog(model.queued_requests, model.arrival_rps)
+
+
 def _least_recently_used(
     model: OnDemandModel,
     allowed: TopologySnapshot,
@@ -276,13 +285,16 @@ def _least_recently_used(
 ) -> PlacementDecision | None:
     """The evictions that make room for ``model`` on the GPU of the least recently used
     resident that can go (ties: name), as place_model proposes them on that GPU (least recently
-    used first there, only as many as it takes); None when no GPU gets room.
+    used first there, only as many as it takes); None when no GPU gets room. A GPU where cold
+    models alone make room comes before any that needs the queue rule (cold models first).
 
-    NOTE: place_model alone ranks GPUs by fewest evictions, then bytes freed, then uuid; the
-    rule here is least recently used first, so each GPU is asked on its own.
+    NOTE: place_model alone ranks GPUs by fewest queue evictions, fewest evictions, then bytes
+    freed, then uuid; the rule here is least recently used first, so each GPU is asked on its
+    own.
     """
     by_uuid = {g.uuid: g for g in allowed.gpus}
     asked: set[str] = set()
+    first_queue: PlacementDecision | None = None
     for resident in sorted(residents, key=lambda r: (r.last_request_s, r.model_name)):
         gpu = by_uuid.get(resident.gpu_uuid)
         if gpu is None or gpu.uuid in asked or resident.in_transition:
@@ -290,10 +302,13 @@ def _least_recently_used(
         asked.add(gpu.uuid)
         alone = replace(allowed, gpus=(gpu,))
         there = [r for r in residents if r.gpu_uuid == gpu.uuid]
-        decision = place_model(model.footprint, alone, there, config)
-        if decision.evictions:
+        decision = place_model(model.footprint, alone, there, config, _backlog(model))
+        if not decision.evictions:
+            continue
+        if all(e.rule is EvictionRule.COLD for e in decision.evictions):
             return decision
-    return None
+        first_queue = first_queue or decision
+    return first_queue
 
 
 def _take(snapshot: TopologySnapshot, uuid: str, num_bytes: int) -> TopologySnapshot:
@@ -396,13 +411,15 @@ def decide_residency(
         return _hold(DecisionReason.RESIDENT, f"{me}: resident with requests: never evicted.")
     idle = snapshot.now_s - mine.last_demand_s if math.isfinite(mine.last_demand_s) else None
     since = f"idle {idle:.0f} s" if idle is not None else "never requested"
+    decision = placements[needy][0]
+    rule = next(e.rule for e in decision.evictions if e.model_name == me)
+    why = "cold, least recently used" if rule is EvictionRule.COLD else "queue rule"
     text = (
         f"{me}: evicted from {', '.join(mine.gpu_uuids)} ({since}, no active or queued request,"
-        f" least recently used) to make room for {needy}."
+        f" {why}) to make room for {needy}. {decision.explanation}"
     )
-    return ResidencyVerdict(
-        ResidencyAction.EVICT, DecisionReason.EVICT_COLD, (), needy, placements[needy][0], text
-    )
+    reason = DecisionReason.EVICT_COLD if rule is EvictionRule.COLD else DecisionReason.EVICT_QUEUE
+    return ResidencyVerdict(ResidencyAction.EVICT, reason, (), needy, decision, text)
 
 
 def _hold(reason: DecisionReason, explanation: str) -> ResidencyVerdict:

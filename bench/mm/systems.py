@@ -23,11 +23,13 @@ instances, spread round-robin.
 **Ours**: placement is ``gearbox.place_model`` (memory estimate with k = 1.3, pre-OOM watermark,
 concurrency cap, affinity/free-memory/utilisation score, anti-affinity); a queued decision's
 eviction proposals are applied, and only those (gearbox never proposes a model with running or
-queued requests). Admission mirrors :meth:`runtime.serving.ServingCore.submit` without knowing
-any output length: candidates least loaded first, the engine's context limit on prompt + stated
-``max_tokens``, the queue cap, then the runtime's ``check_watermark`` on the GPU's memory with the
-KV the request is admitted with (its prompt's blocks under incremental admission) — the first
-replica passing takes it, else a 429 naming the rule. Weights are reserved through the runtime's
+queued requests): cold models, else — the requests pending at the front end for the model as
+its backlog — idle ones whose expected loss that backlog outweighs (gearbox's queue rule).
+Admission mirrors :meth:`runtime.serving.ServingCore.submit` without knowing any output length:
+candidates least loaded first, the engine's context limit on prompt + stated ``max_tokens``, the
+queue cap, then the runtime's ``check_watermark`` on the GPU's memory with the KV the request is
+admitted with (its prompt's blocks under incremental admission) — the first replica passing takes
+it, else a 429 naming the rule. Weights are reserved through the runtime's
 ``ReservationManager`` (VMM).
 """
 
@@ -37,7 +39,13 @@ from collections.abc import Callable, Sequence
 
 from bench.mm.core import MAX_BATCH, Instance, Simulator, footprint_of
 from bench.mm.scenario import ModelProfile, SimRequest
-from gearbox.placement import PlacementDecision, PlacementStatus, ResidentModel, place_model
+from gearbox.placement import (
+    Backlog,
+    PlacementDecision,
+    PlacementStatus,
+    ResidentModel,
+    place_model,
+)
 from runtime.throttle import DEFAULT_WATERMARK, GpuMemory, check_watermark
 from runtime.types import Reason
 from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager
@@ -300,7 +308,9 @@ class GearboxSystem:
             for i in sim.instances.values()
         ]
         request = footprint_of(profile, sim.config, count)
-        decision = place_model(request, sim.snapshot(holding), residents, sim.placement)
+        gap = sim.mean_gap_s(profile.name)  # NOTE: 0 while every arrival came at one instant
+        backlog = Backlog(sim.pending(profile.name), 1.0 / gap if gap > 0 else 0.0)
+        decision = place_model(request, sim.snapshot(holding), residents, sim.placement, backlog)
         self.decisions.append(decision)
         return decision
 

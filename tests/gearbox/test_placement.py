@@ -19,6 +19,7 @@ from gearbox import (
     dead_memory,
     place_model,
 )
+from gearbox.placement import Backlog, EvictionRule
 from gearbox.presets import GIB, LINK_CLASSES
 from tests.gearbox.builders import NOW_S, make_gpu
 
@@ -194,3 +195,74 @@ def test_no_proposal_ever_names_a_busy_model() -> None:
         busy = {r.model_name for r in residents if r.active_requests or r.queued_requests}
         decision = place_model(big, snapshot, residents, DEFAULT_PLACEMENT_CONFIG)
         assert not busy & {e.model_name for e in decision.evictions}
+
+
+# ---- the queue rule: an idle model may go before it is cold for the requests it unblocks --------
+
+BIG = ModelFootprint("llm", 40 * GIB, 512 * 1024, batch_size=4, seq_len_tokens=2048)
+# idle 10 min of a 15-min mean gap, 2-minute reload: not cold (idle < 30 min); evicting it
+# makes ~1 + 2/15 of its requests wait out a reload, × 3 (eviction_reload_factor) ≈ 3.4
+WARM = _resident("warm", "g0", idle_min=10, gap_min=15, gib=60)
+
+
+@pytest.mark.unit
+def test_an_idle_model_goes_before_it_is_cold_when_the_queue_outweighs_its_loss() -> None:
+    snapshot = _cluster(("g0", "n0", 10.0))
+    decision = place_model(BIG, snapshot, (WARM,), DEFAULT_PLACEMENT_CONFIG, Backlog(412))
+    assert [(e.model_name, e.rule) for e in decision.evictions] == [("warm", EvictionRule.QUEUE)]
+    assert decision.evictions[0].expected_loss == pytest.approx(1 + 2 / 15)
+    assert "evict warm@g0 (idle 10 min, next expected in 5 min" in decision.explanation
+    assert "for llm: 412 requests waiting" in decision.explanation
+
+
+@pytest.mark.unit
+def test_no_queue_eviction_when_the_queue_does_not_outweigh_the_loss() -> None:
+    snapshot = _cluster(("g0", "n0", 10.0))
+    for backlog in (None, Backlog(0), Backlog(3)):  # 3 < 3 × (1 + 2/15)
+        decision = place_model(BIG, snapshot, (WARM,), DEFAULT_PLACEMENT_CONFIG, backlog)
+        assert decision.status is PlacementStatus.QUEUED and decision.evictions == ()
+    # its expected rate counts over the victim's reload: 3 waiting + 0.01/s × 120 s = 4.2 > 3.4
+    assert place_model(BIG, snapshot, (WARM,), DEFAULT_PLACEMENT_CONFIG, Backlog(3, 0.01)).evictions
+    # a busier victim costs more: every 30 s, 1 + 4 requests wait out its reload, × 3 = 15
+    busy = replace(WARM, mean_interarrival_s=30.0, last_request_s=NOW_S - 7 * MINUTE)
+    assert (
+        place_model(BIG, snapshot, (busy,), DEFAULT_PLACEMENT_CONFIG, Backlog(14)).evictions == ()
+    )
+    assert place_model(BIG, snapshot, (busy,), DEFAULT_PLACEMENT_CONFIG, Backlog(16)).evictions
+
+
+@pytest.mark.unit
+def test_the_queue_rule_never_evicts_a_model_with_active_or_queued_requests() -> None:
+    snapshot = _cluster(("g0", "n0", 10.0))
+    for busy in (replace(WARM, active_requests=1), replace(WARM, queued_requests=1)):
+        decision = place_model(BIG, snapshot, (busy,), DEFAULT_PLACEMENT_CONFIG, Backlog(10**6))
+        assert decision.evictions == ()
+
+
+@pytest.mark.unit
+def test_cold_models_go_before_the_queue_rule_is_used() -> None:
+    # "frequent" is the least recently used, idle 40 min but due every 5 min (5 ≤ 2 × 3: not
+    # cold); "cold" is idle 31 min of a 10-hour gap. One of them makes room: the cold one goes.
+    frequent = _resident("frequent", "g0", idle_min=40, gap_min=5, gib=30)
+    cold = _resident("cold", "g0", idle_min=31, gap_min=600, gib=30)
+    snapshot = _cluster(("g0", "n0", 30.0))
+    decision = place_model(BIG, snapshot, (frequent, cold), DEFAULT_PLACEMENT_CONFIG, Backlog(99))
+    assert [(e.model_name, e.rule) for e in decision.evictions] == [("cold", EvictionRule.COLD)]
+    # across GPUs too: a cold model on g1 beats a queue eviction on g0
+    two = _cluster(("g0", "n0", 10.0), ("g1", "n1", 10.0))
+    elsewhere = replace(cold, gpu_uuid="g1", memory_bytes=60 * GIB)
+    decision = place_model(BIG, two, (WARM, elsewhere), DEFAULT_PLACEMENT_CONFIG, Backlog(99))
+    assert [(e.model_name, e.rule) for e in decision.evictions] == [("cold", EvictionRule.COLD)]
+
+
+@pytest.mark.unit
+def test_a_model_idle_less_than_its_residence_guard_is_never_evicted_by_the_queue_rule() -> None:
+    # factor 3 × 2-minute reload: 6 minutes idle (so resident at least that long) first
+    snapshot = _cluster(("g0", "n0", 10.0))
+    fresh = replace(WARM, last_request_s=NOW_S - 5 * MINUTE)
+    assert (
+        place_model(BIG, snapshot, (fresh,), DEFAULT_PLACEMENT_CONFIG, Backlog(10**6)).evictions
+        == ()
+    )
+    settled = replace(WARM, last_request_s=NOW_S - 7 * MINUTE)
+    assert place_model(BIG, snapshot, (settled,), DEFAULT_PLACEMENT_CONFIG, Backlog(10)).evictions

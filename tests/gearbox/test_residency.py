@@ -274,3 +274,37 @@ def test_each_models_runtime_overhead_counts_on_a_shared_gpu() -> None:
         ]
         verdict = decide_residency("m", models, _snapshot(TWO_GPUS[0]), PACK)
         assert (verdict.action is ResidencyAction.LOAD) is fits
+
+
+@pytest.mark.unit
+def test_an_idle_model_not_yet_cold_goes_when_the_waiting_requests_outweigh_its_loss() -> None:
+    # idle 30 s (< cold_after_s 60), next expected in ~60 s, 2 s reload: evicting it makes
+    # ~1 + 2/60 requests wait out a reload, × 3 ≈ 3.1; 5 waiting outweigh that, 2 do not
+    snap = _snapshot(TWO_GPUS[0])
+    many = [_model("m", queued=5), _resident("r", "g0", idle_s=30.0)]
+    evicted = decide_residency("r", many, snap, CONFIG)
+    assert evicted.action is ResidencyAction.EVICT and evicted.reason is DecisionReason.EVICT_QUEUE
+    assert evicted.for_model == "m" and "queue rule" in evicted.explanation
+    assert "(idle 30 s, next expected in 30 s" in evicted.explanation
+    assert "for small: 5 requests waiting" in evicted.explanation  # the footprint's model
+    few = [_model("m", queued=2), _resident("r", "g0", idle_s=30.0)]
+    assert decide_residency("r", few, snap, CONFIG).action is ResidencyAction.HOLD
+
+
+@pytest.mark.unit
+def test_the_queue_rule_keeps_a_recently_used_model_and_prefers_cold_ones() -> None:
+    # residence guard: idle 5 s < 3 × 2 s reload — kept whatever waits
+    fresh = [_model("m", queued=1000), _resident("r", "g0", idle_s=5.0)]
+    assert decide_residency("r", fresh, _snapshot(TWO_GPUS[0]), CONFIG).action is (
+        ResidencyAction.HOLD
+    )
+    # "frequent" is the least recently used but due every second (not cold); "cold" goes
+    models = [
+        _model("m", queued=1000),
+        replace(_resident("frequent", "g0", idle_s=600.0), arrival_rps=1.0),
+        _resident("cold", "g1", idle_s=120.0),
+    ]
+    snap = _snapshot(*TWO_GPUS)
+    cold = decide_residency("cold", models, snap, CONFIG)
+    assert cold.action is ResidencyAction.EVICT and cold.reason is DecisionReason.EVICT_COLD
+    assert decide_residency("frequent", models, snap, CONFIG).action is ResidencyAction.HOLD

@@ -114,7 +114,10 @@ def test_four_models_on_two_gpus_load_on_demand_and_evict_only_idle_models() -> 
     # every model was loaded; the later two only once the first two were evicted
     assert all(done[f"m{k}:load"] >= 1 for k in (1, 2, 3, 4)), done
     assert done["m1:evict"] >= 1 and done["m2:evict"] >= 1, done
-    assert outcomes[f"decision:{DecisionReason.EVICT_COLD}"] >= 2, outcomes
+    # by either rule: m1 and m2 fall quiet at 120 s; m3's and m4's requests wait from 150 s, so
+    # the queue rule may let them go before they are 60 s cold
+    evictions = (DecisionReason.EVICT_COLD, DecisionReason.EVICT_QUEUE)
+    assert sum(outcomes[f"decision:{why}"] for why in evictions) >= 2, outcomes
     # a request for a cold model is held for its load, then served
     assert outcomes[str(Reason.HELD_FOR_LOAD)] > 0, outcomes
     assert all(spans[f"m{k}"] for k in (1, 2, 3, 4)), outcomes
