@@ -384,8 +384,15 @@ def _eviction_text(
         else:
             parts.append(f"evict {where}, ~{e.expected_loss:.1f} requests would wait its reload)")
     text = "; ".join(parts) + f" for {request.model_name}"
-    if backlog is not None and any(e.rule is EvictionRule.QUEUE for e in evictions):
-        text += f": {backlog.waiting_requests} requests waiting (queue rule)"
+    queue = [e for e in evictions if e.rule is EvictionRule.QUEUE]
+    if backlog is not None and queue:
+        n = backlog.waiting_requests
+        text += f": {n} request{'' if n == 1 else 's'} waiting"
+        if backlog.arrival_rps > 0:
+            horizon = max(e.reload_s for e in queue)
+            text += f", ~{backlog.demand_over(horizon):.1f} with those expected over the "
+            text += f"{_minutes(horizon)} reload"
+        text += " (queue rule)"
     return text + "."
 
 
