@@ -45,7 +45,9 @@ from gearbox.history import (
 )
 from gearbox.model import ModelSpec
 from gearbox.placement import (
+    Backlog,
     EvictionProposal,
+    EvictionRule,
     FragmentationReport,
     GpuVerdict,
     ModelFootprint,
@@ -102,6 +104,7 @@ __all__ = [
     "MODEL_70B_GQA",
     "NO_OVERRIDES",
     "AtomicBlock",
+    "Backlog",
     "BlockHistory",
     "BlockSample",
     "BlockSeries",
@@ -115,6 +118,7 @@ __all__ = [
     "DeploymentPlan",
     "Domain",
     "EvictionProposal",
+    "EvictionRule",
     "ExecutionPlan",
     "FailedTarget",
     "FragmentationReport",
