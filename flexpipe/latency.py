@@ -10,6 +10,11 @@ geometric middle is within ±4.4 % of the sample it stands for.
 The buckets hold any positive quantity, not only milliseconds: the runtime reports its prompt
 lengths (tokens) the same way, and :func:`moments` gives the mean and squared coefficient of
 variation gearbox's queueing estimate needs (the M/G/c correction, :mod:`gearbox.cost`).
+
+A request the runtime refused for want of room never gets a first token: its TTFT is beyond
+every bucket (right-censored). :func:`censored_quantile_ms` reads a quantile with such samples
+counted above all others; when the quantile falls among them it is only known to lie past the
+largest sample, and says so.
 """
 
 from __future__ import annotations
@@ -17,7 +22,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-__all__ = ["Histogram", "histogram", "merge", "moments", "points", "quantile_ms", "total"]
+__all__ = [
+    "Histogram",
+    "censored_quantile_ms",
+    "histogram",
+    "merge",
+    "moments",
+    "points",
+    "quantile_ms",
+    "total",
+]
 
 _PER_DOUBLING = 8
 _FLOOR_MS = 1e-3  # values at or below it share the lowest bucket (0 ms would have no log)
@@ -60,13 +74,30 @@ def _middle(bucket: int) -> float:
 def quantile_ms(h: Histogram, q: float) -> float | None:
     """The ``q`` quantile by nearest rank, at its bucket's geometric middle; None when empty.
     (Any unit: the histogram's values come back in the unit they went in.)"""
-    rank = max(1, math.ceil(q * total(h)))
+    return _at_rank(h, max(1, math.ceil(q * total(h))))
+
+
+def _at_rank(h: Histogram, rank: int) -> float | None:
+    """The ``rank``-th smallest sample (from 1), at its bucket's geometric middle; None past
+    the last."""
     seen = 0
     for bucket, count in h:
         seen += count
         if seen >= rank:
             return _middle(bucket)
     return None
+
+
+def censored_quantile_ms(h: Histogram, q: float, beyond: int) -> tuple[float | None, bool]:
+    """The ``q`` quantile by nearest rank of ``h``'s samples plus ``beyond`` samples larger
+    than any of them (module docstring), and whether it is only a lower bound: when its rank
+    falls among those ``beyond``, the largest sample's middle (None without samples) — the
+    quantile lies past it. With ``beyond`` 0 this is :func:`quantile_ms`."""
+    rank = max(1, math.ceil(q * (total(h) + max(0, beyond))))
+    value = _at_rank(h, rank)
+    if value is None:
+        return (_middle(h[-1][0]) if h else None), beyond > 0
+    return value, False
 
 
 def points(h: Histogram) -> tuple[tuple[float, int], ...]:

@@ -213,6 +213,9 @@ class ServingLoad:
     tbt_p95_ms: float | None = None
     kv_bytes: int = 0
     rejected: int = 0
+    # of ``rejected``: refused for want of room on the plan (watermark, OOM risk, queue full):
+    # no first token ever, so the streams count them beyond every TTFT sample (streams.load)
+    capacity_refusals: int = 0
     plan_id: str | None = None
     ttft_histogram: tuple[tuple[int, int], ...] = ()  # the window's TTFTs, flexpipe.latency
     prompt_histogram: tuple[tuple[int, int], ...] = ()  # arrivals' prompt tokens, same buckets

@@ -114,11 +114,12 @@ class GearboxConfig(Serialisable):
     # of per cent, a TTFT p95 off by up to the 4× clamp). 0 = never: the behaviour before.
     # NOTE: off by default. In sim/scenarios/steady-boundary.yaml (seeds 7-11) 0.2 took the
     # estimator error p95 5.4 -> 0.34 and FlexPipe's flaps 12 -> 0, but its goodput vs the fixed
-    # plan 0.991 -> 0.966: it then holds the 2-GPU plan through the high phases, where the
-    # runtime sheds 0.6-4 % of requests at its KV watermark (throttled_watermark). Shed
-    # requests leave no TTFT sample and the load snapshot carries no rejection count, so the
-    # observation it learns from is censored: the model's blown-up queue was the only sign of
-    # the 2-GPU plan's KV running out. Turn it on once the load window reports rejections.
+    # plan 0.991 -> 0.966: it then held the 2-GPU plan through the high phases, where the
+    # runtime sheds 0.6-4 % of requests at its KV watermark (throttled_watermark), and shed
+    # requests left no TTFT sample. They now count beyond every sample (streams.load); 0.2
+    # measured again there, seeds 7 / 9, against off: estimator p95 3.39 / 8.61 -> 0.58 / 0.57,
+    # flaps 7 / 25 -> 8 / 11, but vs fixed 0.994 / 0.993 -> 0.991 / 0.990 (chat-13b refused
+    # 207 / 363 -> 409 / 609 requests). Worse vs fixed than off, so it stays off.
     correction_service_ratio: float = 0.0
     # NOTE: off by default: bench.fragmented (fragmented-short, 5 seeds) measured the 7B's
     # estimator error p95 0.42 -> 0.38 with it but the 70B's 0.55 -> 0.66 (its windows hold

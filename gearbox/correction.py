@@ -12,6 +12,12 @@ served it, and a multiplicative factor is learned from the ratio:
   it has ``1 / correction_gain`` observations, so the first ticks do not drag the factor from an
   uninformed 1 (half of the estimates that stayed > 50 % off in bench.fragmented were those);
   an exponential mean after that, so it keeps following the world;
+* refusals — a request the runtime refused for want of room counts in the window's p95 as a
+  TTFT beyond every sample (:mod:`streams.load`). When over 5 % were refused, the observed p95
+  is only a lower bound (``LoadSnapshot.window_ttft_p95_censored``) and teaches only the
+  direction it proves: an entry whose corrected figure already reaches the bound keeps its
+  value; one below it is folded toward the bound as if it were exact — the TTFT factor rises
+  (the service rate falls) toward it, never past it;
 * ignored ticks — fewer than ``correction_min_samples`` TTFT samples in the window, no model
   figure, or less than ``correction_settle_s`` since the last switch (the window still holds
   the old plan's requests and the hand-over's);
@@ -102,6 +108,8 @@ _MAX_SHAPES = 16  # per deployment, besides the deployment-wide one; the stalest
 _MIN_LENGTH_SHARE = 1e-6  # smoothed prompt-length shares below it are dropped
 _P95 = 0.95
 _SOLVE_STEPS = 40  # bisection steps of solve_service_factor: 2⁻⁴⁰ of the bounds' log-width
+# what an observation's log-factor is to the truth (_folded): the value, a floor, a ceiling
+_EXACT, _AT_LEAST, _AT_MOST = 0, 1, -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +213,11 @@ def observe(
     now_s: float,
     last_switch_s: float | None,
     config: GearboxConfig,
+    *,
+    censored: bool = False,
 ) -> Corrections:
-    """Fold one tick's observation of the serving plan (of ``shape``) into the factors.
+    """Fold one tick's observation of the serving plan (of ``shape``) into the factors;
+    ``censored``: the observed p95 is a lower bound, which only raises a factor below it.
 
     Returns ``corrections`` unchanged when the tick is ignored (see the module docstring).
     """
@@ -218,7 +229,9 @@ def observe(
     ):
         return corrections
     target = math.log(observed_ttft_p95_ms / model_ttft_p95_ms)
-    return replace(corrections, entries=_folded(corrections.entries, shape, target, now_s, config))
+    bound = _AT_LEAST if censored else _EXACT
+    entries = _folded(corrections.entries, shape, target, now_s, config, bound=bound)
+    return replace(corrections, entries=entries)
 
 
 def observe_service(
@@ -229,10 +242,14 @@ def observe_service(
     now_s: float,
     last_switch_s: float | None,
     config: GearboxConfig,
+    *,
+    censored: bool = False,
 ) -> Corrections:
     """Set the service-rate factor of ``shape`` (and the deployment-wide one) to this tick's —
     the one :func:`solve_service_factor` found for the serving plan (module docstring); ignored
-    ticks as in :func:`observe` (and every tick when ``correction_service_ratio`` is 0)."""
+    ticks as in :func:`observe` (and every tick when ``correction_service_ratio`` is 0).
+    ``censored``: the observed p95 was a lower bound, so ``service_factor`` is an upper one,
+    which only lowers a factor above it."""
     if (
         config.correction_service_ratio <= 0
         or _ignored(num_samples, now_s, last_switch_s, config)
@@ -240,7 +257,8 @@ def observe_service(
     ):
         return corrections
     target = math.log(service_factor)
-    service = _folded(corrections.service, shape, target, now_s, config, gain=1.0)
+    bound = _AT_MOST if censored else _EXACT
+    service = _folded(corrections.service, shape, target, now_s, config, gain=1.0, bound=bound)
     return replace(corrections, service=service)
 
 
@@ -251,18 +269,26 @@ def _folded(
     now_s: float,
     config: GearboxConfig,
     gain: float | None = None,
+    bound: int = _EXACT,
 ) -> tuple[Correction, ...]:
     """``entries`` with the log-factor ``target`` folded into ``shape``'s and the
     deployment-wide entry with weight ``gain`` (default: :func:`_gain`'s; module docstring),
-    the stalest shapes dropped past _MAX_SHAPES."""
+    the stalest shapes dropped past _MAX_SHAPES. ``bound``: ``target`` is exact (_EXACT), or
+    only a lower (_AT_LEAST) or upper (_AT_MOST) bound — an entry that already meets it (at or
+    above a floor, at or below a ceiling) keeps its value: the bound proves it neither wrong
+    nor right."""
     kept = {e.shape: e for e in entries}
     for key in (shape, DEPLOYMENT_WIDE):
         old = kept.get(key)
         prior = 0.0 if old is None else math.log(_decayed(old, now_s, config))
+        if bound != _EXACT and bound * (target - prior) <= 0:
+            continue  # NOTE: the entry already meets the bound, which then proves nothing
         seen = 0 if old is None else old.observations
         weight = _gain(seen, config) if gain is None else gain
         factor = _clamp(math.exp((1 - weight) * prior + weight * target), config)
         kept[key] = Correction(key, factor, now_s, seen + 1)
+    if DEPLOYMENT_WIDE not in kept:
+        return entries  # nothing learned yet, and a bound at or below 1 taught nothing
     shaped = sorted(
         (e for e in kept.values() if e.shape != DEPLOYMENT_WIDE),
         key=lambda e: (-e.updated_s, e.shape),

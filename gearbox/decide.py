@@ -238,10 +238,11 @@ def _learn(
     shape, now_s, corrections = plan_shape(current), load.now_s, state.corrections
     speed = service_factor_for(corrections, shape, now_s, config)
     modelled = estimate_plan(current, available, model, load, config, service_factor=speed)
-    observed = load.window_ttft_p95_ms
+    observed, censored = load.window_ttft_p95_ms, load.window_ttft_p95_censored
     if load.num_ttft_samples == 0 or not modelled.feasible or observed <= 0:
         return corrections, modelled
-    args = (load.num_ttft_samples, now_s, state.last_switch_s, config)
+    # NOTE: the refusals are samples of the window's distribution too (beyond every TTFT)
+    args = (load.num_ttft_samples + load.num_ttft_refused, now_s, state.last_switch_s, config)
     factor = factor_for(corrections, shape, now_s, config)
 
     def ttft_ms_at(service_factor: float) -> float:
@@ -254,9 +255,10 @@ def _learn(
         # NOTE: ttft_ms_at(speed), which ``modelled`` already holds
         ttft_change = math.log(observed / (factor * modelled.ttft_p95_ms))
         if teaches_service_rate(ttft_change, math.log(solved / speed), config):
-            learned = observe_service(corrections, shape, solved, *args)
+            learned = observe_service(corrections, shape, solved, *args, censored=censored)
     if learned is None:
-        learned = observe(corrections, shape, modelled.ttft_p95_ms, observed, *args)
+        model_ms = modelled.ttft_p95_ms
+        learned = observe(corrections, shape, model_ms, observed, *args, censored=censored)
     learned_speed = service_factor_for(learned, shape, now_s, config)
     if learned_speed != speed:
         modelled = estimate_plan(
@@ -586,8 +588,15 @@ def _describe(summary: CandidateSummary) -> str:
 
 def _observed(load: LoadSnapshot) -> str:
     """What the load window observed, for the current plan's line."""
+    refused = load.num_ttft_refused
     if load.num_ttft_samples == 0:
-        ttft = "no TTFT samples"
+        ttft = f"no TTFT samples ({refused} refused)" if refused else "no TTFT samples"
+    elif refused:
+        bound = "≥ " if load.window_ttft_p95_censored else ""
+        ttft = (
+            f"{bound}{load.window_ttft_p95_ms:,.0f} ms over "
+            f"{load.num_ttft_samples + refused} requests ({refused} refused)"
+        )
     else:
         ttft = f"{load.window_ttft_p95_ms:,.0f} ms over {load.num_ttft_samples} requests"
     return (

@@ -132,9 +132,13 @@ class LoadSnapshot(Serialisable):
     ttft_p95_ms: float = 0.0  # observed: highest of the reports' own p95s (pressure, explanation)
     tbt_p95_ms: float = 0.0  # observed: highest of the reports' own p95s (pressure, explanation)
     # p95 over every TTFT sample of the window (0 = none), what gearbox.correction learns from:
-    # the highest of many small reports' p95s sits near the window's maximum instead
+    # the highest of many small reports' p95s sits near the window's maximum instead. Requests
+    # refused for want of room count as TTFTs beyond every sample (they never got a first
+    # token); when the p95 falls among them it is only a lower bound (the largest sample).
     window_ttft_p95_ms: float = 0.0
     num_ttft_samples: int = 0  # TTFT samples behind window_ttft_p95_ms
+    num_ttft_refused: int = 0  # capacity refusals counted in it, beyond every sample
+    window_ttft_p95_censored: bool = False  # window_ttft_p95_ms is a lower bound (see above)
     # The prompt tail the TTFT estimate uses (gearbox.cost, M/G/c wait): heavy-tailed prompts
     # set the TTFT p95, not the mean one. The streams give the window's; decide replaces them
     # with the ones of its smoothed lengths (gearbox.correction). p95 0 = unknown: every prompt
@@ -150,6 +154,7 @@ class LoadSnapshot(Serialisable):
             or self.queue_len < 0
             or self.active_sequences < 0
             or self.num_ttft_samples < 0
+            or self.num_ttft_refused < 0
             or self.p95_prompt_tokens < 0
             or self.prompt_tokens_scv < 0
         ):

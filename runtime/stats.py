@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from flexpipe.latency import histogram
 from flexpipe.schemas import ServingLoad
-from runtime.types import Completion, Reason, Request
+from runtime.types import CAPACITY_REFUSALS, Completion, Reason, Request
 
 MAX_SAMPLES = 4096  # latency samples kept per window (the oldest are dropped beyond it)
 
@@ -31,6 +31,7 @@ class ServingWindow:
     start_s: float
     arrivals: int = 0
     rejected: int = 0
+    capacity_refusals: int = 0  # of ``rejected``: refused for want of room (CAPACITY_REFUSALS)
     prompt_tokens: int = 0
     output_tokens: int = 0
     completions: int = 0
@@ -54,6 +55,8 @@ class ServingWindow:
     def on_refused(self, reason: Reason) -> None:
         """Count a refusal (at arrival, or of a held request later)."""
         self.rejected += 1
+        if reason in CAPACITY_REFUSALS:
+            self.capacity_refusals += 1
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
     def on_completion(self, done: Completion) -> None:
@@ -105,6 +108,7 @@ class ServingWindow:
             tbt_p95_ms=p95(self.tbt_ms),
             kv_bytes=kv_bytes,
             rejected=self.rejected,
+            capacity_refusals=self.capacity_refusals,
             plan_id=plan_id,
             ttft_histogram=histogram(self.ttft_ms),
             prompt_histogram=histogram(self.prompt_lengths),

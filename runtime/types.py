@@ -10,6 +10,7 @@ from runtime.engine.paging import KvAdmission
 from runtime.throttle import DEFAULT_WATERMARK
 
 __all__ = [
+    "CAPACITY_REFUSALS",
     "Admission",
     "Completion",
     "OwnershipEvent",
@@ -36,6 +37,15 @@ class Reason(StrEnum):
     # on-demand models: a request for one that is not loaded waits for its load
     HELD_FOR_LOAD = "held_for_load"  # held until a replica serves (or model_load_wait_s)
     MODEL_LOADING = "model_loading"  # held past model_load_wait_s: the model is still not loaded
+
+
+# Refusals for want of room on the serving plan: the request was fine, the plan could not take
+# it. Such a request never gets a first token, so the streams count it as a TTFT beyond every
+# sample (streams.load); a bad request (too long, a duplicate, an unknown deployment) or one
+# with no plan to judge (none loaded, a model still loading) says nothing about the plan's TTFT.
+CAPACITY_REFUSALS = frozenset(
+    {Reason.THROTTLED_WATERMARK, Reason.REJECTED_OOM_RISK, Reason.QUEUE_FULL}
+)
 
 
 class RequestRefused(Exception):

@@ -647,7 +647,7 @@ class Decider:
         if rows != self._block_rows:  # NOTE: ~125 labelled gauges: set only when they moved
             e.metrics.set_blocks(rows)
             self._block_rows = rows
-        e.metrics.set_ttft(name, out.result.current, out.decision.context.load.window_ttft_p95_ms)
+        e.metrics.set_ttft(name, out.result.current, out.decision.context.load)
         self.show_plan(name, out.plan)
         d = out.decision
         log.info("%s %s: %s", d.decision_id, d.reason, d.to_plan_id)

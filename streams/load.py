@@ -3,6 +3,12 @@
 Both fold reports into :mod:`streams.windows` hopping windows on event time. Serving reports
 come from one or more runtime workers (sources) per deployment; each source's window yields its
 rates, and the deployment's load is their sum (rates, queue, sequences, KV) or maximum (p95s).
+
+The window's TTFT p95 counts the requests refused for want of room (``capacity_refusals``) as
+samples beyond every bucket: they never got a first token, and leaving them out would make a
+plan that sheds its excess look faster than one that serves it. When over 5 % of the window's
+requests were so refused, the p95 is among them and only a lower bound is known
+(:func:`flexpipe.latency.censored_quantile_ms`); the aggregate says so.
 """
 
 from __future__ import annotations
@@ -10,7 +16,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from flexpipe.latency import Histogram, merge, moments, points, quantile_ms, total
+from flexpipe.latency import (
+    Histogram,
+    censored_quantile_ms,
+    merge,
+    moments,
+    points,
+    quantile_ms,
+    total,
+)
 from flexpipe.schemas import KernelLaunches, ServingLoad
 from streams.state import Dedupe, is_duplicate
 from streams.windows import HoppingWindow, Panes, add, aggregate
@@ -106,6 +120,7 @@ class LoadSums:
     reports: int = 0
     covered_s: float = 0.0  # sum of the reports' own window lengths
     arrivals: int = 0
+    capacity_refusals: int = 0  # requests refused for want of room: TTFTs beyond every bucket
     prefill_tokens: float = 0.0  # rate × window, summed
     decode_tokens: float = 0.0
     prompt_tokens: float = 0.0  # mean prompt tokens × arrivals, summed
@@ -130,6 +145,7 @@ class _LoadMonoid:
             reports=a.reports + b.reports,
             covered_s=a.covered_s + b.covered_s,
             arrivals=a.arrivals + b.arrivals,
+            capacity_refusals=a.capacity_refusals + b.capacity_refusals,
             prefill_tokens=a.prefill_tokens + b.prefill_tokens,
             decode_tokens=a.decode_tokens + b.decode_tokens,
             prompt_tokens=a.prompt_tokens + b.prompt_tokens,
@@ -155,6 +171,7 @@ def _sums(report: ServingLoad, event_time_ms: int) -> LoadSums:
         reports=1,
         covered_s=window_s,
         arrivals=arrivals,
+        capacity_refusals=max(0, report.capacity_refusals),
         prefill_tokens=max(0.0, report.prefill_tokens_per_s) * window_s,
         decode_tokens=max(0.0, report.decode_tokens_per_s) * window_s,
         prompt_tokens=max(0.0, report.mean_prompt_tokens) * arrivals,
@@ -231,8 +248,12 @@ class ServingAggregate:
     kv_bytes: int
     ttft_p95_ms: float  # highest of the reports' own p95s
     tbt_p95_ms: float
-    window_ttft_p95_ms: float  # p95 of every TTFT sample in the window (0 without samples)
+    # p95 of every TTFT sample in the window, capacity refusals counted beyond them all (0
+    # without samples); a lower bound — the largest sample — when the p95 falls among refusals
+    window_ttft_p95_ms: float
     num_ttft_samples: int
+    num_ttft_refused: int = 0  # capacity refusals counted in window_ttft_p95_ms
+    window_ttft_p95_censored: bool = False  # window_ttft_p95_ms is only a lower bound
     # prompt tokens over every arrival of the window (0 = no histogram reported): the tail and
     # the spread gearbox's TTFT estimate needs (gearbox.cost, M/G/c wait)
     p95_prompt_tokens: float = 0.0
@@ -253,6 +274,8 @@ def serving_aggregate(
         ttfts = merge(ttfts, p.ttft_histogram)
         prompts = merge(prompts, p.prompt_histogram)
     spread = moments(prompts)
+    refused = sum(p.capacity_refusals for p in parts)
+    ttft_p95_ms, censored = censored_quantile_ms(ttfts, 0.95, refused)
 
     def rate(value: float, covered_s: float) -> float:
         return value / covered_s if covered_s > 0 else 0.0
@@ -269,8 +292,10 @@ def serving_aggregate(
         kv_bytes=sum(p.kv_bytes for p in parts),
         ttft_p95_ms=max((p.ttft_p95_ms for p in parts), default=0.0),
         tbt_p95_ms=max((p.tbt_p95_ms for p in parts), default=0.0),
-        window_ttft_p95_ms=quantile_ms(ttfts, 0.95) or 0.0,
+        window_ttft_p95_ms=ttft_p95_ms or 0.0,
         num_ttft_samples=total(ttfts),
+        num_ttft_refused=refused,
+        window_ttft_p95_censored=censored,
         p95_prompt_tokens=quantile_ms(prompts, 0.95) or 0.0,
         prompt_tokens_scv=spread[1] if spread is not None else 0.0,
         prompt_lengths=points(prompts),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gearbox.decisions import CandidateSummary
+from gearbox.types import LoadSnapshot
 
 __all__ = ["StreamsMetrics"]
 
@@ -140,7 +141,23 @@ class StreamsMetrics:
         )
         self.ttft_observed = Gauge(
             "flexpipe_streams_ttft_p95_observed_seconds",
-            "TTFT p95 over every sample of the load window (0 = no samples)",
+            "TTFT p95 over every sample of the load window, requests refused for want of room "
+            "counted beyond all of them (0 = no samples); only a lower bound, the largest "
+            "sample, when flexpipe_streams_ttft_p95_censored is 1",
+            ["deployment"],
+            registry=registry,
+        )
+        self.ttft_refused = Gauge(
+            "flexpipe_streams_ttft_refused_requests",
+            "Requests of the load window refused for want of room (watermark, OOM risk, queue "
+            "full), counted in the observed TTFT p95 as beyond every sample",
+            ["deployment"],
+            registry=registry,
+        )
+        self.ttft_censored = Gauge(
+            "flexpipe_streams_ttft_p95_censored",
+            "1 when over 5 % of the load window's requests were refused for want of room, so "
+            "the observed TTFT p95 is only a lower bound",
             ["deployment"],
             registry=registry,
         )
@@ -166,11 +183,13 @@ class StreamsMetrics:
         self.current_plan_gpus.labels(deployment).set(num_gpus)
 
     def set_ttft(
-        self, deployment: str, current: CandidateSummary | None, observed_ms: float
+        self, deployment: str, current: CandidateSummary | None, load: LoadSnapshot
     ) -> None:
-        """Show the current plan's TTFT estimate and correction beside the observed p95; without
-        a current plan only the observation."""
-        self.ttft_observed.labels(deployment).set(observed_ms / 1000.0)
+        """Show the current plan's TTFT estimate and correction beside the observed p95 (and
+        the refusals it counts); without a current plan only the observation."""
+        self.ttft_observed.labels(deployment).set(load.window_ttft_p95_ms / 1000.0)
+        self.ttft_refused.labels(deployment).set(load.num_ttft_refused)
+        self.ttft_censored.labels(deployment).set(int(load.window_ttft_p95_censored))
         if current is not None:
             self.ttft_correction.labels(deployment).set(current.ttft_correction)
             self.ttft_estimate.labels(deployment).set(current.est_ttft_p95_ms / 1000.0)

@@ -186,6 +186,8 @@ def build_load(
             tbt_p95_ms=agg.tbt_p95_ms,
             window_ttft_p95_ms=agg.window_ttft_p95_ms,
             num_ttft_samples=agg.num_ttft_samples,
+            num_ttft_refused=agg.num_ttft_refused,
+            window_ttft_p95_censored=agg.window_ttft_p95_censored,
             p95_prompt_tokens=agg.p95_prompt_tokens,
             prompt_tokens_scv=agg.prompt_tokens_scv,
             prompt_lengths=agg.prompt_lengths,

@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from flexpipe.latency import histogram, merge, moments, quantile_ms, total
+from flexpipe.latency import (
+    censored_quantile_ms,
+    histogram,
+    merge,
+    moments,
+    quantile_ms,
+    total,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -36,3 +43,18 @@ def test_moments_give_mean_and_squared_variation_within_the_bucket_width() -> No
     assert got[1] == pytest.approx(scv, rel=0.02)
     assert moments(histogram([500.0] * 10)) == (pytest.approx(500.0, rel=0.05), 0.0)
     assert moments(()) is None
+
+
+def test_refused_samples_count_beyond_every_bucket_and_censor_the_quantile() -> None:
+    # 95 fast (100 ms) and 5 slow (400 ms) first tokens: the p95 (rank 95 of 100) is fast
+    h = histogram([100.0] * 95 + [400.0] * 5)
+    assert censored_quantile_ms(h, 0.95, 0) == (quantile_ms(h, 0.95), False)
+    assert censored_quantile_ms(h, 0.95, 0)[0] == pytest.approx(100.0, rel=0.05)
+    # 3 refused: 103 samples, rank 98 is a slow one, still a sample: exact
+    value, censored = censored_quantile_ms(h, 0.95, 3)
+    assert value == pytest.approx(400.0, rel=0.05) and not censored
+    # 6 refused (> 5 %): rank 101 of 106 is a refusal; only "past the largest sample" is known
+    value, censored = censored_quantile_ms(h, 0.95, 6)
+    assert value == pytest.approx(400.0, rel=0.05) and censored
+    assert censored_quantile_ms((), 0.95, 4) == (None, True)  # refusals only: no bound at all
+    assert censored_quantile_ms((), 0.95, 0) == (None, False)

@@ -94,6 +94,34 @@ def test_ignores_thin_settling_and_saturated_ticks() -> None:
     assert observe(base, "s", 100.0, 900.0, 50, t, later, CONFIG) != base
 
 
+def test_a_censored_observation_teaches_only_the_direction_it_proves() -> None:
+    # a lower bound of 1.5× the model: it proves a factor of 1 wrong, one of 3 right or not
+    t = 15.0 * 40
+
+    def bounded(corrections: Corrections, shape: str = "s") -> Corrections:
+        return observe(corrections, shape, 100.0, 150.0, 50, t, None, CONFIG, censored=True)
+
+    assert bounded(NONE) != NONE  # from nothing (a factor of 1): it rises
+    high = _feed(3.0, 40)
+    assert bounded(high) == high  # already above the bound: nothing learned, not even a count
+    # below it: folded toward the bound as if exact, never past it
+    low = _feed(1.2, 40)
+    raised = bounded(low)
+    assert raised == observe(low, "s", 100.0, 150.0, 50, t, None, CONFIG)
+    for _ in range(200):
+        raised = bounded(raised)
+    assert factor_for(raised, "s", t, CONFIG) == pytest.approx(1.5, rel=1e-3)
+    assert factor_for(raised, "s", t, CONFIG) <= 1.5
+    # the deployment-wide entry is judged on its own: above the bound, it keeps its value
+    mixed = _feed(3.0, 40, _feed(1.2, 40), shape="other")
+    wide = mixed.get(DEPLOYMENT_WIDE)
+    assert wide is not None and wide.factor > 1.5
+    assert bounded(mixed).get(DEPLOYMENT_WIDE) == wide
+    assert factor_for(bounded(mixed), "s", t, CONFIG) > factor_for(mixed, "s", t, CONFIG)
+    # a bound below 1 with nothing learned teaches nothing: no entry at all
+    assert observe(NONE, "s", 100.0, 50.0, 50, t, None, CONFIG, censored=True) == NONE
+
+
 def test_unobserved_shapes_get_the_deployment_wide_factor() -> None:
     learned = _feed(3.0, 10, shape="tp8")
     learned = _feed(0.5, 3, learned, shape="tp4")
@@ -167,6 +195,39 @@ def test_decide_learns_applies_and_explains_per_deployment() -> None:
     # another deployment keeps its own state: nothing learned for chat leaks into it
     other, _ = tick(GearState(), 0, 0.5, name="batch")
     assert factor_for(other.corrections, plan_shape(current), NOW_S, CONFIG) < 1.0
+
+
+def test_decide_reads_a_censored_window_as_a_lower_bound_and_says_so() -> None:
+    current = deployment(tp_plan(A8, MODEL_70B_GQA))
+    available = available_memory(article_cluster(), current.gpu_uuids)
+    model_ms = estimate_plan(current, available, MODEL_70B_GQA, make_load(3.0), CONFIG).ttft_p95_ms
+    state = GearState()
+    for i in range(20):  # learned: the plan is 3× slower than modelled
+        at = article_cluster(now_s=NOW_S + 15.0 * i)
+        seen = replace(_observed_load(model_ms, 3.0), now_s=at.now_s)
+        state = decide(current, at, seen, state, CONFIG, model=MODEL_70B_GQA).state
+    shape, t = plan_shape(current), NOW_S + 15.0 * 20
+    learned = factor_for(state.corrections, shape, t, CONFIG)
+    # 20 of 220 refused for want of room: the window's p95 is past its largest sample (1.5×)
+    at = article_cluster(now_s=t)
+    censored = replace(
+        _observed_load(model_ms, 1.5),
+        now_s=t,
+        num_ttft_refused=20,
+        window_ttft_p95_censored=True,
+    )
+    result = decide(current, at, censored, state, CONFIG, model=MODEL_70B_GQA)
+    assert factor_for(result.state.corrections, shape, t, CONFIG) == learned
+    assert f"observed TTFT p95 ≥ {model_ms * 1.5:,.0f} ms over 220 requests (20 refused)" in (
+        result.explanation
+    )
+    # the same figure as an exact one (refusals under 5 %) pulls the factor down
+    exact = replace(censored, window_ttft_p95_censored=False)
+    result = decide(current, at, exact, state, CONFIG, model=MODEL_70B_GQA)
+    assert factor_for(result.state.corrections, shape, t, CONFIG) < learned
+    assert f"observed TTFT p95 {model_ms * 1.5:,.0f} ms over 220 requests (20 refused)" in (
+        result.explanation
+    )
 
 
 def test_corrected_ttft_can_block_a_downshift() -> None:

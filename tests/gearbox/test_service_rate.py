@@ -148,3 +148,17 @@ def test_at_its_modelled_knee_a_plan_is_judged_on_what_it_was_seen_to_do() -> No
     assert service_factor_for(corrections, shape, NOW_S + 15.0, CONFIG) == pytest.approx(
         speed, rel=0.01
     )
+
+
+def test_a_censored_observation_only_lowers_the_service_rate() -> None:
+    # a lower bound on the TTFT is an upper bound on the service rate that meets it
+    t = NOW_S
+
+    def bounded(corrections: Corrections, factor: float) -> Corrections:
+        return observe_service(corrections, "s", factor, 200, t, None, CONFIG, censored=True)
+
+    fast = observe_service(Corrections(), "s", 1.3, 200, t - 15.0, None, CONFIG)
+    assert bounded(fast, 1.5) == fast  # at most 1.5: 1.3 is not proven wrong
+    slowed = bounded(fast, 1.1)
+    assert service_factor_for(slowed, "s", t, CONFIG) == pytest.approx(1.1)
+    assert bounded(Corrections(), 1.2) == Corrections()  # 1 (nothing learned) meets it

@@ -36,3 +36,25 @@ def test_report_carries_every_arrivals_prompt_length() -> None:
     assert total(report.prompt_histogram) == 21  # refused arrivals too, like the mean
     assert quantile_ms(report.prompt_histogram, 1.0) == pytest.approx(6000.0, rel=0.05)
     assert quantile_ms(report.prompt_histogram, 0.9) == pytest.approx(500.0, rel=0.05)
+
+
+def test_report_counts_capacity_refusals_apart_from_bad_requests() -> None:
+    window = ServingWindow(start_s=0.0)
+    reasons = [
+        Reason.ADMITTED,
+        Reason.THROTTLED_WATERMARK,
+        Reason.REJECTED_OOM_RISK,
+        Reason.QUEUE_FULL,
+        Reason.TOO_LONG,
+        Reason.DUPLICATE_REQUEST,
+        Reason.NO_SERVING_PLAN,
+    ]
+    for i, reason in enumerate(reasons):
+        window.on_arrival(Request(f"r{i}", 500, 10, 0.0, RequestKind.CHAT), reason)
+    window.on_refused(Reason.MODEL_LOADING)  # a held request given up on: no plan to blame
+    window.on_refused(Reason.THROTTLED_WATERMARK)  # a held request a full replica refused
+    report = window.report(
+        "chat", "m", 5.0, queue_len=0, active_sequences=0, kv_bytes=0, plan_id=None
+    )
+    assert report.rejected == 8
+    assert report.capacity_refusals == 4  # watermark ×2, OOM risk, queue full

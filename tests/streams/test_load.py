@@ -97,6 +97,34 @@ def test_window_ttft_p95_is_over_every_sample_not_the_highest_report() -> None:
     assert serving_aggregate(state, LOAD_WINDOW, 59.0).num_ttft_samples == 48
 
 
+def test_capacity_refusals_count_beyond_every_ttft_sample() -> None:
+    # Two workers, 50 first tokens each: 95 at 100 ms, 5 at 400 ms. Refusals for want of room
+    # are TTFTs past every bucket; other refusals (``rejected`` alone) are not counted.
+    def window(refused: tuple[int, int], rejected: int = 0) -> ServingWindows:
+        state = ServingWindows()
+        for source, slow, n in (("w1", 0, refused[0]), ("w2", 5, refused[1])):
+            ttfts = [100.0] * (50 - slow) + [400.0] * slow
+            report = make_load(
+                arrivals=50 + n,
+                rejected=n + rejected,
+                capacity_refusals=n,
+                ttft_histogram=histogram(ttfts),
+            )
+            state, _ = fold_serving(state, LOAD_WINDOW, report, source, 1, 5_000)
+        return state
+
+    exact = serving_aggregate(window((0, 0), rejected=9), LOAD_WINDOW, 9.0)
+    assert exact.window_ttft_p95_ms == pytest.approx(100.0, rel=0.05)
+    assert (exact.num_ttft_refused, exact.window_ttft_p95_censored) == (0, False)
+    pushed = serving_aggregate(window((1, 2)), LOAD_WINDOW, 9.0)  # 3 of 103: rank 98 is slow
+    assert pushed.window_ttft_p95_ms == pytest.approx(400.0, rel=0.05)
+    assert (pushed.num_ttft_samples, pushed.num_ttft_refused) == (100, 3)
+    assert not pushed.window_ttft_p95_censored
+    beyond = serving_aggregate(window((4, 2)), LOAD_WINDOW, 9.0)  # 6 of 106: past every sample
+    assert beyond.window_ttft_p95_ms == pytest.approx(400.0, rel=0.05)  # the lower bound
+    assert (beyond.num_ttft_refused, beyond.window_ttft_p95_censored) == (6, True)
+
+
 def test_prompt_lengths_merge_across_sources_into_p95_and_spread() -> None:
     # Two workers: one sees only short prompts, the other one long prompt in ten. Over the
     # window, 1 prompt in 20 is long: the p95 (rank 38 of 40) is short, the maximum long.

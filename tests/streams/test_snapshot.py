@@ -118,6 +118,12 @@ def test_load_falls_back_to_nominal_without_reports() -> None:
     load, source = build_load(serving_aggregate(state, window, NOW_S), nominal, MODEL_7B_MHA, NOW_S)
     assert source == LoadSource.WINDOW and load.arrival_rate_rps == pytest.approx(2.0)
     assert load.active_kv_tokens == 2**30 // MODEL_7B_MHA.kv_bytes_per_token
+    assert (load.num_ttft_refused, load.window_ttft_p95_censored) == (0, False)
+    # every request of a later report refused for want of room: the p95 is past every sample
+    refused = make_load(rejected=20, capacity_refusals=20)
+    state, _ = fold_serving(state, window, refused, "w", 2, T0_MS + 5_000)
+    load, _ = build_load(serving_aggregate(state, window, NOW_S), nominal, MODEL_7B_MHA, NOW_S)
+    assert (load.num_ttft_refused, load.window_ttft_p95_censored) == (20, True)
 
 
 def dep(name: str, block: str, tp: int, replicas: int = 1) -> Deployment:
