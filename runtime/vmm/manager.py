@@ -79,6 +79,9 @@ class ReservationManager:
         # (replica, request) → the most commits it holds on one GPU: an extension's chunk id
         self._chunks: dict[tuple[str, str], int] = {}
         self._floors: dict[str, dict[str, int]] = {}  # gpu → replica → bytes it is guaranteed
+        # gpu → replica → the bytes of its commits there (the sum of ``_totals``), so a floored
+        # admission reads its neighbours' use per replica, not per request
+        self._by_gpu: dict[str, dict[str, int]] = {}
         self.last_failure: CommitFailure | None = None
 
     def backend(self, gpu_uuid: str, capacity_bytes: int) -> ReservationBackend | None:
@@ -123,6 +126,10 @@ class ReservationManager:
         self._commits[key] = {u: [c] for u, c in done.items()}
         self._totals[key] = {u: c.size_bytes for u, c in done.items()}
         self._chunks[key] = 1 if done else 0
+        by_gpu = self._by_gpu
+        for uuid, c in done.items():
+            mine = by_gpu.setdefault(uuid, {})
+            mine[replica_id] = mine.get(replica_id, 0) + c.size_bytes
         return True
 
     def extend(self, replica_id: str, request_id: str, bytes_per_gpu: Mapping[str, int]) -> bool:
@@ -140,6 +147,7 @@ class ReservationManager:
         if done is None:
             return False
         totals = self._totals[key]
+        by_gpu = self._by_gpu
         for uuid, c in done.items():
             mine = held.get(uuid)
             if mine is None:
@@ -148,6 +156,8 @@ class ReservationManager:
             if len(mine) > chunks:
                 chunks = len(mine)
             totals[uuid] = totals.get(uuid, 0) + c.size_bytes
+            replicas = by_gpu.setdefault(uuid, {})
+            replicas[replica_id] = replicas.get(replica_id, 0) + c.size_bytes
         self._chunks[key] = chunks
         return True
 
@@ -206,7 +216,13 @@ class ReservationManager:
     def release(self, replica_id: str, request_id: str) -> None:
         """Return a request's pages on a replica; idempotent."""
         key = (replica_id, request_id)
-        self._totals.pop(key, None)
+        for uuid, size in self._totals.pop(key, _NOTHING).items():
+            replicas = self._by_gpu[uuid]
+            left = replicas[replica_id] - size
+            if left:
+                replicas[replica_id] = left
+            else:
+                del replicas[replica_id]
         self._chunks.pop(key, None)
         held = self._commits.pop(key, None)
         if held is None:
@@ -234,10 +250,7 @@ class ReservationManager:
             floors = self._floors.get(uuid)
             if not floors:
                 continue
-            used: dict[str, int] = dict.fromkeys(floors, 0)
-            for (rid, _), held in self._totals.items():
-                if uuid in held:
-                    used[rid] = used.get(rid, 0) + held[uuid]
+            used = {**dict.fromkeys(floors, 0), **self._by_gpu.get(uuid, {})}
             others = sum(max(c, floors.get(r, 0)) for r, c in used.items() if r != replica_id)
             mine = max(used.get(replica_id, 0) + need[uuid], floors.get(replica_id, 0))
             memory[uuid] = GpuMemory(mem.total_bytes, others + mine - need[uuid])

@@ -416,3 +416,56 @@ def test_admission_sees_other_replicas_holding_at_least_their_floor() -> None:
     assert vmm.memory_for("x", {"g": gib})["g"].committed_bytes == 45 * gib
     vmm.unreserve_replica("y")
     assert vmm.memory_for("x", {"g": gib})["g"].committed_bytes == 10 * gib
+
+
+_FLOOR_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(("commit", "extend", "release", "unreserve")),
+        st.sampled_from(("x", "y", "z")),
+        st.sampled_from(("r1", "r2", "r3")),
+        st.integers(1, 12),
+    ),
+    max_size=40,
+)
+
+
+@given(_FLOOR_OPS)
+def test_floored_admission_matches_the_ledger_after_any_history(ops: list[Any]) -> None:
+    """memory_for reads each replica's use from a running per-GPU total: after any mix of
+    commits, extensions, releases and unreservations it equals the sum over the requests."""
+    gib = 1024**3
+    vmm = ReservationManager(lambda u, cap: HostReservationBackend(u, cap, map_address_space=False))
+    gpus = ("g0", "g1")
+    floors = {"x": 6 * gib, "y": 3 * gib}
+    requests: set[tuple[str, str]] = set()
+
+    def reserve(rid: str) -> None:
+        if not vmm.has_reservation(rid):
+            assert vmm.reserve_replica(rid, {g: (80 * gib, 80 * gib) for g in gpus})
+            if rid in floors:
+                vmm.set_floor(rid, dict.fromkeys(gpus, floors[rid]))
+
+    for op, rid, req, size in ops:
+        reserve(rid)
+        if op in ("commit", "extend"):
+            more = {"g0": size * gib, "g1": gib} if op == "commit" else {"g0": size * gib}
+            if getattr(vmm, op)(rid, req, more):
+                requests.add((rid, req))
+        elif op == "release":
+            vmm.release(rid, req)
+            requests.discard((rid, req))
+        elif op == "unreserve":
+            vmm.unreserve_replica(rid)
+            requests = {k for k in requests if k[0] != rid}
+        for me in ("x", "y", "z"):
+            if not vmm.has_reservation(me):
+                continue
+            seen = vmm.memory_for(me, dict.fromkeys(gpus, gib))
+            for g in gpus:
+                use = dict.fromkeys((r for r in floors if vmm.has_reservation(r)), 0)
+                for r, q in requests:
+                    use[r] = use.get(r, 0) + vmm.held_bytes(r, q).get(g, 0)
+                floor = {r: floors[r] for r in floors if vmm.has_reservation(r)}
+                others = sum(max(b, floor.get(r, 0)) for r, b in use.items() if r != me)
+                mine = max(use.get(me, 0) + gib, floor.get(me, 0))
+                assert seen[g].committed_bytes == others + mine - gib
