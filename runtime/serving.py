@@ -84,6 +84,7 @@ class _Slot:
     plan: ExecutionPlan
     timing: ReplicaTiming
     engine: Engine
+    ledger: str  # its id in the host's VMM ledger (ServingCore.ledger_id)
     pager: VmmPager | None = None  # the engine pages its KV through the VMM (None: up front)
 
 
@@ -141,35 +142,35 @@ class ServingCore:
         rid = timing.replica_id
         if rid in self._slots:
             return OpResult(True, 0.0)
-        mem = timing.memory_bytes_per_gpu
-        if not self.vmm.reserve_replica(self.ledger_id(rid), {u: (m, m) for u, m in mem.items()}):
+        mem, ledger = timing.memory_bytes_per_gpu, self.ledger_id(rid)
+        if not self.vmm.reserve_replica(ledger, {u: (m, m) for u, m in mem.items()}):
             return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=self._vmm_detail())
         overhead = timing.config.runtime_overhead_bytes
         weights = {u: b + overhead for u, b in timing.weight_bytes_per_gpu.items()}
-        if not self.vmm.commit(self.ledger_id(rid), WEIGHTS_REQUEST, weights):
-            self.vmm.unreserve_replica(self.ledger_id(rid))
+        if not self.vmm.commit(ledger, WEIGHTS_REQUEST, weights):
+            self.vmm.unreserve_replica(ledger)
             return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=self._vmm_detail())
         if self.kv_floor_tokens is not None:
             kv = timing.kv_bytes_per_token_per_gpu
             floor = {u: b + kv[u] * self.kv_floor_tokens for u, b in weights.items()}
-            self.vmm.set_floor(self.ledger_id(rid), floor)
+            self.vmm.set_floor(ledger, floor)
         engine = self._factory(timing)
         pager = None
         if isinstance(engine, PagedEngine):
-            pager = VmmPager(self.vmm, self.ledger_id(rid), timing)
+            pager = VmmPager(self.vmm, ledger, timing)
             engine.attach_pager(pager, self.settings.kv_admission)
         ready = 0.0
         for index in range(len(timing.plan.stages)):
             result = engine.load_shard(index, now_s)
             if not result.ok:
-                self._discard(rid, engine, timing)
+                self._discard(ledger, engine, timing)
                 return result
         result = engine.build_comm_groups(now_s)
         if not result.ok:
-            self._discard(rid, engine, timing)
+            self._discard(ledger, engine, timing)
             return result
         ready = result.ready_at_s
-        self._slots[rid] = _Slot(timing.plan, timing, engine, pager)
+        self._slots[rid] = _Slot(timing.plan, timing, engine, ledger, pager)
         self.router.add_replica(timing, role)
         self.model_name = timing.model.name
         return OpResult(True, ready)
@@ -188,10 +189,10 @@ class ServingCore:
             return "VMM refused"
         return f"VMM refused on {failure.gpu_uuid}: {failure.error}"
 
-    def _discard(self, rid: str, engine: Engine, timing: ReplicaTiming) -> None:
+    def _discard(self, ledger: str, engine: Engine, timing: ReplicaTiming) -> None:
         for index in range(len(timing.plan.stages)):
             engine.unload_shard(index)
-        self.vmm.unreserve_replica(self.ledger_id(rid))
+        self.vmm.unreserve_replica(ledger)
 
     def retire(self, replica_id: str) -> bool:
         """Unload and release a replica that owns nothing; False while it still owns sequences."""
@@ -203,7 +204,7 @@ class ServingCore:
         ):
             return False
         slot.engine.drop([p.seq_id for p in slot.engine.progress()])
-        self._discard(replica_id, slot.engine, slot.timing)
+        self._discard(slot.ledger, slot.engine, slot.timing)
         self.router.remove_replica(replica_id)
         del self._slots[replica_id]
         return True
@@ -287,12 +288,12 @@ class ServingCore:
             elif len(self.router.queued(choice.replica_id)) >= self.settings.max_queue_per_replica:
                 refused.add(Reason.QUEUE_FULL)
             elif not check_watermark(
-                self.vmm.memory_for(self.ledger_id(choice.replica_id), need),
+                self.vmm.memory_for(slot.ledger, need),
                 need,
                 self.settings.watermark,
             ).allowed:
                 refused.add(Reason.THROTTLED_WATERMARK)
-            elif not self.vmm.commit(self.ledger_id(choice.replica_id), rid_, need):
+            elif not self.vmm.commit(slot.ledger, rid_, need):
                 refused.add(Reason.REJECTED_OOM_RISK)
             else:
                 self.router.enqueue(request, choice.replica_id)
@@ -344,7 +345,7 @@ class ServingCore:
         slot = self._slots.get(replica_id)
         if slot is not None and slot.pager is not None:
             slot.pager.forget(seq_id)
-        self.vmm.release(self.ledger_id(replica_id), seq_id)
+        self.vmm.release(self.ledger_id(replica_id) if slot is None else slot.ledger, seq_id)
 
     @staticmethod
     def _ctx(live: _Live) -> int:
@@ -373,9 +374,9 @@ class ServingCore:
                 return
             live = self._live[seq_id]
             req = live.request
-            if not self.vmm.holds(self.ledger_id(rid), seq_id):
+            if not self.vmm.holds(slot.ledger, seq_id):
                 need = self._kv_need(slot, req, live.generated)
-                if not self.vmm.commit(self.ledger_id(rid), seq_id, need):
+                if not self.vmm.commit(slot.ledger, seq_id, need):
                     continue  # waits for memory; later queue entries may still fit
             spec = SeqSpec(
                 seq_id, req.prompt_tokens, req.max_output_tokens, live.generated,
@@ -432,8 +433,9 @@ class ServingCore:
     def _fail_replica(self, rid: str, now_s: float) -> None:
         """An engine died: its memory is gone; its sequences wait for replay elsewhere."""
         self.router.set_role(rid, ReplicaRole.FAILED)
-        self.vmm.unreserve_replica(self.ledger_id(rid))
-        pager = self._slots[rid].pager
+        slot = self._slots[rid]
+        self.vmm.unreserve_replica(slot.ledger)
+        pager = slot.pager
         if pager is not None:
             pager.forget_all()
         for seq_id, staged in list(self._staged.items()):
@@ -485,7 +487,7 @@ class ServingCore:
             now = [p.generated_tokens for p in src.progress() if p.seq_id == seq_id]
             generated = max(now, default=generated)
         need = self._kv_need(dst, live.request, generated)
-        if not self.vmm.commit(self.ledger_id(target), seq_id, need):
+        if not self.vmm.commit(dst.ledger, seq_id, need):
             return None
         exports = src.export_kv([seq_id], now_s)  # pauses it at the source until commit/abort
         if not exports:
