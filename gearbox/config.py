@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 
 from gearbox.serde import Serialisable
 
-__all__ = ["DEFAULT_CONFIG", "DEFAULT_PLACEMENT_CONFIG", "GearboxConfig", "PlacementConfig"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "DEFAULT_PLACEMENT_CONFIG",
+    "GearboxConfig",
+    "PlacementConfig",
+    "PlacementStrategy",
+]
 
 _GIB = 1024**3
 _INF = float("inf")
@@ -21,8 +28,10 @@ def _check_bounds(
     obj: GearboxConfig | PlacementConfig, bounds: dict[str, tuple[float, float]]
 ) -> None:
     for f in dataclasses.fields(obj):
-        lo, hi = bounds[f.name]
         value = getattr(obj, f.name)
+        if isinstance(value, str):
+            continue  # a choice, not a number: checked on its own
+        lo, hi = bounds[f.name]
         if not lo <= value <= hi:
             raise ValueError(f"{f.name}: must be within [{lo}, {hi}], got {value}")
 
@@ -208,9 +217,16 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
 }
 
 
+class PlacementStrategy(StrEnum):
+    """Which feasible GPU a new replica goes to."""
+
+    SPREAD = "spread"  # best score (affinity, free memory after, idle compute): the article's
+    PACK = "pack"  # best fit: least room left under the watermark, big empty GPUs kept whole
+
+
 @dataclass(frozen=True, slots=True)
 class PlacementConfig(Serialisable):
-    """Knobs of multi-model placement (filter → score → anti-affinity → evict)."""
+    """Knobs of multi-model placement (filter → score → anti-affinity → evict → scale)."""
 
     memory_k: float = 1.3  # KV safety factor in model_size + k × batch × seq × kv_bytes
     weight_affinity: float = 0.5  # score weight: GPU already holds the model
@@ -220,9 +236,23 @@ class PlacementConfig(Serialisable):
     oom_watermark: float = 0.85  # reject placements that push a GPU past this fill (pre-OOM)
     eviction_reload_factor: float = 3.0  # evict only if time to next request > reload × this
     cold_after_s: float = 1800.0  # a model idle this long is cold (eviction candidate)
+    strategy: PlacementStrategy = PlacementStrategy.SPREAD  # among feasible GPUs
+    # scale-out: another replica when the requests a model's replicas refused for capacity or
+    # left waiting over the window reach this share of its arrivals (and at least
+    # eviction_reload_factor of them: a stray refusal does not buy a load)
+    scale_out_unmet_share: float = 0.05
+    max_replicas_per_model: int = 4  # scale-out stops here: one hot model never takes the fleet
 
     def __post_init__(self) -> None:
         _check_bounds(self, _PLACEMENT_BOUNDS)
+        try:
+            # NOTE: a scenario file gives the strategy as a plain string
+            object.__setattr__(self, "strategy", PlacementStrategy(self.strategy))
+        except ValueError:
+            raise ValueError(
+                f"strategy: must be one of {', '.join(s.value for s in PlacementStrategy)}, "
+                f"got {self.strategy!r}"
+            ) from None
         total = self.weight_affinity + self.weight_free_memory + self.weight_utilisation
         if abs(total - 1.0) > 1e-6:
             raise ValueError(
@@ -240,6 +270,8 @@ _PLACEMENT_BOUNDS: dict[str, tuple[float, float]] = {
     "oom_watermark": (0.1, 1.0),
     "eviction_reload_factor": (1.0, 1000.0),
     "cold_after_s": (0.0, 7 * 86_400.0),
+    "scale_out_unmet_share": (0.0, 1.0),
+    "max_replicas_per_model": (1, 1024),
 }
 
 DEFAULT_CONFIG = GearboxConfig()

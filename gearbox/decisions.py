@@ -57,6 +57,8 @@ class DecisionReason(StrEnum):
     EVICT_COLD = "evict_cold"  # idle, least recently used, and its GPU lets a waiting model in
     EVICT_QUEUE = "evict_queue"  # idle, not cold, but the requests it unblocks outweigh its loss
     WAITING_FOR_ROOM = "waiting_for_room"  # a cold model has requests but no GPU fits it yet
+    SCALE_OUT = "scale_out"  # a resident model's demand is unmet: one more replica
+    SCALE_IN = "scale_in"  # an extra replica, idle, given back (or evicted for a waiting model)
     COLD = "cold"  # not loaded and not requested
     RESIDENT = "resident"  # loaded, and either in use or not needed elsewhere
 

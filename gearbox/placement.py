@@ -7,12 +7,19 @@
   pre-OOM ``oom_watermark``; fewer than ``max_models_per_gpu`` resident models (concurrency cap).
 * Score (soft): ``weight_affinity × holds-the-model + weight_free_memory × free-after / total +
   weight_utilisation × (1 − utilisation)`` (0.5 / 0.3 / 0.2 by default).
+* Strategy (``PlacementConfig.strategy``): ``spread`` takes the best score; ``pack`` the best
+  fit — the feasible GPU left with the least room under the watermark, so a small model fills
+  a partly used or small GPU before it opens a big empty one a big model may need.
 * Anti-affinity: replicas go to distinct GPUs, and to nodes not yet used while any feasible GPU
-  remains on one — fault tolerance outranks score.
+  remains on one — fault tolerance outranks score and fit.
 * Nothing fits: queue, naming the rule that rejected most GPUs, and propose evictions, only of
   models with no active and no queued requests and not in transition (loading, or already
   promised for eviction) — correctness first:
 
+  - **extra replica** (first of all): a replica of a model that keeps another serving one, idle
+    (no request routed to it) for at least ``eviction_reload_factor`` × its reload — the same
+    minimum residence as the queue rule, so a scale-out is not given back at once. Its loss is
+    nil: its model still serves. Never a model's last replica;
   - **cold** (the article's rule, least recently used first): idle past ``cold_after_s``, and
     the expected time to its next request exceeds its reload × ``eviction_reload_factor``;
   - **queue** (only when no cold model makes room, and only for a placement that requests are
@@ -29,7 +36,8 @@
 
   The next request is expected one mean gap after the last while the model is on schedule, and
   one mean gap from now once it is overdue. Among GPUs, a plan with fewer queue evictions wins
-  (cold models go first), then fewer evictions, then fewer bytes freed.
+  (cold models go first), then fewer last replicas (extra replicas go first), then fewer
+  evictions, then fewer bytes freed.
 * Fragmentation: "dead memory" is free memory on GPUs whose free space is below every model's
   minimum footprint — free, but of no use to any model.
 """
@@ -42,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from gearbox.config import PlacementConfig
+from gearbox.config import PlacementConfig, PlacementStrategy
 from gearbox.model import ModelSpec
 from gearbox.serde import Serialisable
 from gearbox.types import Gpu, TopologySnapshot
@@ -154,6 +162,7 @@ class Backlog(Serialisable):
 class EvictionRule(StrEnum):
     """Which rule let a model be evicted."""
 
+    EXTRA_REPLICA = "extra_replica"  # idle, and its model keeps another replica serving
     COLD = "cold"  # idle past cold_after_s and its next request is far off: worth its reload
     QUEUE = "queue"  # idle, and the requests waiting for the placement outweigh its loss
 
@@ -167,6 +176,7 @@ class GpuVerdict(Serialisable):
     reason: PlacementReason  # PLACED when it passed the filter
     estimated_bytes: int
     score: float  # 0 when filtered out
+    headroom_bytes: int = 0  # room left under the watermark after placing (0 when filtered out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,16 +243,24 @@ def _verdict(
         + config.weight_free_memory * (gpu.free_memory_bytes - need) / gpu.total_memory_bytes
         + config.weight_utilisation * (1.0 - min(1.0, max(0.0, gpu.utilisation)))
     )
-    return GpuVerdict(gpu.uuid, gpu.node, PlacementReason.PLACED, need, score)
+    headroom = int(config.oom_watermark * gpu.total_memory_bytes) - used_after
+    return GpuVerdict(gpu.uuid, gpu.node, PlacementReason.PLACED, need, score, headroom)
 
 
-def _spread(feasible: Sequence[GpuVerdict], count: int) -> tuple[str, ...]:
-    """Best score first, but a node already used only once no unused node has a feasible GPU."""
+def _choose(
+    feasible: Sequence[GpuVerdict], count: int, strategy: PlacementStrategy
+) -> tuple[str, ...]:
+    """Best score (spread) or least headroom (pack) first, but a node already used only once no
+    unused node has a feasible GPU."""
     chosen: list[GpuVerdict] = []
     nodes: set[str] = set()
     pool = list(feasible)
+
+    def rank(v: GpuVerdict) -> float:
+        return float(v.headroom_bytes) if strategy is PlacementStrategy.PACK else -v.score
+
     while pool and len(chosen) < count:
-        best = min(pool, key=lambda v: (v.node in nodes, -v.score, v.gpu_uuid))
+        best = min(pool, key=lambda v: (v.node in nodes, rank(v), v.gpu_uuid))
         chosen.append(best)
         nodes.add(best.node)
         pool.remove(best)
@@ -264,9 +282,10 @@ def _expected_loss(resident: ResidentModel) -> float:
 
 
 def _proposal(
-    resident: ResidentModel, now_s: float, config: PlacementConfig
+    resident: ResidentModel, now_s: float, config: PlacementConfig, extra: bool = False
 ) -> EvictionProposal | None:
-    """``resident`` as an eviction candidate, by the first rule that allows it (None: neither).
+    """``resident`` as an eviction candidate, by the first rule that allows it (None: none);
+    ``extra``: its model keeps another serving replica.
 
     A QUEUE candidate still has to be outweighed by the backlog (:func:`_worth_it`).
     """
@@ -280,10 +299,13 @@ def _proposal(
     proposal = EvictionProposal(
         resident.model_name, resident.gpu_uuid, resident.memory_bytes, idle, gap, resident.reload_s
     )
+    # NOTE: hysteresis — the minimum residence (see the module docstring)
+    settled = idle >= resident.reload_s * config.eviction_reload_factor
+    if extra and settled:
+        return replace(proposal, rule=EvictionRule.EXTRA_REPLICA)
     if idle >= config.cold_after_s and gap > resident.reload_s * config.eviction_reload_factor:
         return proposal
-    # NOTE: hysteresis — the minimum residence (see the module docstring)
-    if idle < resident.reload_s * config.eviction_reload_factor:
+    if not settled:
         return None
     return replace(proposal, rule=EvictionRule.QUEUE, expected_loss=_expected_loss(resident))
 
@@ -305,6 +327,11 @@ def _fits_after(gpu: Gpu, free: int, models: int, need: int, config: PlacementCo
     )
 
 
+def _serving_replicas(residents: Sequence[ResidentModel]) -> Counter[str]:
+    """Replicas per model that serve (not loading, not promised for eviction)."""
+    return Counter(r.model_name for r in residents if not r.in_transition)
+
+
 def _evictions_on(
     gpu: Gpu,
     need: int,
@@ -312,21 +339,25 @@ def _evictions_on(
     now_s: float,
     config: PlacementConfig,
     backlog: Backlog | None,
+    replicas: Counter[str],
 ) -> tuple[EvictionProposal, ...] | None:
-    """Cold models least recently used first; then, if still short and a backlog waits, idle
-    ones by the queue rule, least recently used first, each only while the backlog still
-    outweighs their loss together (one it would not skips to the next)."""
+    """Extra replicas, then cold models, least recently used first; then, if still short and a
+    backlog waits, idle ones by the queue rule, least recently used first, each only while the
+    backlog still outweighs their loss together (one it would not skips to the next)."""
     free, models = gpu.free_memory_bytes, len(on_gpu)
-    candidates = [
-        p
-        for r in sorted(on_gpu, key=lambda r: (r.last_request_s, r.model_name))
-        if (p := _proposal(r, now_s, config)) is not None
-    ]
+    candidates = sorted(
+        (
+            p
+            for r in on_gpu
+            if (p := _proposal(r, now_s, config, replicas[r.model_name] > 1)) is not None
+        ),
+        key=lambda p: (p.rule is not EvictionRule.EXTRA_REPLICA, -p.idle_s, p.model_name),
+    )
     proposals: list[EvictionProposal] = []
     for proposal in candidates:
         if _fits_after(gpu, free, models, need, config):
             break
-        if proposal.rule is EvictionRule.COLD:
+        if proposal.rule in (EvictionRule.EXTRA_REPLICA, EvictionRule.COLD):
             proposals.append(proposal)
             free, models = free + proposal.freed_bytes, models - 1
     queue: list[EvictionProposal] = []
@@ -349,18 +380,23 @@ def _eviction_plan(
     backlog: Backlog | None,
 ) -> tuple[EvictionProposal, ...]:
     """The evictions on one GPU that make the request fit there (empty if none does): fewest
-    queue evictions (cold models first), then fewest evictions, then fewest bytes freed."""
+    queue evictions (cold models first), then fewest of any model's last replica (extra
+    replicas first), then fewest evictions, then fewest bytes freed."""
     need = request.estimated_bytes(config.memory_k)
-    best: tuple[tuple[int, int, int, str], tuple[EvictionProposal, ...]] | None = None
+    replicas = _serving_replicas(residents)
+    best: tuple[tuple[int, int, int, int, str], tuple[EvictionProposal, ...]] | None = None
     for gpu in snapshot.gpus:
         if not snapshot.gpu_is_live(gpu):
             continue
         on_gpu = [r for r in residents if r.gpu_uuid == gpu.uuid]
-        proposals = _evictions_on(gpu, need, on_gpu, snapshot.now_s, config, backlog)
+        proposals = _evictions_on(gpu, need, on_gpu, snapshot.now_s, config, backlog, replicas)
         if proposals is None:
             continue
         queue = sum(1 for p in proposals if p.rule is EvictionRule.QUEUE)
-        key = (queue, len(proposals), sum(p.freed_bytes for p in proposals), gpu.uuid)
+        # NOTE: giving back an extra replica loses nothing (its model keeps serving): a plan of
+        # extras alone beats one that takes any model's last replica
+        last = sum(1 for p in proposals if p.rule is not EvictionRule.EXTRA_REPLICA)
+        key = (queue, last, len(proposals), sum(p.freed_bytes for p in proposals), gpu.uuid)
         if best is None or key < best[0]:
             best = (key, proposals)
     return best[1] if best is not None else ()
@@ -379,7 +415,9 @@ def _eviction_text(
     for e in evictions:
         where = f"{e.model_name}@{e.gpu_uuid} (idle {_minutes(e.idle_s)}, next expected in "
         where += f"{_minutes(e.expected_gap_s)}"
-        if e.rule is EvictionRule.COLD:
+        if e.rule is EvictionRule.EXTRA_REPLICA:
+            parts.append(f"give back {where}: an extra replica, its model keeps serving)")
+        elif e.rule is EvictionRule.COLD:
             parts.append(f"evict {where}, reload {_minutes(e.reload_s)}: cold)")
         else:
             parts.append(f"evict {where}, ~{e.expected_loss:.1f} requests would wait its reload)")
@@ -418,12 +456,12 @@ def place_model(
     )
     feasible = [v for v in verdicts if v.reason is PlacementReason.PLACED]
     if feasible:
-        chosen = _spread(feasible, request.num_replicas)
+        chosen = _choose(feasible, request.num_replicas, config.strategy)
         partial = len(chosen) < request.num_replicas
         reason = PlacementReason.PLACED_PARTIAL if partial else PlacementReason.PLACED
         explanation = (
             f"{request.model_name}: {len(chosen)}/{request.num_replicas} replicas on "
-            f"{', '.join(chosen)} (best score {feasible[0].score:.3f})."
+            f"{', '.join(chosen)} ({config.strategy.value}; best score {feasible[0].score:.3f})."
         )
         return PlacementDecision(
             request.model_name,
