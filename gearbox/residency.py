@@ -13,29 +13,35 @@ state, demand and the GPUs they hold) and acts only for itself:
   name. Each is placed by :func:`gearbox.placement.place_model` (memory filter, the
   ``oom_watermark`` fill across all models on the GPU, ``max_models_per_gpu``) on the GPUs its
   pin domain allows, none on a node that holds a model it is anti-affine to (either model
-  naming the other), the nodes of its affine models tried first; among the feasible GPUs, best
-  fit — the one it leaves with the least room under the watermark, so a small model fills a
-  partly used or small GPU before it opens a big empty one a big model may need. Placed: its
+  naming the other), the nodes of its affine models tried first, by ``config.strategy`` (spread:
+  best score; pack: best fit, least room left under the watermark). Placed: its
   footprint is promised on that GPU for the rest of the round. Queued: the least recently used
   resident whose eviction makes room (with others on its GPU, least recently used first, if one
-  is not enough; place_model's rules: never a model with active or queued requests; cold — idle
-  past ``cold_after_s``, worth its reload — on any GPU before the queue rule — idle, and the
-  model's waiting requests outweigh its expected loss — on any) is promised to it — its memory
-  stays held until the runtime confirms, and the rest of the waiting model's footprint is
-  promised on that GPU.
+  is not enough; place_model's rules: never a model with active or queued requests; an idle
+  extra replica of a model that keeps another, then cold — idle past ``cold_after_s``, worth
+  its reload — on any GPU before the queue rule — idle, and the model's waiting requests
+  outweigh its expected loss — on any) is promised to it — its memory stays held until the
+  runtime confirms, and the rest of the waiting model's footprint is promised on that GPU.
+  Then every resident model not evicted, most unmet demand first, is scaled by
+  :func:`gearbox.scaling.scale_replicas` on what is left (its 429s for capacity and waiting
+  requests over the load window against its arrivals): one more replica on a GPU without one
+  (promised like a load; extra replicas, cold models and — its unmet demand as the backlog —
+  idle ones by the queue rule evicted for it), or an idle extra one given back.
 * **Me.** A cold model placed in the round loads there (``LOAD_ON_DEMAND``); queued, it waits
   (``WAITING_FOR_ROOM``, naming the evictions under way). A resident model proposed for eviction
   in the round — and with no active and no queued request, checked again here — is evicted
-  (``EVICT_COLD`` or ``EVICT_QUEUE`` by the rule, naming the model it makes room for); that
-  frees its share of the GPU only. Anything else holds.
+  (``EVICT_COLD`` or ``EVICT_QUEUE`` by the rule, naming the model it makes room for), or, when
+  only some of its replicas go, keeps the others (``SCALE_IN``); that frees those replicas'
+  share only. A resident model the scale rule grows gets one more replica (``SCALE_OUT``) or
+  gives one back (``SCALE_IN``). Anything else holds.
 
-NOTE: a model loads as one TP1 replica. The runtime's VMM ledger is per GPU across every
-model's engine, so its watermark and 429s hold whatever share placement estimated, and each
-on-demand replica's footprint (weights, overhead, :func:`kv_floor_tokens` of KV) is a floor the
-others' admissions see as held; past it a model's KV competes with its neighbours'. Measured
-with ``flexpipe up --scenario many-models`` (24 models, 12 GPUs, up to four per GPU): serving
-GPUs held two or more models 44 % of the time, at most four; 27 loads, 6 evictions, none with a
-request in flight, no OOM, 28 requests refused ``throttled_watermark``.
+NOTE: a model loads as one TP1 replica and grows by TP1 replicas, each on its own GPU; the
+router spreads its requests over them (predicted completion). The view's active and queued
+counts are the deployment's, so a replica is only given back when the whole model has none.
+The runtime's VMM ledger is per GPU across every model's engine, so its watermark and 429s
+hold whatever share placement estimated, and each on-demand replica's footprint (weights,
+overhead, :func:`kv_floor_tokens` of KV) is a floor the others' admissions see as held; past
+it a model's KV competes with its neighbours'.
 """
 
 from __future__ import annotations
@@ -50,14 +56,13 @@ from gearbox.decisions import DecisionReason
 from gearbox.placement import (
     Backlog,
     EvictionRule,
-    GpuVerdict,
     ModelFootprint,
     PlacementDecision,
-    PlacementReason,
     PlacementStatus,
     ResidentModel,
     place_model,
 )
+from gearbox.scaling import ReplicaDemand, ScaleAction, ScaleDecision, scale_replicas
 from gearbox.serde import Serialisable
 from gearbox.types import TopologySnapshot
 
@@ -101,6 +106,8 @@ class ResidencyAction(StrEnum):
 
     LOAD = "load"
     EVICT = "evict"
+    SCALE_OUT = "scale_out"  # one more replica of a resident model
+    SCALE_IN = "scale_in"  # one replica of a resident model given back, the others stay
     HOLD = "hold"
 
 
@@ -120,6 +127,9 @@ class OnDemandModel(Serialisable):
     pin_domain: str | None = None  # load only in this domain
     affinity: tuple[str, ...] = ()  # prefer nodes holding these deployments
     anti_affinity: tuple[str, ...] = ()  # never a node holding one of these
+    refused: int = 0  # capacity refusals (429: watermark, queue full) over the load window
+    window_s: float = 60.0  # the load window
+    steady_s: float = math.inf  # since its replica set last changed (inf: never changed)
 
     @property
     def wanted(self) -> bool:
@@ -133,7 +143,7 @@ class ResidencyVerdict(Serialisable):
 
     action: ResidencyAction
     reason: DecisionReason
-    gpu_uuids: tuple[str, ...]  # LOAD: where its replica goes
+    gpu_uuids: tuple[str, ...]  # the GPUs its target plan holds, one replica each (EVICT: none)
     for_model: str | None  # EVICT: the model it makes room for
     placement: PlacementDecision | None  # the round's placement of this model, when it ran
     explanation: str
@@ -176,8 +186,10 @@ def room(
 def _resident(
     model: OnDemandModel, uuid: str, now_s: float, config: PlacementConfig
 ) -> ResidentModel:
-    """The model on one of its GPUs as placement sees it: an eviction candidate when resident
-    on that GPU alone (evicting frees its share only), else memory spoken for."""
+    """The model's replica on one of its GPUs as placement sees it: an eviction candidate when
+    resident (evicting frees that replica's share only), else memory spoken for. The
+    deployment's active and queued requests count on every replica: the view has no finer
+    figures, so no replica of a model in use is ever given back."""
     idle_s = now_s - model.last_demand_s if math.isfinite(model.last_demand_s) else now_s
     # NOTE: no arrival in the load window: the next request is expected no sooner than the
     # time the model has already waited for one (twice the idle time is a memoryless guess).
@@ -191,7 +203,7 @@ def _resident(
         gap_s,
         model.reload_s,
         model.queued_requests,
-        in_transition=model.state is not Residency.RESIDENT or len(model.gpu_uuids) != 1,
+        in_transition=model.state is not Residency.RESIDENT,
     )
 
 
@@ -202,46 +214,11 @@ def _nodes_of(
     return {node_of[u] for m in models if m.name in wanted for u in m.gpu_uuids if u in node_of}
 
 
-def _best_fit(
-    model: OnDemandModel,
-    snapshot: TopologySnapshot,
-    residents: Sequence[ResidentModel],
-    config: PlacementConfig,
-) -> PlacementDecision:
-    """place_model's decision, on the feasible GPU that the model leaves with the least room
-    under the watermark (ties: uuid) — packing: a small model fills a partly used or small GPU
-    before it opens a big empty one that a big model may need."""
-    decision = place_model(model.footprint, snapshot, residents, config, _backlog(model))
-    if decision.status is not PlacementStatus.PLACED:
-        return decision
-    by_uuid = {g.uuid: g for g in snapshot.gpus}
-
-    def headroom(v: GpuVerdict) -> int:
-        gpu = by_uuid[v.gpu_uuid]
-        used = gpu.total_memory_bytes - gpu.free_memory_bytes
-        return int(config.oom_watermark * gpu.total_memory_bytes) - used - v.estimated_bytes
-
-    feasible = [v for v in decision.verdicts if v.reason is PlacementReason.PLACED]
-    best = min(feasible, key=lambda v: (headroom(v), v.gpu_uuid))
-    others = sum(1 for r in residents if r.gpu_uuid == best.gpu_uuid)
-    text = (
-        f"{model.name}: best fit on {best.gpu_uuid} of {len(feasible)} feasible GPUs, "
-        f"{others} other models there, {headroom(best) / 2**30:.1f} GiB left under the "
-        f"{config.oom_watermark:.0%} watermark."
-    )
-    return replace(decision, gpu_uuids=(best.gpu_uuid,), explanation=text)
-
-
-def _place(
-    model: OnDemandModel,
-    models: Sequence[OnDemandModel],
-    snapshot: TopologySnapshot,
-    residents: Sequence[ResidentModel],
-    config: PlacementConfig,
-) -> tuple[PlacementDecision, str]:
-    """Place ``model`` on the GPUs its pin and anti-affinity allow, nodes of its affine models
-    first, best fit; with a note of what was excluded. ``snapshot`` shows what the round left
-    free on each GPU."""
+def _allowed(
+    model: OnDemandModel, models: Sequence[OnDemandModel], snapshot: TopologySnapshot
+) -> tuple[TopologySnapshot, list[str]]:
+    """``snapshot`` cut to the GPUs ``model``'s pin and anti-affinity allow; notes of what was
+    excluded."""
     node_of = {g.uuid: g.node for g in snapshot.gpus}
     # NOTE: anti-affinity binds both ways: a model also keeps off the nodes of models that
     # named it (with GPUs shared, the other one may be placed first)
@@ -257,19 +234,44 @@ def _place(
         notes.append(f"pinned to domain {model.pin_domain}")
     if avoid:
         notes.append(f"anti-affinity avoids {', '.join(sorted(avoid))}")
-    allowed = replace(snapshot, gpus=gpus)
-    usable = [r for r in residents if r.gpu_uuid in {g.uuid for g in gpus}]
-    near = _nodes_of(model.affinity, models, node_of)
+    return replace(snapshot, gpus=gpus), notes
+
+
+def _place(
+    model: OnDemandModel,
+    models: Sequence[OnDemandModel],
+    snapshot: TopologySnapshot,
+    residents: Sequence[ResidentModel],
+    config: PlacementConfig,
+) -> tuple[PlacementDecision, str]:
+    """Place ``model`` on the GPUs its pin and anti-affinity allow, nodes of its affine models
+    first, by ``config.strategy``; with a note of what was excluded. ``snapshot`` shows what
+    the round left free on each GPU."""
+    allowed, notes = _allowed(model, models, snapshot)
+    gpus = {g.uuid for g in allowed.gpus}
+    usable = [r for r in residents if r.gpu_uuid in gpus]
+    near = _nodes_of(model.affinity, models, {g.uuid: g.node for g in snapshot.gpus})
     if near:
-        close = replace(snapshot, gpus=tuple(g for g in gpus if g.node in near))
-        first = _best_fit(model, close, usable, config)
+        close = replace(snapshot, gpus=tuple(g for g in allowed.gpus if g.node in near))
+        first = place_model(model.footprint, close, usable, config, _backlog(model))
         if first.status is PlacementStatus.PLACED:
             return first, "; ".join([*notes, f"affinity: near {', '.join(model.affinity)}"])
         notes.append(f"no room near {', '.join(model.affinity)}")
-    decision = _best_fit(model, allowed, usable, config)
+    decision = place_model(model.footprint, allowed, usable, config, _backlog(model))
     if decision.status is PlacementStatus.QUEUED:
         decision = _least_recently_used(model, allowed, usable, config) or decision
     return decision, "; ".join(notes)
+
+
+def _demand(model: OnDemandModel) -> ReplicaDemand:
+    """A resident model's demand over the load window, as the scale rule reads it."""
+    return ReplicaDemand(
+        arrivals=round(model.arrival_rps * model.window_s),
+        refused=model.refused,
+        waiting_requests=model.queued_requests,
+        window_s=model.window_s,
+        steady_s=model.steady_s,
+    )
 
 
 def _backlog(model: OnDemandModel) -> Backlog:
@@ -322,47 +324,87 @@ def _take(snapshot: TopologySnapshot, uuid: str, num_bytes: int) -> TopologySnap
     return replace(snapshot, gpus=gpus)
 
 
+@dataclass(frozen=True, slots=True)
+class _Round:
+    """What one round decided for every on-demand model."""
+
+    placements: dict[str, tuple[PlacementDecision, str]]  # cold, requested: placement, note
+    victims: dict[str, tuple[str, PlacementDecision]]  # evicted: (for whom, its placement)
+    scales: dict[str, ScaleDecision]  # resident, not a victim: its scale decision
+
+
+def _promise(
+    name: str,
+    decision: PlacementDecision,
+    need: int,
+    free: TopologySnapshot,
+    residents: list[ResidentModel],
+    victims: dict[str, tuple[str, PlacementDecision]],
+    now_s: float,
+) -> tuple[TopologySnapshot, list[ResidentModel]]:
+    """Hold in the round what ``decision`` takes: a placed replica's footprint on its GPU, or
+    the victims proposed (their memory stays held until confirmed) and the rest of ``need``."""
+    if decision.status is PlacementStatus.PLACED:
+        for uuid in decision.gpu_uuids:
+            free = _take(free, uuid, need)
+            promised = ResidentModel(name, uuid, need, 0, now_s, 0.0, 0.0, in_transition=True)
+            residents.append(promised)
+        return free, residents
+    for proposal in decision.evictions:
+        victims[proposal.model_name] = (name, decision)
+        residents = [
+            replace(r, in_transition=True) if r.model_name == proposal.model_name else r
+            for r in residents
+        ]
+    if decision.evictions:
+        uuid = decision.evictions[0].gpu_uuid
+        freed = sum(p.freed_bytes for p in decision.evictions)
+        free = _take(free, uuid, max(0, need - freed))
+    return free, residents
+
+
 def _round(
     models: Sequence[OnDemandModel], snapshot: TopologySnapshot, config: PlacementConfig
-) -> tuple[dict[str, tuple[PlacementDecision, str]], dict[str, str]]:
-    """Every requested cold model's placement in order, and the evictions promised (victim →
-    the model it makes room for).
+) -> _Round:
+    """Every requested cold model's placement in order, the evictions promised, then every
+    other resident model's scale decision (most unmet demand first) on what is left.
 
     A placed model's footprint is promised on its GPU (it counts there for the models after it,
     like a loading one); a proposed eviction keeps its victim's memory held (it is not freed
-    until the runtime confirms) and promises the rest of the waiting model's footprint.
+    until the runtime confirms) and promises the rest of the waiting model's footprint. A
+    scale-out is promised the same way, and its evictions likewise. Cold models come first: a
+    model with no replica waits longer than one with one.
     """
     free = room(snapshot, models, config)
     residents = [_resident(m, u, snapshot.now_s, config) for m in models for u in m.gpu_uuids]
-    victims: dict[str, str] = {}
+    victims: dict[str, tuple[str, PlacementDecision]] = {}
     placements: dict[str, tuple[PlacementDecision, str]] = {}
     waiting = sorted(
         (m for m in models if needs(m)),
         key=lambda m: (-held_bytes(m, config), -m.queued_requests, m.name),
     )
+    now_s = snapshot.now_s
     for model in waiting:
         decision, note = _place(model, models, free, residents, config)
         placements[model.name] = (decision, note)
         need = held_bytes(model, config)
-        if decision.status is PlacementStatus.PLACED:
-            for uuid in decision.gpu_uuids:
-                free = _take(free, uuid, need)
-                promised = ResidentModel(
-                    model.name, uuid, need, 0, snapshot.now_s, 0.0, 0.0, in_transition=True
-                )
-                residents.append(promised)
+        free, residents = _promise(model.name, decision, need, free, residents, victims, now_s)
+    scales: dict[str, ScaleDecision] = {}
+    resident = [m for m in models if m.state is Residency.RESIDENT]
+    for model in sorted(resident, key=lambda m: (-_demand(m).unmet, m.name)):
+        if model.name in victims:
             continue
-        for proposal in decision.evictions:
-            victims[proposal.model_name] = model.name
-            residents = [
-                replace(r, in_transition=True) if r.model_name == proposal.model_name else r
-                for r in residents
-            ]
-        if decision.evictions:
-            uuid = decision.evictions[0].gpu_uuid
-            freed = sum(p.freed_bytes for p in decision.evictions)
-            free = _take(free, uuid, max(0, need - freed))
-    return placements, victims
+        allowed, _ = _allowed(model, models, free)
+        # NOTE: the round's residents go by deployment name (two may serve one model)
+        mine = replace(model.footprint, model_name=model.name)
+        scale = scale_replicas(mine, _demand(model), allowed, residents, config)
+        scales[model.name] = scale
+        if scale.placement is not None and scale.action is not ScaleAction.IN:
+            need = held_bytes(model, config)
+            free, residents = _promise(
+                model.name, scale.placement, need, free, residents, victims, now_s
+            )
+    return _Round(placements, victims, scales)
 
 
 def decide_residency(
@@ -378,7 +420,8 @@ def decide_residency(
     mine = next(m for m in models if m.name == me)
     if mine.state in (Residency.LOADING, Residency.EVICTING):
         return _hold(DecisionReason.TRANSITION_IN_FLIGHT, f"{me}: {mine.state.value}.")
-    placements, victims = _round(models, snapshot, config)
+    decided = _round(models, snapshot, config)
+    placements = decided.placements
     if mine.state is Residency.COLD:
         if me not in placements:
             return _hold(DecisionReason.COLD, f"{me}: cold, no request waits for it.")
@@ -403,23 +446,65 @@ def decide_residency(
         return ResidencyVerdict(
             ResidencyAction.HOLD, DecisionReason.WAITING_FOR_ROOM, (), None, decision, text
         )
-    needy = victims.get(me)
-    if needy is None:
-        state = "in use" if mine.wanted else "idle, but no waiting model needs its GPU"
-        return _hold(DecisionReason.RESIDENT, f"{me}: resident, {state}.")
+    if me in decided.victims:
+        return _evicted(mine, decided.victims[me], snapshot.now_s)
+    return _scaled(mine, decided.scales.get(me))
+
+
+def _evicted(
+    mine: OnDemandModel, victim: tuple[str, PlacementDecision], now_s: float
+) -> ResidencyVerdict:
+    """A resident model proposed for eviction in the round: all its replicas go (EVICT), or an
+    extra one of several (SCALE_IN)."""
+    me, (needy, decision) = mine.name, victim
     if mine.wanted:  # NOTE: place_model never proposes it; this keeps the rule local and sure
         return _hold(DecisionReason.RESIDENT, f"{me}: resident with requests: never evicted.")
-    idle = snapshot.now_s - mine.last_demand_s if math.isfinite(mine.last_demand_s) else None
+    idle = now_s - mine.last_demand_s if math.isfinite(mine.last_demand_s) else None
     since = f"idle {idle:.0f} s" if idle is not None else "never requested"
-    decision = placements[needy][0]
-    rule = next(e.rule for e in decision.evictions if e.model_name == me)
-    why = "cold, least recently used" if rule is EvictionRule.COLD else "queue rule"
+    mine_gone = [e for e in decision.evictions if e.model_name == me]
+    gone = {e.gpu_uuid for e in mine_gone}
+    keep = tuple(u for u in mine.gpu_uuids if u not in gone)
+    rule = mine_gone[0].rule
+    why = {
+        EvictionRule.EXTRA_REPLICA: "an extra replica",
+        EvictionRule.COLD: "cold, least recently used",
+        EvictionRule.QUEUE: "queue rule",
+    }[rule]
     text = (
-        f"{me}: evicted from {', '.join(mine.gpu_uuids)} ({since}, no active or queued request,"
-        f" {why}) to make room for {needy}. {decision.explanation}"
+        f"{me}: evicted from {', '.join(sorted(gone))} ({since}, no active or queued request,"
+        f" {why}) to make room for {needy}"
+        + (f"; {len(keep)} replicas stay. " if keep else ". ")
+        + decision.explanation
     )
+    if keep:
+        return ResidencyVerdict(
+            ResidencyAction.SCALE_IN, DecisionReason.SCALE_IN, keep, needy, decision, text
+        )
     reason = DecisionReason.EVICT_COLD if rule is EvictionRule.COLD else DecisionReason.EVICT_QUEUE
     return ResidencyVerdict(ResidencyAction.EVICT, reason, (), needy, decision, text)
+
+
+def _scaled(mine: OnDemandModel, scale: ScaleDecision | None) -> ResidencyVerdict:
+    """A resident model not evicted: one more replica, one fewer, or it holds."""
+    me = mine.name
+    if scale is None or scale.action is ScaleAction.HOLD or scale.gpu_uuid is None:
+        state = "in use" if mine.wanted else "idle, but no waiting model needs its GPU"
+        more = f" {scale.explanation}" if scale is not None else ""
+        return _hold(DecisionReason.RESIDENT, f"{me}: resident, {state}.{more}")
+    if scale.action is ScaleAction.OUT:
+        gpus = tuple(sorted((*mine.gpu_uuids, scale.gpu_uuid)))
+        return ResidencyVerdict(
+            ResidencyAction.SCALE_OUT,
+            DecisionReason.SCALE_OUT,
+            gpus,
+            None,
+            scale.placement,
+            scale.explanation,
+        )
+    keep = tuple(u for u in mine.gpu_uuids if u != scale.gpu_uuid)
+    return ResidencyVerdict(
+        ResidencyAction.SCALE_IN, DecisionReason.SCALE_IN, keep, None, None, scale.explanation
+    )
 
 
 def _hold(reason: DecisionReason, explanation: str) -> ResidencyVerdict:

@@ -200,17 +200,35 @@ def evicted_with_active(
 
 
 def _counts(transitions: Sequence[tuple[float, GearTransition]], names: set[str]) -> dict[str, int]:
+    """Finished transitions by kind — from no replica a load, to none an eviction, else a
+    scale-out or scale-in by the replica count — and the rolled-back ones."""
     last: dict[tuple[str, int], GearTransition] = {}
     for _, rec in transitions:
         if rec.deployment in names:
             last[(rec.deployment, rec.transition_seq)] = rec
-    done = [r for r in last.values() if r.phase is TransitionPhase.DONE and r.plan is not None]
-    undone = [r for r in last.values() if r.phase is TransitionPhase.ROLLED_BACK]
-    return {
-        "loads": sum(1 for r in done if r.plan is not None and r.plan.replicas),
-        "evictions": sum(1 for r in done if r.plan is not None and not r.plan.replicas),
-        "rolled_back": len(undone),
-    }
+    counts = dict.fromkeys(("loads", "evictions", "scale_outs", "scale_ins", "rolled_back"), 0)
+    replicas: dict[str, int] = {}
+    for (dep, _), rec in sorted(last.items()):
+        if rec.phase is TransitionPhase.ROLLED_BACK:
+            counts["rolled_back"] += 1
+        if rec.phase is not TransitionPhase.DONE or rec.plan is None:
+            continue
+        before, after = replicas.get(dep, 0), len(rec.plan.replicas)
+        replicas[dep] = after
+        kind = (
+            "loads"
+            if before == 0 and after
+            else "evictions"
+            if not after
+            else "scale_outs"
+            if after > before
+            else "scale_ins"
+            if after < before
+            else None
+        )
+        if kind is not None:
+            counts[kind] += 1
+    return counts
 
 
 def packing_figures(samples: Sequence[MemorySample]) -> dict[str, Any]:
@@ -289,8 +307,8 @@ def on_demand_lines(figures: Mapping[str, Any]) -> list[str]:
     return [
         "",
         f"== on demand: {f['loads']} loads, {f['evictions']} evictions ({f['rolled_back']}"
-        f" rolled back), evicted with a request in flight {f['evicted_with_active']}, "
-        f"OOM {f['oom']}",
+        f" rolled back), {f['scale_outs']} scale-outs, {f['scale_ins']} scale-ins, evicted with "
+        f"a request in flight {f['evicted_with_active']}, OOM {f['oom']}",
         f"   refused by reason: {f['rejections_by_reason'] or 'none'}",
         f"   dead memory share mean {f['dead_memory_share_mean']} max "
         f"{f['dead_memory_share_max']}; stranded on serving GPUs mean "

@@ -5,7 +5,9 @@ the same tables (every deployment's plan state and serving windows) and decide w
 :func:`residency_result`, which wraps :func:`gearbox.residency.decide_residency` into the
 :class:`~gearbox.decisions.DecideResult` the step publishes: a load is a switch from no plan
 (or the empty plan an eviction left) to a one-replica plan, an eviction a switch to the empty
-plan. Both are voluntary, so the step's in-flight guard holds them like any other switch.
+plan, a scale-out or scale-in a switch to the plan with one replica more or fewer (the others
+kept as they are). All are voluntary, so the step's in-flight guard holds them like any other
+switch.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ class PlanView(Protocol):
         """Event time it last had requests (-1: never)."""
         ...
 
+    @property
+    def changed_ms(self) -> int:
+        """Event time a finished transition last changed its plan (-1: never)."""
+        ...
+
 
 __all__ = [
     "FOOTPRINT_BATCH",
@@ -106,10 +113,12 @@ def _model(
     dep: Deployment,
     state: tuple[Residency, tuple[str, ...]],
     load: ServingAggregate,
-    last_demand_ms: int,
+    times_ms: tuple[int, int],
+    window: HoppingWindow,
     now_s: float,
     gearbox: GearboxConfig,
 ) -> OnDemandModel:
+    last_demand_ms, changed_ms = times_ms
     demand = load.arrival_rate_rps > 0 or load.queue_len > 0 or load.active_sequences > 0
     last_s = now_s if demand else (last_demand_ms / 1000.0 if last_demand_ms >= 0 else -math.inf)
     return OnDemandModel(
@@ -125,6 +134,9 @@ def _model(
         pin_domain=dep.pin_domain,
         affinity=dep.affinity,
         anti_affinity=dep.anti_affinity,
+        refused=load.num_ttft_refused,
+        window_s=window.size_s,
+        steady_s=now_s - changed_ms / 1000.0 if changed_ms >= 0 else math.inf,
     )
 
 
@@ -148,12 +160,12 @@ def on_demand_view(
         plan = plans.get(dep.name)
         load = serving_aggregate(serving.get(dep.name, ServingWindows()), window, now_s)
         if plan is None:
-            state, last_ms = residency_of(None, None, False), -1
+            state, times = residency_of(None, None, False), (-1, -1)
         else:
             in_flight = plan.in_flight is not None
             state = residency_of(plan.current, plan.confirmed, in_flight)
-            last_ms = plan.last_demand_ms
-        out.append(_model(dep, state, load, last_ms, now_s, gearbox))
+            times = (plan.last_demand_ms, plan.changed_ms)
+        out.append(_model(dep, state, load, times, window, now_s, gearbox))
     return tuple(out)
 
 
@@ -175,13 +187,19 @@ def residency_result(
     verdict = decide_residency(dep.name, view, snapshot, placement)
     decision = None
     if verdict.action is not ResidencyAction.HOLD:
-        replicas = tuple(_replica(dep.model, u, snapshot) for u in verdict.gpu_uuids)
+        # NOTE: a replica that stays is the same plan (same id): the transition keeps it
+        # serving and loads or drains only the replicas added or removed
+        kept = {r.gpu_uuids: r for r in current.replicas} if current is not None else {}
+        replicas = tuple(
+            kept.get((u,)) or _replica(dep.model, u, snapshot) for u in verdict.gpu_uuids
+        )
         target = DeploymentPlan(dep.name, dep.model.name, replicas)
         mine = next(m for m in view if m.name == dep.name)
-        load_s = mine.reload_s if replicas else 0.0
+        added = sum(1 for r in replicas if r.gpu_uuids not in kept)
+        load_s = mine.reload_s if added else 0.0
         cost = replace(
             SwitchCost.zero(),
-            weights_bytes=dep.model.weight_bytes if replicas else 0,
+            weights_bytes=dep.model.weight_bytes * added,
             weights_load_s=load_s,
             duration_s=load_s,
         )

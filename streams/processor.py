@@ -365,7 +365,7 @@ class StreamProcessor:
         # a rollback's quarantine).
         async with self.decider.lock:
             plan = self.load(TableName.PLANS, tr.deployment, PlanState) or PlanState()
-            new = fold_transition(plan, tr)
+            new = fold_transition(plan, tr, env.event_time_ms)
             if new != plan:
                 self.store(TableName.PLANS, tr.deployment, new)
                 self.decider.show_plan(tr.deployment, new)

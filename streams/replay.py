@@ -126,7 +126,7 @@ class Replayer:
             t = replace(t, serving=serving)
         elif isinstance(p, GearTransition):
             try:
-                t = replace(t, plan=fold_transition(t.plan, p))
+                t = replace(t, plan=fold_transition(t.plan, p, env.event_time_ms))
             except (TypeError, ValueError):
                 return  # the live app dead-letters it
             t = replace(t, gear=fold_rollback(t.gear, p, env.event_time_ms, self.cfg.gearbox))

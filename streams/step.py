@@ -102,6 +102,7 @@ class PlanState:
     settled_seq: int = -1  # highest transition sequence seen reaching DONE or ROLLED_BACK
     in_flight: InFlight | None = None  # our switch the runtime has not finished yet
     last_demand_ms: int = -1  # on demand: event time it last had requests (-1: never)
+    changed_ms: int = -1  # event time a finished transition last changed its plan (-1: never)
 
 
 def serving_plan_id(plan: PlanState) -> str | None:
@@ -495,10 +496,11 @@ def reconcile(
     return logged, plan, gear
 
 
-def fold_transition(plan: PlanState, tr: GearTransition) -> PlanState:
+def fold_transition(plan: PlanState, tr: GearTransition, event_ms: int = -1) -> PlanState:
     """Follow the runtime: a finished transition confirms its plan, a rollback undoes our switch,
     and either settles our decision in flight (:func:`streams.inflight.unsettled`). While a newer
-    decision of ours is still in flight, ``current`` stays its target.
+    decision of ours is still in flight, ``current`` stays its target. ``event_ms``: the
+    record's event time, kept as ``changed_ms`` when it confirms a different plan.
     """
     if tr.transition_seq < plan.transition_seq:
         return plan
@@ -508,7 +510,10 @@ def fold_transition(plan: PlanState, tr: GearTransition) -> PlanState:
     plan = replace(plan, transition_seq=tr.transition_seq, settled_seq=settled)
     done = tr.plan if tr.phase is TransitionPhase.DONE else None
     if done is not None:
+        changed = plan.confirmed is None or plan.confirmed.plan_id != done.plan_id
         plan = replace(plan, confirmed=done, known=_remember(plan.known, done))
+        if changed and event_ms >= 0:
+            plan = replace(plan, changed_ms=event_ms)
     plan = replace(plan, in_flight=_unsettled(plan, plan.in_flight))
     if plan.in_flight is not None:
         return plan

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from gearbox.config import PlacementConfig
+from gearbox.config import PlacementConfig, PlacementStrategy
 from gearbox.decisions import DecisionReason
 from gearbox.placement import ModelFootprint, PlacementReason
 from gearbox.presets import GIB, LINK_CLASSES
@@ -169,7 +169,9 @@ def test_a_model_in_transition_holds() -> None:
 
 # ---- several models per GPU ------------------------------------------------------------------
 
-PACK = PlacementConfig(cold_after_s=60.0, max_models_per_gpu=4)  # oom_watermark 0.85
+PACK = PlacementConfig(  # oom_watermark 0.85
+    cold_after_s=60.0, max_models_per_gpu=4, strategy=PlacementStrategy.PACK
+)
 MID = ModelFootprint("mid", 25 * GIB, 64 * 1024, batch_size=8, seq_len_tokens=1024)
 
 
@@ -210,10 +212,12 @@ def test_best_fit_fills_a_partly_used_gpu_before_an_empty_big_one() -> None:
     gpus = (("big", "n0", "h100-sxm"), ("mid", "n1", "l40s"))
     models = [_resident("r", "mid", idle_s=5.0), _model("tiny", queued=1)]
     tiny = decide_residency("tiny", models, _snapshot(*gpus), PACK)
-    assert tiny.gpu_uuids == ("mid",) and "best fit on mid" in tiny.explanation
+    assert tiny.gpu_uuids == ("mid",) and "(pack;" in tiny.explanation
     both = [*models, _model("huge", BIG, queued=1)]  # placed first: the big GPU stays its own
     assert decide_residency("huge", both, _snapshot(*gpus), PACK).gpu_uuids == ("big",)
     assert decide_residency("tiny", both, _snapshot(*gpus), PACK).gpu_uuids == ("mid",)
+    spread = replace(PACK, strategy=PlacementStrategy.SPREAD)  # the same round, the other way
+    assert decide_residency("tiny", models, _snapshot(*gpus), spread).gpu_uuids == ("big",)
 
 
 @pytest.mark.unit
@@ -308,3 +312,72 @@ def test_the_queue_rule_keeps_a_recently_used_model_and_prefers_cold_ones() -> N
     cold = decide_residency("cold", models, snap, CONFIG)
     assert cold.action is ResidencyAction.EVICT and cold.reason is DecisionReason.EVICT_COLD
     assert decide_residency("frequent", models, snap, CONFIG).action is ResidencyAction.HOLD
+
+
+# ---- replicas: scale-out and scale-in in the round ---------------------------------------------
+
+THREE_GPUS = (*TWO_GPUS, ("g2", "n2", "l40s"))
+
+
+def _hot(name: str, gpu: str, queued: int = 4) -> OnDemandModel:
+    """Resident on ``gpu``, 120 arrivals over its 60 s window, 30 of them refused (429)."""
+    busy = _resident(name, gpu, idle_s=0.0, active=8, queued=queued)
+    return replace(busy, arrival_rps=2.0, refused=30, window_s=60.0)
+
+
+@pytest.mark.unit
+def test_a_resident_model_turning_requests_away_gets_one_more_replica() -> None:
+    hot = _hot("hot", "g0")
+    verdict = decide_residency("hot", [hot], _snapshot(*TWO_GPUS), PACK)
+    assert verdict.action is ResidencyAction.SCALE_OUT
+    assert verdict.reason is DecisionReason.SCALE_OUT
+    assert verdict.gpu_uuids == ("g0", "g1")  # its replica stays, one more beside it
+    assert "30 refused + 4 waiting of 120 arrivals" in verdict.explanation
+    just = replace(hot, steady_s=10.0)  # its replicas changed 10 s ago: the window is stale
+    assert decide_residency("hot", [just], _snapshot(*TWO_GPUS), PACK).action is (
+        ResidencyAction.HOLD
+    )
+
+
+@pytest.mark.unit
+def test_two_scale_outs_in_one_round_do_not_take_the_same_room() -> None:
+    # an l40s (40.8 GiB under the watermark) fits three SMALLs (10.65 GiB each): g1 holds two
+    a, b = _hot("a", "g0", queued=5), _hot("b", "g0")  # a waits more: it goes first
+    c = _resident("c", "g1", idle_s=0.0, active=1)
+    d = _resident("d", "g1", idle_s=0.0, active=1)
+    models = [a, b, c, d]
+    snap = _snapshot(*TWO_GPUS)
+    first = decide_residency("a", models, snap, PACK)
+    second = decide_residency("b", models, snap, PACK)
+    assert first.action is ResidencyAction.SCALE_OUT and first.gpu_uuids == ("g0", "g1")
+    assert second.action is ResidencyAction.HOLD  # g1 is full once a's replica is promised
+
+
+@pytest.mark.unit
+def test_a_multi_replica_model_gives_back_an_idle_replica_never_one_in_use() -> None:
+    idle = replace(_resident("m", "g0", idle_s=600.0), gpu_uuids=("g0", "g1"))
+    verdict = decide_residency("m", [idle], _snapshot(*TWO_GPUS), PACK)
+    assert verdict.action is ResidencyAction.SCALE_IN and len(verdict.gpu_uuids) == 1
+    busy = replace(idle, active_requests=1)
+    assert decide_residency("m", [busy], _snapshot(*TWO_GPUS), PACK).action is (
+        ResidencyAction.HOLD
+    )
+    queued = replace(idle, queued_requests=1)
+    assert decide_residency("m", [queued], _snapshot(*TWO_GPUS), PACK).action is (
+        ResidencyAction.HOLD
+    )
+
+
+@pytest.mark.unit
+def test_an_extra_replica_makes_room_for_a_cold_model_before_any_last_replica() -> None:
+    # both GPUs full to the cap (one model each); "m" has a replica on each, "solo" none else
+    capped = replace(PACK, max_models_per_gpu=1, cold_after_s=60.0)
+    extra = replace(_resident("m", "g0", idle_s=600.0), gpu_uuids=("g0", "g1"))
+    solo = _resident("solo", "g2", idle_s=600.0)
+    waiting = _model("w", queued=2)
+    models = [extra, solo, waiting]
+    snap = _snapshot(*THREE_GPUS)
+    m = decide_residency("m", models, snap, capped)
+    assert m.action is ResidencyAction.SCALE_IN and m.for_model == "w"
+    assert len(m.gpu_uuids) == 1  # one replica stays
+    assert decide_residency("solo", models, snap, capped).action is ResidencyAction.HOLD

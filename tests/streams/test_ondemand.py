@@ -11,7 +11,7 @@ import pytest
 from flexpipe import envelope
 from flexpipe.config import DeploymentConfig
 from flexpipe.schemas import GearTransition, PhaseStatus, TransitionPhase
-from gearbox.config import PlacementConfig
+from gearbox.config import PlacementConfig, PlacementStrategy
 from gearbox.decisions import DecisionReason, Trigger
 from gearbox.residency import Residency
 from streams.deployments import resolve_deployments
@@ -43,7 +43,9 @@ def _replayer(max_models_per_gpu: int = 1) -> Replayer:
         for n in NAMES
     )
     cfg = streams_config(deployments=deps)
-    placement = PlacementConfig(cold_after_s=60.0, max_models_per_gpu=max_models_per_gpu)
+    placement = PlacementConfig(
+        cold_after_s=60.0, max_models_per_gpu=max_models_per_gpu, strategy=PlacementStrategy.PACK
+    )
     cfg = cfg.model_copy(update={"placement": placement})
     catalog, deployments = resolve_deployments(cfg)
     return Replayer(cfg, catalog, deployments)
@@ -142,3 +144,27 @@ def test_demand_loads_done_makes_resident_and_a_waiting_model_evicts_the_lru() -
     evict = second["m4"].decision
     assert evict.decision is not None and not evict.decision.to_plan.replicas
     assert "to make room for late" in evict.explanation
+
+
+def test_a_resident_model_refusing_requests_scales_out_keeping_its_replica() -> None:
+    r = _replayer()
+    for e in cluster_envelopes(T0_MS):
+        r.fold(e)
+    _report(r, "m1", T0_MS + 1000, 1, arrivals=3, arrival_rate_rps=0.3, queue_len=2)
+    load = _tick(r, T0_MS + 15_000)["m1"]
+    assert load.decision.reason == DecisionReason.LOAD_ON_DEMAND
+    r.fold(env(_done(load), T0_MS + 20_000, "rt", 2))
+    loaded = r.tables["m1"].plan.confirmed
+    assert loaded is not None and r.tables["m1"].plan.changed_ms == T0_MS + 20_000
+    t_ms = T0_MS + 90_000  # 70 s after the load: the whole 60 s window saw one replica
+    for e in heartbeats(t_ms - 1000, 1000):
+        r.fold(e)
+    busy = {"arrivals": 20, "arrival_rate_rps": 2.0, "queue_len": 4, "active_sequences": 8}
+    _report(r, "m1", t_ms - 500, 3, capacity_refusals=10, **busy)  # a 10 s report
+    out = _tick(r, t_ms)["m1"]
+    assert out.decision.reason == DecisionReason.SCALE_OUT, out.decision.explanation
+    assert out.decision.decision is not None
+    replicas = out.decision.decision.to_plan.replicas
+    assert len(replicas) == 2
+    kept = [x for x in replicas if x.plan_id == loaded.replicas[0].plan_id]
+    assert len(kept) == 1  # the serving replica is the same plan: only the new one loads
