@@ -31,6 +31,7 @@ and the KV pool layout differ:
   ``QUEUE_TIMEOUT_S`` gives up, as does a request no instance took for that long.
 * **Replicas**: while a model has demand it wants ``ModelProfile.replicas`` instances; a system
   that places on demand is asked on arrivals and ticks, at most every ``PLACE_RETRY_S`` per model.
+  Each tick the system may also scale a resident model's replicas (``System.on_tick``).
 """
 
 from __future__ import annotations
@@ -190,6 +191,10 @@ class System(Protocol):
 
     def on_unloaded(self, instance: Instance) -> None:
         """An instance's memory was freed (eviction)."""
+        ...
+
+    def on_tick(self) -> None:
+        """Every ``TICK_S``, after the timeouts and before the engines step: scale replicas."""
         ...
 
 
@@ -436,6 +441,7 @@ class Simulator:
         self.system.place(profile, missing)
 
     def _on_tick(self) -> None:
+        assert self.system is not None
         for model_name, pending in self._pending.items():
             while pending and self.now_s - pending[0].arrival_s > QUEUE_TIMEOUT_S:
                 pending.popleft()
@@ -443,6 +449,7 @@ class Simulator:
             if pending:
                 self._ensure_replicas(model_name)
                 self._drain_pending(model_name)
+        self.system.on_tick()
         for inst in list(self.instances.values()):
             self._expire_waiting(inst)
             self._step(inst)

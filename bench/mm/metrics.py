@@ -80,6 +80,8 @@ class Metrics:
     evictions: int = 0
     evicted_with_active: int = 0  # evicted while holding running or queued requests (must be 0)
     placement_queued: int = 0  # placement attempts that found no GPU
+    scale_outs: int = 0  # replicas added beyond a model's catalogue count (ours only)
+    scale_ins: int = 0  # extra replicas given back idle (ours only)
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # gpu → served spans
     useful_gpu_s: float = 0.0  # GPU time of work that delivered tokens (see useful_frac)
     step_gpu_s: float = 0.0  # GPU time of every engine step
@@ -117,6 +119,8 @@ class Metrics:
             "evictions": self.evictions,
             "evicted_with_active": self.evicted_with_active,
             "placement_queued": self.placement_queued,
+            "scale_outs": self.scale_outs,
+            "scale_ins": self.scale_ins,
             "busy_frac": busy_s / (num_gpus * duration_s),
             "tokens_per_busy_gpu_s": self.served_tokens / busy_s if busy_s else 0.0,
             "useful_frac": self.useful_gpu_s / (num_gpus * duration_s),

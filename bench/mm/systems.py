@@ -28,16 +28,23 @@ its backlog — idle ones whose expected loss that backlog outweighs (gearbox's 
 Admission mirrors :meth:`runtime.serving.ServingCore.submit` without knowing any output length:
 candidates least loaded first, the engine's context limit on prompt + stated ``max_tokens``, the
 queue cap, then the runtime's ``check_watermark`` on the GPU's memory with the KV the request is
-admitted with (its prompt's blocks under incremental admission) — the first replica passing takes
-it, else a 429 naming the rule. Weights are reserved through the runtime's
-``ReservationManager`` (VMM).
+admitted with (its prompt's blocks under incremental admission) — ready replicas least loaded
+first, the first passing takes it, else a 429 naming the rule. Weights are reserved through the
+runtime's ``ReservationManager`` (VMM). Every tick each resident model's replicas are scaled by
+``gearbox.scaling.scale_replicas`` (the live residency round's rule) on its arrivals, capacity
+429s and waiting requests over the last ``SCALE_WINDOW_S``: one more replica when its demand is
+unmet (the evictions gearbox proposes for it applied: idle extra replicas, cold models, idle
+ones its unmet demand outweighs), an idle extra one given back; never below the catalogue's
+replica count. The baselines keep the catalogue's counts.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable, Sequence
 
-from bench.mm.core import MAX_BATCH, Instance, Simulator, footprint_of
+from bench.mm.core import Instance, Simulator, footprint_of
 from bench.mm.scenario import ModelProfile, SimRequest
 from gearbox.placement import (
     Backlog,
@@ -46,6 +53,7 @@ from gearbox.placement import (
     ResidentModel,
     place_model,
 )
+from gearbox.scaling import ReplicaDemand, ScaleAction, ScaleDecision, scale_replicas
 from runtime.throttle import DEFAULT_WATERMARK, GpuMemory, check_watermark
 from runtime.types import Reason
 from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager
@@ -53,6 +61,8 @@ from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager
 __all__ = ["GearboxSystem", "ModelAwareRoundRobin", "NaiveRoundRobin", "VllmLikeSystem"]
 
 MAX_QUEUE_PER_INSTANCE = 1024  # ServingSettings.max_queue_per_replica's default
+SCALE_WINDOW_S = 60.0  # demand window of the scale rule: the live stream's load_window_s
+_CAPACITY_REFUSALS = frozenset({Reason.THROTTLED_WATERMARK.value, Reason.QUEUE_FULL.value})
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU its processes may take
 # Most specific rejection wins when several replicas refused (ServingCore's order).
 _REJECTION_ORDER = (Reason.THROTTLED_WATERMARK, Reason.QUEUE_FULL, Reason.TOO_LONG)
@@ -155,6 +165,9 @@ class ModelAwareRoundRobin:
     def on_unloaded(self, instance: Instance) -> None:
         """Nothing reserved."""
 
+    def on_tick(self) -> None:
+        """No scaling: a model keeps its catalogue's replica count."""
+
 
 class NaiveRoundRobin(ModelAwareRoundRobin):
     """The article's round-robin: next GPU whatever it has loaded (see the module docstring)."""
@@ -256,6 +269,9 @@ class VllmLikeSystem:
     def on_unloaded(self, instance: Instance) -> None:
         """Never called: nothing is evicted."""
 
+    def on_tick(self) -> None:
+        """Static: no scaling."""
+
 
 class GearboxSystem:
     """``place_model`` + the runtime's watermark throttle (see the module docstring)."""
@@ -267,6 +283,10 @@ class GearboxSystem:
         self.watermark = watermark
         self.vmm = ReservationManager()  # host backend: real address-space reservations
         self.decisions: list[PlacementDecision] = []
+        self.scale_decisions: list[ScaleDecision] = []  # every OUT, IN and NO_ROOM
+        # per model: (time, refused for capacity) of each request routed, over SCALE_WINDOW_S
+        self._routed: dict[str, deque[tuple[float, bool]]] = {}
+        self._changed_s: dict[str, float] = {}  # per model: its replica set last changed
 
     # ---- placement ----------------------------------------------------------------------------
 
@@ -289,12 +309,10 @@ class GearboxSystem:
         for uuid in decision.gpu_uuids:
             self.sim.load(profile, uuid)
 
-    def _placement(self, profile: ModelProfile, count: int) -> PlacementDecision:
+    def _residents(self) -> list[ResidentModel]:
+        """Every instance as placement sees it (a loading one is in transition)."""
         sim = self.sim
-        # NOTE: place_model spreads the replicas of one call; GPUs already holding the model
-        # are hidden from it so a new replica never lands beside an existing one.
-        holding = frozenset(i.gpu_uuid for i in sim.instances_of(profile.name))
-        residents = [
+        return [
             ResidentModel(
                 i.profile.name,
                 i.gpu_uuid,
@@ -304,9 +322,17 @@ class GearboxSystem:
                 sim.mean_gap_s(i.profile.name),
                 i.timing.weight_load_s(),
                 len(i.waiting) + sim.pending(i.profile.name),
+                in_transition=not i.is_ready(sim.now_s),
             )
             for i in sim.instances.values()
         ]
+
+    def _placement(self, profile: ModelProfile, count: int) -> PlacementDecision:
+        sim = self.sim
+        # NOTE: place_model spreads the replicas of one call; GPUs already holding the model
+        # are hidden from it so a new replica never lands beside an existing one.
+        holding = frozenset(i.gpu_uuid for i in sim.instances_of(profile.name))
+        residents = self._residents()
         request = footprint_of(profile, sim.config, count)
         gap = sim.mean_gap_s(profile.name)  # NOTE: 0 while every arrival came at one instant
         backlog = Backlog(sim.pending(profile.name), 1.0 / gap if gap > 0 else 0.0)
@@ -322,8 +348,18 @@ class GearboxSystem:
         candidates = sim.instances_of(request.model_name)
         if not candidates:
             return None
+        now_s = sim.now_s
+        order = sorted(candidates, key=lambda i: (not i.is_ready(now_s), i.active, i.iid))
+        choice = self._admit(request, order)
+        routed = self._routed.setdefault(request.model_name, deque())
+        routed.append((now_s, isinstance(choice, str) and choice in _CAPACITY_REFUSALS))
+        return choice
+
+    def _admit(self, request: SimRequest, order: Sequence[Instance]) -> Instance | str:
+        """The first instance in ``order`` that admits ``request``, else the refusal."""
+        sim = self.sim
         refused: set[Reason] = set()
-        for inst in sorted(candidates, key=lambda i: (i.active / MAX_BATCH, i.iid)):
+        for inst in order:
             uuid = inst.gpu_uuid
             memory = {uuid: GpuMemory(sim.pool.total_bytes(uuid), sim.pool.used_bytes(uuid))}
             need = {uuid: sim.reservation_tokens(request) * inst.kv_bytes_per_token}
@@ -351,3 +387,53 @@ class GearboxSystem:
     def on_unloaded(self, instance: Instance) -> None:
         """Release the reservation and every commit under it."""
         self.vmm.unreserve_replica(instance.iid)
+        self._changed_s[instance.profile.name] = self.sim.now_s
+
+    # ---- replica scaling ----------------------------------------------------------------------
+
+    def on_tick(self) -> None:
+        """Scale each resident model's replicas by gearbox's rule (at most one step each)."""
+        sim = self.sim
+        for name in sorted({i.profile.name for i in sim.instances.values()}):
+            instances = sim.instances_of(name)
+            if not all(i.is_ready(sim.now_s) for i in instances):
+                self._changed_s[name] = sim.now_s  # NOTE: the window restarts once all serve
+                continue
+            decision = self._scale(sim.profiles[name])
+            if decision.action is ScaleAction.HOLD and decision.placement is not None:
+                if not decision.placement.evictions:
+                    continue
+                for proposal in decision.placement.evictions:
+                    victim = sim.instance(proposal.model_name, proposal.gpu_uuid)
+                    if victim is not None:
+                        sim.evict(victim)
+                decision = self._scale(sim.profiles[name])
+            if decision.action is ScaleAction.OUT and decision.gpu_uuid is not None:
+                if sim.load(sim.profiles[name], decision.gpu_uuid) is not None:
+                    sim.metrics.scale_outs += 1
+            elif decision.action is ScaleAction.IN and decision.gpu_uuid is not None:
+                victim = sim.instance(name, decision.gpu_uuid)
+                if victim is not None:
+                    sim.evict(victim)
+                    sim.metrics.scale_ins += 1
+
+    def _scale(self, profile: ModelProfile) -> ScaleDecision:
+        """gearbox's scale decision for one resident model on the window's figures."""
+        sim = self.sim
+        routed = self._routed.setdefault(profile.name, deque())
+        while routed and routed[0][0] < sim.now_s - SCALE_WINDOW_S:
+            routed.popleft()
+        queued = sum(len(i.waiting) for i in sim.instances_of(profile.name))
+        demand = ReplicaDemand(
+            arrivals=len(routed),
+            refused=sum(1 for _, r in routed if r),
+            waiting_requests=sim.pending(profile.name) + queued,
+            window_s=SCALE_WINDOW_S,
+            steady_s=sim.now_s - self._changed_s.get(profile.name, -math.inf),
+            min_replicas=profile.replicas,
+        )
+        request = footprint_of(profile, sim.config)
+        decision = scale_replicas(request, demand, sim.snapshot(), self._residents(), sim.placement)
+        if decision.action is not ScaleAction.HOLD or decision.placement is not None:
+            self.scale_decisions.append(decision)
+        return decision

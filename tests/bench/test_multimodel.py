@@ -357,3 +357,32 @@ def test_default_run_covers_both_scenarios(capsys: pytest.CaptureFixture[str]) -
     assert sorted(last["missed"]) == sorted(missed) and code == (1 if missed else 0)
     with pytest.raises(SystemExit):
         main(["--seeds", "1", "--duration-s", "300", "--out", "somewhere.json"])
+
+
+def make_two_gpu_scenario(requests: tuple[SimRequest, ...]) -> Scenario:
+    """Two A10 24 GB on two nodes, one 7B model with one catalogue replica."""
+    cluster = make_cluster()
+    a10s = tuple(g for g in cluster.gpus if g.gpu_class.name == "a10-24g")
+    two = tuple(dataclasses.replace(g, node=f"n{i}") for i, g in enumerate(a10s[:2]))
+    traffic = TrafficProfile(0.0, 0.0, 600.0, 120.0, 600, 200, 0.0)
+    model = ModelProfile("chat-7b", MODEL_7B_MHA, 1, 4, 2048, traffic)
+    return Scenario(0, 600.0, dataclasses.replace(cluster, gpus=two), (model,), (), requests)
+
+
+@pytest.mark.unit
+def test_ours_scales_out_a_model_its_replica_refuses_and_gives_the_extra_back_idle() -> None:
+    # long prompts every 2 s for two minutes: one replica's GPU hits the watermark (429s)
+    flood = tuple(request(n, 6000, 300, arrival_s=100.0 + 2.0 * n) for n in range(60))
+    scenario = make_two_gpu_scenario(flood)
+    sim = Simulator(scenario, PlacementConfig(cold_after_s=120.0))
+    system = GearboxSystem(sim)
+    metrics = sim.run(system)
+    assert metrics.scale_outs == 1  # one more replica, on the other GPU …
+    outs = [d for d in system.scale_decisions if d.action.value == "scale_out"]
+    assert "refused" in outs[0].explanation and outs[0].gpu_uuid is not None
+    assert metrics.scale_ins == 1  # … given back once idle, never below the catalogue's one
+    assert metrics.evicted_with_active == 0 and metrics.oom_events == 0
+    one = Simulator(scenario, PlacementConfig(cold_after_s=120.0, max_replicas_per_model=1))
+    fixed = one.run(GearboxSystem(one))  # the same system held at one replica
+    assert fixed.scale_outs == 0
+    assert metrics.goodput_requests > fixed.goodput_requests  # the second GPU served
