@@ -208,3 +208,33 @@ def test_a_bad_placement_knob_names_the_section() -> None:
     with pytest.raises(ValidationError) as err:
         parse_scenario(raw)
     assert err.value.field == "placement" and "oom_watermark" in err.value.reason
+
+
+def _flooded() -> Scenario:
+    """m1 alone, flooded with long prompts from 10 s to 200 s, then quiet: one replica's GPU
+    hits the watermark; the other GPU is free."""
+    raw = yaml.safe_load(SCENARIO.read_text())
+    m1 = raw["deployments"]["m1"]
+    m1["workload"] = {
+        "chat": {"arrival_rps": 6.0, "prompt_tokens_mean": 4000, "output_tokens_mean": 200},
+        "phases": [
+            {"start_s": 0, "end_s": 10, "multiplier": 0},
+            {"start_s": 10, "end_s": 200},
+            {"start_s": 200, "end_s": 600, "multiplier": 0},
+        ],
+    }
+    raw["deployments"] = {"m1": m1}
+    return parse_scenario(raw)
+
+
+@pytest.mark.integration
+def test_a_flooded_model_scales_out_to_a_second_gpu_and_back_when_quiet() -> None:
+    world, outcomes, spans, records = _run(_flooded())
+    replicas = [len(rec.plan.replicas) for _, rec in records if rec.phase is TransitionPhase.DONE]
+    assert outcomes[str(Reason.THROTTLED_WATERMARK)] > 0, outcomes  # one replica was not enough
+    assert replicas == [1, 2, 1], replicas  # loaded, a second GPU, back to one once quiet
+    # once each: no scale-in while the flood lasted, no scale-out again after it
+    assert outcomes[f"decision:{DecisionReason.SCALE_OUT}"] == 1, outcomes
+    assert outcomes[f"decision:{DecisionReason.SCALE_IN}"] == 1, outcomes
+    assert world.host.pool.oom_events == 0
+    assert evicted_with_active(records, spans) == []
