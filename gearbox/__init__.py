@@ -10,7 +10,8 @@ the simulator and the tests all call the same code. Public API:
 * planning: :func:`rank_candidates`, :func:`enumerate_options`, cost functions in ``gearbox.cost``
 * switching: :func:`switch_cost`, :func:`plan_kv_handover`
 * deciding: :func:`decide` → :class:`DecideResult` (:class:`Decision`, :class:`GearState`)
-* placement: :func:`place_model`, :func:`dead_memory`
+* placement: :func:`place_model`, :func:`dead_memory`; a resident model's replica count:
+  ``gearbox.scaling.scale_replicas``; on-demand residency: ``gearbox.residency``
 """
 
 from gearbox.blocks import AtomicBlock, assign_block_ids, build_blocks, jaccard
