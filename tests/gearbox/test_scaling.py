@@ -14,6 +14,8 @@ from gearbox.presets import GIB, LINK_CLASSES
 from gearbox.scaling import ReplicaDemand, ScaleAction, ScaleReason, scale_replicas
 from tests.gearbox.builders import NOW_S, make_gpu
 
+pytestmark = pytest.mark.unit
+
 CONFIG = PlacementConfig()  # eviction_reload_factor 3, scale_out_unmet_share 0.05
 HOT = ModelFootprint("hot", 14 * GIB, 128 * 1024, batch_size=8, seq_len_tokens=1024)
 RELOAD_S = 10.0
@@ -176,6 +178,14 @@ def test_pack_and_spread_choose_different_gpus() -> None:
     pack = place_model(request, snapshot, [], replace(CONFIG, strategy=PlacementStrategy.PACK))
     assert spread.gpu_uuids == ("big",)  # most free memory after: best score
     assert pack.gpu_uuids == ("part",)  # least room left under the watermark: best fit
+
+
+@pytest.mark.parametrize(
+    ("knob", "value"), [("scale_out_unmet_share", 1.5), ("max_replicas_per_model", 0)]
+)
+def test_a_bad_scale_knob_names_its_key(knob: str, value: float) -> None:
+    with pytest.raises(ValueError, match=knob):
+        PlacementConfig(**{knob: value})  # type: ignore[arg-type]
 
 
 def test_strategy_is_validated_by_name() -> None:
