@@ -53,6 +53,18 @@ class GearboxConfig(Serialisable):
     # whose estimate was optimistic. False restores the previous behaviour exactly.
     downshift_guard: bool = True
     downshift_slo_margin: float = 0.7
+    # A voluntary downshift must also keep its estimated p95s within the margin at the highest
+    # demand of this lookback (gearbox.history.record_demand), not only at this window's: a
+    # smaller plan the planner would itself undo at a load it has just served earns its freed
+    # GPUs' credit only until that load returns, then pays a second switch and the SLO misses
+    # before it. NOTE: in sim/scenarios/steady-boundary.yaml (load ±15 % around gearbox's own
+    # 2↔4-GPU boundary, 10-minute phases) every downshift gained only the credit (2 GPUs × 50
+    # tok/s × 300 s = 30,000 tok against a cost of 1,400-8,900) and every upshift 20-40 s
+    # after the next high phase began restored the SLO (est TTFT p95 2.3-7.8 s on the 2-GPU
+    # plan): 12 flaps a run. An hour (the fragment history's window) outlasts load noise and
+    # phases of up to half an hour; a deployment then hands GPUs back an hour after its peak
+    # at the latest. 0 = the current window only (the behaviour before).
+    downshift_lookback_s: float = 3600.0
     # --- fragment history ---
     history_window_s: float = 3600.0  # samples older than this are dropped
     max_history_samples: int = 240  # per block
@@ -159,6 +171,7 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "profile_step_tokens": (1, 4096),
     "downshift_guard": (0, 1),
     "downshift_slo_margin": (0.01, 1.0),
+    "downshift_lookback_s": (0.0, 7 * 86_400.0),
     "history_window_s": (60.0, 7 * 86_400.0),
     "max_history_samples": (3, 100_000),
     "min_shrink_steps": (1, 1000),
