@@ -53,18 +53,23 @@ class GearboxConfig(Serialisable):
     # whose estimate was optimistic. False restores the previous behaviour exactly.
     downshift_guard: bool = True
     downshift_slo_margin: float = 0.7
-    # A voluntary downshift must also keep its estimated p95s within the margin at the highest
-    # demand of this lookback (gearbox.history.record_demand), not only at this window's: a
-    # smaller plan the planner would itself undo at a load it has just served earns its freed
-    # GPUs' credit only until that load returns, then pays a second switch and the SLO misses
-    # before it. NOTE: in sim/scenarios/steady-boundary.yaml (load ±15 % around gearbox's own
-    # 2↔4-GPU boundary, 10-minute phases) every downshift gained only the credit (2 GPUs × 50
-    # tok/s × 300 s = 30,000 tok against a cost of 1,400-8,900) and every upshift 20-40 s
-    # after the next high phase began restored the SLO (est TTFT p95 2.3-7.8 s on the 2-GPU
-    # plan): 12 flaps a run. An hour (the fragment history's window) outlasts load noise and
-    # phases of up to half an hour; a deployment then hands GPUs back an hour after its peak
-    # at the latest. 0 = the current window only (the behaviour before).
-    downshift_lookback_s: float = 3600.0
+    # With a lookback, a voluntary downshift must also keep its estimated p95s within the margin
+    # at the highest demand of the last downshift_lookback_s (gearbox.history.record_demand),
+    # not only at this window's: a smaller plan the planner would itself undo at a load it has
+    # just served earns its freed GPUs' credit only until that load returns, then pays a second
+    # switch and the SLO misses before it. 0 = this window only (the behaviour before).
+    # NOTE: off by default. In sim/scenarios/steady-boundary.yaml every flap was a downshift
+    # gaining only the freed GPUs' credit (2 x 50 tok/s x 300 s = 30,000 tok against a cost of
+    # 1,400-8,900) undone 20-45 s into the next high phase (est TTFT p95 2.3-7.8 s on 2 GPUs).
+    # 3,600 s there (5 seeds, no oracle): flaps 12 -> 0, vs fixed 0.994 -> 1.000 (worst 0.993 ->
+    # 0.999), estimator p95 5.13 -> 0.29, refusals 219 -> 0; steady-noisy flaps 2 -> 0 (goodput
+    # 0.9997 -> 0.9994); fragmented-short identical. But mixed-failures seed 8 fell from 0.973
+    # to 0.871 of offered (vs fixed 1.149 -> 1.029): the 7B, no longer drifting onto hopper
+    # GPUs through its credit churn, was forced off node-b1 onto all four A2 hoppers (under
+    # pressure a forced switch credits no freed GPU, so the biggest plan costs nothing more),
+    # and the 70B preempted off A1 then found no hopper left (8 GPUs, 3,771 tok/s, goodput
+    # 0.57). Turn it on once forced switches are decided jointly (issue 12, item 4).
+    downshift_lookback_s: float = 0.0
     # --- fragment history ---
     history_window_s: float = 3600.0  # samples older than this are dropped
     max_history_samples: int = 240  # per block

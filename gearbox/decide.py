@@ -24,9 +24,8 @@ blocked unless its estimated TTFT and TBT p95 are at most ``downshift_slo_margin
 at this window's demand and at the highest demand of the last ``downshift_lookback_s``
 (:func:`gearbox.history.record_demand`: a plan the planner would itself undo at a load it has
 just served only earns its freed GPUs' credit until that load returns, then pays a second
-switch and the SLO misses before it) — and unless the current plan's observed p95s are within
-the same margin (a plan with less capacity will not do better than the one already seen beyond
-it); every downshift is blocked while the deployment is under observed pressure
+switch and the SLO misses before it; off by default, see its note in :mod:`gearbox.config`);
+every downshift is blocked while the deployment is under observed pressure
 (:func:`gearbox.scoring.observed_pressure`). A candidate with fewer GPUs but more capacity (say
 TP4 on NVLink instead of a PP/PD plan over slow links) is an upgrade, not a downshift: blocking
 it kept a 14-GPU plan at 6–8 s observed TTFT p95 in the fragmented benchmark. Under that
@@ -368,7 +367,7 @@ def _downshift_block(
     gpus = f"downshift blocked ({tick.current.num_gpus} → {estimate.num_gpus} GPUs)"
     if tick.pressure:
         return f"{gpus}: {'; '.join(tick.pressure)}"
-    over = _over_margin(estimate, tick.config) or _observed_over_margin(tick.load, tick.config)
+    over = _over_margin(estimate, tick.config)
     if over:
         return f"{gpus}: {'; '.join(over)}"
     if tick.peak_load is None:
@@ -385,32 +384,6 @@ def _downshift_block(
         f"{demand_rps(tick.load, tick.config):.2f})"
     )
     return f"{gpus} {peak}: {'; '.join(over)}"
-
-
-def _observed_over_margin(load: LoadSnapshot, config: GearboxConfig) -> list[str]:
-    """Which p95s the current plan is observed at above ``downshift_slo_margin`` × their SLO.
-
-    NOTE: a downshift takes capacity away at the same load; when the larger plan is already
-    seen beyond the margin, an estimate that the smaller one would sit within it is the
-    estimate erring low (the margin's very reason), not room to spare. In
-    sim/scenarios/steady-noisy.yaml the 7B's 4 GPUs were seen at TBT p95 148.5 ms (estimated
-    89.9) when its credit took it to 3 GPUs (estimated 94.5 ms, within 105): it was then pushed
-    to 2, breached the SLO and moved twice more. Observed p95s of 0 (none reported) never count.
-    """
-    margin = config.downshift_slo_margin
-    ttft_limit, tbt_limit = margin * config.ttft_slo_ms, margin * config.tbt_slo_ms
-    over = []
-    if load.ttft_p95_ms > ttft_limit:
-        over.append(
-            f"observed TTFT p95 {load.ttft_p95_ms:,.0f} ms > {margin:g} × SLO = "
-            f"{ttft_limit:,.0f} ms on the current plan"
-        )
-    if load.tbt_p95_ms > tbt_limit:
-        over.append(
-            f"observed TBT p95 {load.tbt_p95_ms:,.1f} ms > {margin:g} × SLO = "
-            f"{tbt_limit:,.1f} ms on the current plan"
-        )
-    return over
 
 
 def _over_margin(estimate: DeploymentEstimate, config: GearboxConfig) -> list[str]:
