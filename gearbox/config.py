@@ -62,6 +62,23 @@ class GearboxConfig(Serialisable):
     # whose estimate was optimistic. False restores the previous behaviour exactly.
     downshift_guard: bool = True
     downshift_slo_margin: float = 0.7
+    # With a lookback, a voluntary downshift must also keep its estimated p95s within the margin
+    # at the highest demand of the last downshift_lookback_s (gearbox.history.record_demand),
+    # not only at this window's: a smaller plan the planner would itself undo at a load it has
+    # just served earns its freed GPUs' credit only until that load returns, then pays a second
+    # switch and the SLO misses before it. 0 = this window only (the behaviour before).
+    # NOTE: off by default. In sim/scenarios/steady-boundary.yaml every flap was a downshift
+    # gaining only the freed GPUs' credit (2 x 50 tok/s x 300 s = 30,000 tok against a cost of
+    # 1,400-8,900) undone 20-45 s into the next high phase (est TTFT p95 2.3-7.8 s on 2 GPUs).
+    # 3,600 s there (5 seeds, no oracle): flaps 12 -> 0, vs fixed 0.994 -> 1.000 (worst 0.993 ->
+    # 0.999), estimator p95 5.13 -> 0.29, refusals 219 -> 0; steady-noisy flaps 2 -> 0 (goodput
+    # 0.9997 -> 0.9994); fragmented-short identical. But mixed-failures seed 8 fell from 0.973
+    # to 0.871 of offered (vs fixed 1.149 -> 1.029): the 7B, no longer drifting onto hopper
+    # GPUs through its credit churn, was forced off node-b1 onto all four A2 hoppers (under
+    # pressure a forced switch credits no freed GPU, so the biggest plan costs nothing more),
+    # and the 70B preempted off A1 then found no hopper left (8 GPUs, 3,771 tok/s, goodput
+    # 0.57). Turn it on once forced switches are decided jointly (issue 12, item 4).
+    downshift_lookback_s: float = 0.0
     # --- fragment history ---
     history_window_s: float = 3600.0  # samples older than this are dropped
     max_history_samples: int = 240  # per block
@@ -168,6 +185,7 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "profile_step_tokens": (1, 4096),
     "downshift_guard": (0, 1),
     "downshift_slo_margin": (0.01, 1.0),
+    "downshift_lookback_s": (0.0, 7 * 86_400.0),
     "history_window_s": (60.0, 7 * 86_400.0),
     "max_history_samples": (3, 100_000),
     "min_shrink_steps": (1, 1000),

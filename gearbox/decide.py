@@ -20,8 +20,12 @@ Small pure steps, in order of precedence:
 Downshift guard, when ``downshift_guard`` is on (the default — see its note in
 :mod:`gearbox.config`; voluntary switches only, forced switches and overrides are unaffected): a
 downshift — a candidate with fewer GPUs AND less estimated capacity than the current plan — is
-blocked unless its estimated TTFT and TBT p95 are at most ``downshift_slo_margin`` × the SLOs,
-and every downshift is blocked while the deployment is under observed pressure
+blocked unless its estimated TTFT and TBT p95 are at most ``downshift_slo_margin`` × the SLOs —
+at this window's demand and at the highest demand of the last ``downshift_lookback_s``
+(:func:`gearbox.history.record_demand`: a plan the planner would itself undo at a load it has
+just served only earns its freed GPUs' credit until that load returns, then pays a second
+switch and the SLO misses before it; off by default, see its note in :mod:`gearbox.config`);
+every downshift is blocked while the deployment is under observed pressure
 (:func:`gearbox.scoring.observed_pressure`). A candidate with fewer GPUs but more capacity (say
 TP4 on NVLink instead of a PP/PD plan over slow links) is an upgrade, not a downshift: blocking
 it kept a 14-GPU plan at 6–8 s observed TTFT p95 in the fragmented benchmark. Under that
@@ -66,7 +70,14 @@ from gearbox.decisions import (
     Overrides,
     Trigger,
 )
-from gearbox.history import GearState, quarantined_plan_ids, record_blocks, stability_factors
+from gearbox.history import (
+    GearState,
+    peak_demand_rps,
+    quarantined_plan_ids,
+    record_blocks,
+    record_demand,
+    stability_factors,
+)
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.ranking import (
@@ -77,7 +88,12 @@ from gearbox.ranking import (
     plan_problems,
     rank_candidates,
 )
-from gearbox.scoring import DeploymentEstimate, estimate_deployment, observed_pressure
+from gearbox.scoring import (
+    DeploymentEstimate,
+    demand_rps,
+    estimate_deployment,
+    observed_pressure,
+)
 from gearbox.switch import SwitchCost, switch_cost
 from gearbox.types import LoadSnapshot, TopologySnapshot
 
@@ -102,6 +118,8 @@ class _Tick:
     pressure: tuple[str, ...]  # observed pressure (empty = none): no GPU credit, no downshift
     # the cost model's figures for the current plan, at its learned service rate
     current_model: DeploymentEstimate | None
+    # the load at the lookback's peak demand, when above this window's (the downshift guard)
+    peak_load: LoadSnapshot | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +177,7 @@ def decide(
     if pressure:
         config = _without_gpu_credit(config)
     quarantined = quarantined_plan_ids(state, snapshot.now_s, config)
+    demand = record_demand(state.demand, load.now_s, demand_rps(load, config), config)
     failed = tuple(f for f in state.failed if f.plan_id in quarantined)
     # NOTE: estimated once: the learning and every use of the current plan's figures share it
     corrections, modelled = _learn(
@@ -173,11 +192,19 @@ def decide(
         model,
         trigger,
         blocks,
-        replace(state, blocks=blocks, history=history, failed=failed, corrections=corrections),
+        replace(
+            state,
+            blocks=blocks,
+            history=history,
+            failed=failed,
+            corrections=corrections,
+            demand=demand,
+        ),
         available,
         quarantined,
         pressure,
         modelled,
+        _peak_load(load, peak_demand_rps(demand), config),
     )
     if overrides.emergency_downshift and overrides.baseline_plan is not None:
         return _override(tick, overrides.baseline_plan, DecisionReason.EMERGENCY_DOWNSHIFT)
@@ -219,6 +246,14 @@ def _pressure(
         return ()
     capacity = estimate_plan(current, available, model, load, config).capacity_tok_s
     return observed_pressure(load, config, capacity)
+
+
+def _peak_load(load: LoadSnapshot, peak_rps: float, config: GearboxConfig) -> LoadSnapshot | None:
+    """``load`` with the lookback's peak demand as its arrivals (no backlog: the peak counts it
+    already), or None when this window's demand is the peak."""
+    if peak_rps <= demand_rps(load, config):
+        return None
+    return replace(load, arrival_rate_rps=peak_rps, queue_len=0)
 
 
 def _learn(
@@ -317,20 +352,43 @@ def _without_gpu_credit(config: GearboxConfig) -> GearboxConfig:
 
 
 def _downshift_block(
-    tick: _Tick, estimate: DeploymentEstimate, current: DeploymentEstimate | None
+    tick: _Tick,
+    plan: DeploymentPlan,
+    estimate: DeploymentEstimate,
+    current: DeploymentEstimate | None,
 ) -> str:
-    """Why a voluntary switch to a plan with this estimate is blocked ("" when it is not)."""
+    """Why a voluntary switch to ``plan`` with this estimate is blocked ("" when it is not)."""
     if not tick.config.downshift_guard or tick.current is None or current is None:
         return ""
     if estimate.num_gpus >= tick.current.num_gpus:
         return ""
     if estimate.capacity_tok_s >= current.capacity_tok_s:
         return ""  # fewer GPUs, but no less capacity: not a downshift
-    config = tick.config
-    margin = config.downshift_slo_margin
     gpus = f"downshift blocked ({tick.current.num_gpus} → {estimate.num_gpus} GPUs)"
     if tick.pressure:
         return f"{gpus}: {'; '.join(tick.pressure)}"
+    over = _over_margin(estimate, tick.config)
+    if over:
+        return f"{gpus}: {'; '.join(over)}"
+    if tick.peak_load is None:
+        return ""
+    # NOTE: the same estimate at the lookback's peak demand (config downshift_lookback_s)
+    args = (tick.available, tick.model, tick.peak_load, tick.config)
+    at_peak = estimate_plan(plan, *args, service_factor=_service_factor(tick, plan))
+    over = _over_margin(_corrected(tick, plan, at_peak).corrected, tick.config)
+    if not over:
+        return ""
+    peak = (
+        f"at the peak demand of the last {tick.config.downshift_lookback_s:,.0f} s "
+        f"({tick.peak_load.arrival_rate_rps:.2f} rps, now "
+        f"{demand_rps(tick.load, tick.config):.2f})"
+    )
+    return f"{gpus} {peak}: {'; '.join(over)}"
+
+
+def _over_margin(estimate: DeploymentEstimate, config: GearboxConfig) -> list[str]:
+    """Which estimated p95s exceed ``downshift_slo_margin`` × their SLO."""
+    margin = config.downshift_slo_margin
     ttft_limit, tbt_limit = margin * config.ttft_slo_ms, margin * config.tbt_slo_ms
     over = []
     if estimate.ttft_p95_ms > ttft_limit:
@@ -341,7 +399,7 @@ def _downshift_block(
         over.append(
             f"est TBT p95 {estimate.tbt_p95_ms:,.1f} ms > {margin:g} × SLO = {tbt_limit:,.1f} ms"
         )
-    return f"{gpus}: {'; '.join(over)}" if over else ""
+    return over
 
 
 def _current_utility(tick: _Tick, problems: Sequence[str]) -> float:
@@ -416,7 +474,7 @@ def _score(
     outage = _outage_tokens(cost, gain_tok_s) if forced else 0.0
     cost_tokens = cost.total_tokens + outage
     worthwhile = gain > cost_tokens * config.hysteresis
-    blocked = _downshift_block(tick, made.corrected, current)
+    blocked = _downshift_block(tick, candidate.plan, made.corrected, current)
     summary = replace(
         _summary(candidate.plan.plan_id, candidate.strategy, made, candidate.stability),
         gain_tokens=gain,

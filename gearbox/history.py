@@ -23,10 +23,13 @@ __all__ = [
     "BlockHistory",
     "BlockSample",
     "BlockSeries",
+    "DemandSample",
     "FailedTarget",
     "GearState",
+    "peak_demand_rps",
     "quarantined_plan_ids",
     "record_blocks",
+    "record_demand",
     "record_failed_target",
     "stability_factor",
     "stability_factors",
@@ -74,6 +77,14 @@ class FailedTarget(Serialisable):
 
 
 @dataclass(frozen=True, slots=True)
+class DemandSample(Serialisable):
+    """A deployment's demand (arrivals + backlog, requests/s) seen at one tick."""
+
+    t_s: float
+    demand_rps: float
+
+
+@dataclass(frozen=True, slots=True)
 class GearState(Serialisable):
     """What ``decide`` carries from one tick to the next for one deployment."""
 
@@ -84,6 +95,8 @@ class GearState(Serialisable):
     last_to_plan_id: str | None = None  # plan entered by the last switch
     failed: tuple[FailedTarget, ...] = ()  # recent rolled-back targets (quarantine), by plan id
     corrections: Corrections = field(default_factory=Corrections)  # gearbox.correction
+    # the lookback's running maximum of demand (record_demand): the downshift guard's peak
+    demand: tuple[DemandSample, ...] = ()
 
 
 def record_failed_target(
@@ -105,6 +118,23 @@ def quarantined_plan_ids(state: GearState, now_s: float, config: GearboxConfig) 
     """Plan ids whose rollback is more recent than ``failed_target_quarantine_s``."""
     horizon = now_s - config.failed_target_quarantine_s
     return frozenset(f.plan_id for f in state.failed if f.t_s > horizon)
+
+
+def record_demand(
+    samples: Sequence[DemandSample], now_s: float, demand_rps: float, config: GearboxConfig
+) -> tuple[DemandSample, ...]:
+    """``samples`` with ``demand_rps`` seen at ``now_s``, kept as a running maximum over the
+    last ``downshift_lookback_s``: each sample older than the lookback, or at most as high as
+    a later one, is dropped (it can never be the peak again), so the first is the peak and the
+    tuple stays short (at most one sample per tick, and only while demand keeps falling)."""
+    horizon = now_s - config.downshift_lookback_s
+    kept = tuple(s for s in samples if s.t_s > horizon and s.demand_rps > demand_rps)
+    return (*kept, DemandSample(now_s, demand_rps))
+
+
+def peak_demand_rps(samples: Sequence[DemandSample]) -> float:
+    """The highest demand of the lookback (0 with none recorded)."""
+    return samples[0].demand_rps if samples else 0.0
 
 
 def record_blocks(

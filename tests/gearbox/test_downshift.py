@@ -17,8 +17,16 @@ from gearbox import (
     TopologySnapshot,
     decide,
 )
+from gearbox.history import DemandSample, peak_demand_rps, record_demand
 from gearbox.scoring import observed_pressure
-from tests.gearbox.builders import article_cluster, deployment, make_load, tp_plan, with_gpus
+from tests.gearbox.builders import (
+    NOW_S,
+    article_cluster,
+    deployment,
+    make_load,
+    tp_plan,
+    with_gpus,
+)
 from tests.gearbox.test_decide import A8, _state
 
 pytestmark = pytest.mark.unit
@@ -26,6 +34,8 @@ pytestmark = pytest.mark.unit
 # GPUs handed back are worth enough that dropping from TP8 to a 4-GPU plan pays off at low load.
 GUARDED = GearboxConfig(downshift_guard=True)
 VALUED = replace(GUARDED, idle_gpu_value_tok_s=300.0)
+# the downshift guard with an hour's lookback for the peak demand (off by default)
+REMEMBERING = replace(VALUED, downshift_lookback_s=3600.0)
 
 
 def _tp8() -> DeploymentPlan:
@@ -140,3 +150,79 @@ def test_fewer_gpus_with_more_capacity_is_no_downshift() -> None:
     faster = [c for c in result.candidates if c.num_gpus < 8]
     assert faster and all(c.est_capacity_tok_s > result.current.est_capacity_tok_s for c in faster)
     assert all(c.eligible and not c.blocked for c in faster)
+
+
+def _decide_after_peak(
+    load: LoadSnapshot, peak: DemandSample, config: GearboxConfig
+) -> DecideResult:
+    snapshot = article_cluster()
+    state = replace(_state(snapshot), demand=(peak,))
+    return decide(_tp8(), snapshot, load, state, config, model=MODEL_70B_GQA)
+
+
+def test_a_downshift_must_hold_at_the_lookbacks_peak_demand() -> None:
+    # 0.5 rps now: the 4-GPU plan is within the margin (test above) and its freed GPUs pay for
+    # the switch; 10 minutes ago the deployment served 9 rps, where it is not
+    low = make_load(0.5, active_sequences=5)
+    peak = DemandSample(NOW_S - 600.0, 9.0)
+    result = _decide_after_peak(low, peak, REMEMBERING)
+    assert result.decision is None and result.reason is DecisionReason.DOWNSHIFT_BLOCKED
+    best = result.candidates[0]
+    assert best.num_gpus < 8 and best.gain_tokens > best.cost_tokens * VALUED.hysteresis
+    # at this window's demand the smaller plan is within the margin: only the peak blocks it
+    assert best.est_tbt_p95_ms <= VALUED.downshift_slo_margin * VALUED.tbt_slo_ms
+    assert best.est_ttft_p95_ms <= VALUED.downshift_slo_margin * VALUED.ttft_slo_ms
+    assert "at the peak demand of the last 3,600 s (9.00 rps, now 0.50)" in best.blocked
+    # the guard at that peak is the same one: at 9 rps as the current load it holds too
+    at_peak = _decide(make_load(9.0, active_sequences=5), VALUED)
+    assert at_peak.decision is None or at_peak.decision.to_plan.num_gpus >= 8
+
+
+def test_a_peak_past_the_lookback_no_longer_holds_a_downshift() -> None:
+    low = make_load(0.5, active_sequences=5)
+    old = DemandSample(NOW_S - REMEMBERING.downshift_lookback_s - 1.0, 9.0)
+    result = _decide_after_peak(low, old, REMEMBERING)
+    assert result.reason is DecisionReason.SWITCH_GAIN and result.decision is not None
+    assert result.decision.to_plan.num_gpus < 8
+    # and with no lookback (the default) the peak counts for nothing
+    assert DEFAULT_CONFIG.downshift_lookback_s == 0.0
+    recent = DemandSample(NOW_S - 60.0, 9.0)
+    off = _decide_after_peak(low, recent, VALUED)
+    assert off.reason is DecisionReason.SWITCH_GAIN
+
+
+def test_the_peak_blocks_no_upgrade() -> None:
+    # fewer GPUs with more capacity is no downshift: a peak holds it no more than pressure does
+    snapshot = article_cluster()
+    b8 = tuple(g.uuid for g in snapshot.gpus if g.domain == "B")[:8]
+    slow = tp_plan(
+        b8, MODEL_70B_GQA, block_id="B", domain_id="B", gpu_class="a100-80g", link="rdma"
+    )
+    state = replace(_state(snapshot), demand=(DemandSample(NOW_S - 60.0, 9.0),))
+    load = make_load(3.0, active_sequences=5)
+    config = replace(GUARDED, downshift_lookback_s=3600.0)
+    result = decide(deployment(slow), snapshot, load, state, config, model=MODEL_70B_GQA)
+    assert result.reason is DecisionReason.SWITCH_GAIN and result.decision is not None
+    assert result.decision.to_plan.num_gpus < 8
+
+
+def test_decide_records_the_demand_it_saw() -> None:
+    result = _decide(make_load(2.5, active_sequences=5, queue_len=60), VALUED)
+    # arrivals + the backlog spread over backlog_drain_s (60 s): 2.5 + 1.0
+    assert result.state.demand == (DemandSample(NOW_S, 3.5),)
+
+
+def test_record_demand_keeps_a_running_maximum() -> None:
+    config = replace(GUARDED, downshift_lookback_s=100.0)
+    samples: tuple[DemandSample, ...] = ()
+    for t_s, rps in ((0.0, 5.0), (10.0, 3.0), (20.0, 4.0), (30.0, 2.0)):
+        samples = record_demand(samples, t_s, rps, config)
+    # 3.0 at t=10 can never be the peak again once 4.0 came after it
+    assert samples == (DemandSample(0.0, 5.0), DemandSample(20.0, 4.0), DemandSample(30.0, 2.0))
+    assert peak_demand_rps(samples) == 5.0
+    samples = record_demand(samples, 105.0, 1.0, config)  # t=0 is past the lookback
+    assert peak_demand_rps(samples) == 4.0
+    assert peak_demand_rps(record_demand(samples, 106.0, 9.0, config)) == 9.0
+    assert peak_demand_rps(()) == 0.0
+    with pytest.raises(ValueError, match="downshift_lookback_s"):
+        GearboxConfig(downshift_lookback_s=-1.0)
