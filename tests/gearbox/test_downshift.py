@@ -36,6 +36,7 @@ GUARDED = GearboxConfig(downshift_guard=True)
 VALUED = replace(GUARDED, idle_gpu_value_tok_s=300.0)
 # the downshift guard with an hour's lookback for the peak demand (off by default)
 REMEMBERING = replace(VALUED, downshift_lookback_s=3600.0)
+FORGETFUL = replace(VALUED, downshift_lookback_s=0.0)
 
 
 def _tp8() -> DeploymentPlan:
@@ -116,6 +117,66 @@ def test_forced_switches_ignore_the_guard() -> None:
     assert result.decision is not None and result.decision.forced
 
 
+# the 70B's TP8 on block A with one GPU lost, observed far over its SLOs (pressure: no GPU
+# credit in the scores): at 3 rps both TP8 elsewhere (TBT p95 est ≈ 54 ms) and a 4-GPU plan
+# (≈ 100 ms) restore the SLOs within the 0.7 × 150 = 105 ms margin
+BROKEN = with_gpus(article_cluster(), A8[:1], healthy=False)
+PRESSED = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=20_000.0, tbt_p95_ms=400.0)
+
+
+def _forced(config: GearboxConfig, load: LoadSnapshot = PRESSED) -> DecideResult:
+    result = _decide(load, config, BROKEN)
+    assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
+    return result
+
+
+def test_a_forced_switch_takes_the_smaller_plan_that_restores_the_slos() -> None:
+    result = _forced(VALUED)
+    assert result.decision is not None
+    best, smaller = result.candidates[0], result.candidates[1]
+    # by gain − cost alone the 8-GPU plan wins (no credit under pressure, it loads faster) ...
+    assert best.num_gpus == 8 and smaller.num_gpus == 4
+    assert best.gain_tokens - best.cost_tokens > smaller.gain_tokens - smaller.cost_tokens
+    assert smaller.est_tbt_p95_ms <= VALUED.downshift_slo_margin * VALUED.tbt_slo_ms
+    assert smaller.est_ttft_p95_ms <= VALUED.downshift_slo_margin * VALUED.ttft_slo_ms
+    # ... but four GPUs restore the SLOs with the margin: the other four stay free for others
+    assert result.decision.to_plan_id == smaller.plan_id
+    assert result.decision.to_plan.num_gpus == 4
+    # with no credit configured for freed GPUs the faster load decides again
+    free = _forced(replace(VALUED, idle_gpu_value_tok_s=0.0))
+    assert free.decision is not None and free.decision.to_plan.num_gpus == 8
+
+
+def test_a_forced_switch_takes_a_larger_plan_when_only_it_restores_the_slos() -> None:
+    # a 120 ms TBT SLO: the 4-GPU plan (≈ 100 ms) is within it but not within 0.7 × 120 = 84 ms
+    tight = replace(VALUED, tbt_slo_ms=120.0)
+    result = _forced(tight)
+    assert result.decision is not None and result.decision.to_plan.num_gpus == 8
+    chosen = next(c for c in result.candidates if c.plan_id == result.decision.to_plan_id)
+    assert chosen.est_tbt_p95_ms <= tight.downshift_slo_margin * tight.tbt_slo_ms
+
+
+def test_a_forced_switch_falls_back_to_the_best_estimate_when_none_restores_the_slos() -> None:
+    # a margin no plan meets: the best by gain − cost, as without the rule
+    hopeless = replace(VALUED, downshift_slo_margin=0.01)
+    result = _forced(hopeless)
+    assert result.decision is not None
+    assert result.decision.to_plan_id == result.candidates[0].plan_id
+    assert result.decision.to_plan.num_gpus == 8
+
+
+def test_a_forced_switch_must_restore_the_slos_at_the_lookbacks_peak() -> None:
+    # 9 rps ten minutes ago: the 4-GPU plan is within the margin now but not at that peak
+    snapshot = BROKEN
+    state = replace(_state(snapshot), demand=(DemandSample(NOW_S - 600.0, 9.0),))
+    args = (_tp8(), snapshot, PRESSED, state)
+    result = decide(*args, REMEMBERING, model=MODEL_70B_GQA)
+    assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
+    assert result.decision.to_plan.num_gpus == 8
+    forgetful = decide(*args, FORGETFUL, model=MODEL_70B_GQA)
+    assert forgetful.decision is not None and forgetful.decision.to_plan.num_gpus == 4
+
+
 def test_the_guard_switches_off() -> None:
     assert DEFAULT_CONFIG.downshift_guard
     off = replace(VALUED, downshift_guard=False, tbt_slo_ms=105.0)
@@ -187,7 +248,7 @@ def test_a_peak_past_the_lookback_no_longer_holds_a_downshift() -> None:
     # and with no lookback (the default) the peak counts for nothing
     assert DEFAULT_CONFIG.downshift_lookback_s == 0.0
     recent = DemandSample(NOW_S - 60.0, 9.0)
-    off = _decide_after_peak(low, recent, VALUED)
+    off = _decide_after_peak(low, recent, FORGETFUL)
     assert off.reason is DecisionReason.SWITCH_GAIN
 
 
