@@ -13,10 +13,11 @@ Small pure steps, in order of precedence:
    replicas serve, the gain forgone until it is up. So the plan that restores service soonest
    wins unless a slower one's steady gain outweighs its longer outage. Among candidates whose
    estimate restores the SLOs with the downshift guard's margin (``downshift_slo_margin`` × the
-   SLOs, at this window's demand and at the lookback's peak), the switch takes the best by
-   gain − cost with the freed GPUs' credit counted even under observed pressure — so it takes
-   no GPUs beyond what restores its SLOs unless their faster restoration outweighs their worth
-   to others (:func:`_forced_choice`); when none restores them, the best by gain − cost.
+   SLOs, at this window's demand and at the lookback's peak), the switch takes the one that
+   restores them soonest — its transition past the TTFT SLO — then the best by gain − cost
+   with the freed GPUs' credit counted even under observed pressure, so it takes no GPUs beyond
+   what restores its SLOs unless they restore them sooner (:func:`_forced_choice`); when none
+   restores them, the best by gain − cost.
 4. Otherwise propose → clamp → debounce: gain = (utility − current utility) × horizon, discounted
    by the candidate's block stability; keep candidates with gain > cost × hysteresis; hold while
    the cooldown since the last switch runs (``reverse_cooldown_factor`` longer to switch straight
@@ -613,19 +614,24 @@ def _take_best(tick: _Tick, scored: Sequence[_Scored], problems: Sequence[str]) 
 
 def _forced_choice(tick: _Tick, scored: Sequence[_Scored]) -> _Scored:
     """A forced switch's target: among ``scored`` (best gain − cost first), those whose estimate
-    restores the SLOs with the margin (:func:`_restores_slos`), best by gain − cost with the
-    freed GPUs' credit counted; when none does, ``scored[0]``.
+    restores the SLOs with the margin (:func:`_restores_slos`), the one that restores them
+    soonest (:func:`_late_s`), then the best by gain − cost with the freed GPUs' credit counted;
+    when none restores them, ``scored[0]``.
 
     NOTE: under observed pressure freed GPUs earn no credit (module docstring), and a forced
     switch is usually under it (its plan just lost GPUs), so every plan that restores the SLOs
     scored the same steady gain and the fastest to load won — typically the largest (more GPUs
     load a shard each faster). In sim/scenarios/mixed-failures.yaml seed 8 the 7B forced off
     node-b1 took all four A2 hoppers (capacity 51 k tok/s for 6.8 k tok/s served; the 2-GPU plan,
-    capacity 28 k, est TTFT p95 34 ms, loaded 0.7 s later) and the 70B preempted off A1 later
-    found no hopper left. Among plans the estimate says restore the SLOs with the guard's margin
-    (the same margin against optimistic estimates), GPUs held beyond them are what another
-    deployment would lose, so they are charged at ``idle_gpu_value_tok_s`` again, against the
-    outage a faster load saves (both in the cost's unit, tokens over the gain horizon).
+    capacity 28 k, est TTFT p95 34 ms, loaded in 1.9 s instead of 1.2 s) and the 70B preempted
+    off A1 later found no hopper left. Among plans the estimate says restore the SLOs with the
+    guard's margin (the same margin against optimistic estimates), GPUs held beyond them are
+    what another deployment would lose, so they are charged at ``idle_gpu_value_tok_s`` again.
+    But only once restoration time is equal: charged against the outage alone (its tokens
+    over the transition) the credit also took the 70B in tests/fixtures/scenarios/
+    fragmented-short.yaml from TP8 over block A's 8 live GPUs (3.95 s) to TP4 on the 4 it kept
+    (7.4 s), and its post-preemption TTFT p95 ratio went 0.69 → 1.20 (goodput of offered 0.9947
+    → 0.9907, 5 seeds): requests queued past the TTFT SLO cost more than the outage's tokens.
     """
     restoring = [s for s in scored if _restores_slos(tick, s)]
     if not restoring:
@@ -637,7 +643,17 @@ def _forced_choice(tick: _Tick, scored: Sequence[_Scored]) -> _Scored:
         held = credit_s * s.summary.num_gpus if pressured else 0.0  # else already in the gain
         return s.summary.gain_tokens - s.summary.cost_tokens - held
 
-    return min(restoring, key=lambda s: (-net(s), s.cost.transition_s, s.summary.plan_id))
+    return min(
+        restoring,
+        key=lambda s: (_late_s(tick, s), -net(s), s.cost.transition_s, s.summary.plan_id),
+    )
+
+
+def _late_s(tick: _Tick, scored: _Scored) -> float:
+    """How long past the TTFT SLO a request that arrives as the switch starts waits for its
+    plan (0 when the whole transition fits within the SLO: the requests it queues can still
+    meet it, so no goodput is lost to restoring later)."""
+    return max(0.0, scored.cost.transition_s - tick.config.ttft_slo_ms / 1000.0)
 
 
 def _restores_slos(tick: _Tick, scored: _Scored) -> bool:

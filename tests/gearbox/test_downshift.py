@@ -118,10 +118,12 @@ def test_forced_switches_ignore_the_guard() -> None:
 
 
 # the 70B's TP8 on block A with one GPU lost, observed far over its SLOs (pressure: no GPU
-# credit in the scores): at 3 rps both TP8 elsewhere (TBT p95 est ≈ 54 ms) and a 4-GPU plan
-# (≈ 100 ms) restore the SLOs within the 0.7 × 150 = 105 ms margin
+# credit in the scores): at 3 rps both TP8 elsewhere (TBT p95 est ≈ 54 ms, transition ≈ 4.2 s)
+# and a 4-GPU plan (≈ 100 ms, a longer transition) restore the SLOs within 0.7 × 150 = 105 ms
 BROKEN = with_gpus(article_cluster(), A8[:1], healthy=False)
 PRESSED = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=20_000.0, tbt_p95_ms=400.0)
+# a TTFT SLO both transitions fit within: requests queued by either switch can still meet it
+PATIENT = replace(VALUED, ttft_slo_ms=10_000.0)
 
 
 def _forced(config: GearboxConfig, load: LoadSnapshot = PRESSED) -> DecideResult:
@@ -131,25 +133,38 @@ def _forced(config: GearboxConfig, load: LoadSnapshot = PRESSED) -> DecideResult
 
 
 def test_a_forced_switch_takes_the_smaller_plan_that_restores_the_slos() -> None:
-    result = _forced(VALUED)
+    result = _forced(PATIENT)
     assert result.decision is not None
     best, smaller = result.candidates[0], result.candidates[1]
     # by gain − cost alone the 8-GPU plan wins (no credit under pressure, it loads faster) ...
     assert best.num_gpus == 8 and smaller.num_gpus == 4
     assert best.gain_tokens - best.cost_tokens > smaller.gain_tokens - smaller.cost_tokens
-    assert smaller.est_tbt_p95_ms <= VALUED.downshift_slo_margin * VALUED.tbt_slo_ms
-    assert smaller.est_ttft_p95_ms <= VALUED.downshift_slo_margin * VALUED.ttft_slo_ms
-    # ... but four GPUs restore the SLOs with the margin: the other four stay free for others
+    assert smaller.est_tbt_p95_ms <= PATIENT.downshift_slo_margin * PATIENT.tbt_slo_ms
+    assert smaller.est_ttft_p95_ms <= PATIENT.downshift_slo_margin * PATIENT.ttft_slo_ms
+    # ... but four GPUs restore the SLOs with the margin, and within the TTFT SLO: the other
+    # four stay free for others
     assert result.decision.to_plan_id == smaller.plan_id
     assert result.decision.to_plan.num_gpus == 4
+    assert result.decision.switch_cost.transition_s <= PATIENT.ttft_slo_ms / 1000.0
     # with no credit configured for freed GPUs the faster load decides again
-    free = _forced(replace(VALUED, idle_gpu_value_tok_s=0.0))
+    free = _forced(replace(PATIENT, idle_gpu_value_tok_s=0.0))
     assert free.decision is not None and free.decision.to_plan.num_gpus == 8
+
+
+def test_a_forced_switch_restores_the_slos_soonest_before_freeing_gpus() -> None:
+    # at the default 2 s TTFT SLO both transitions outlast it: the sooner one is taken (queued
+    # requests miss the SLO for every second longer), the freed GPUs' credit notwithstanding
+    result = _forced(VALUED)
+    assert result.decision is not None and result.decision.to_plan.num_gpus == 8
+    assert result.decision.switch_cost.transition_s > VALUED.ttft_slo_ms / 1000.0
+    patient = _forced(PATIENT).decision
+    assert patient is not None
+    assert patient.switch_cost.transition_s > result.decision.switch_cost.transition_s
 
 
 def test_a_forced_switch_takes_a_larger_plan_when_only_it_restores_the_slos() -> None:
     # a 120 ms TBT SLO: the 4-GPU plan (≈ 100 ms) is within it but not within 0.7 × 120 = 84 ms
-    tight = replace(VALUED, tbt_slo_ms=120.0)
+    tight = replace(PATIENT, tbt_slo_ms=120.0)
     result = _forced(tight)
     assert result.decision is not None and result.decision.to_plan.num_gpus == 8
     chosen = next(c for c in result.candidates if c.plan_id == result.decision.to_plan_id)
@@ -158,7 +173,7 @@ def test_a_forced_switch_takes_a_larger_plan_when_only_it_restores_the_slos() ->
 
 def test_a_forced_switch_falls_back_to_the_best_estimate_when_none_restores_the_slos() -> None:
     # a margin no plan meets: the best by gain − cost, as without the rule
-    hopeless = replace(VALUED, downshift_slo_margin=0.01)
+    hopeless = replace(PATIENT, downshift_slo_margin=0.01)
     result = _forced(hopeless)
     assert result.decision is not None
     assert result.decision.to_plan_id == result.candidates[0].plan_id
@@ -170,11 +185,13 @@ def test_a_forced_switch_must_restore_the_slos_at_the_lookbacks_peak() -> None:
     snapshot = BROKEN
     state = replace(_state(snapshot), demand=(DemandSample(NOW_S - 600.0, 9.0),))
     args = (_tp8(), snapshot, PRESSED, state)
-    result = decide(*args, REMEMBERING, model=MODEL_70B_GQA)
+    remembering = replace(PATIENT, downshift_lookback_s=3600.0)
+    result = decide(*args, remembering, model=MODEL_70B_GQA)
     assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
     assert result.decision.to_plan.num_gpus == 8
-    forgetful = decide(*args, FORGETFUL, model=MODEL_70B_GQA)
-    assert forgetful.decision is not None and forgetful.decision.to_plan.num_gpus == 4
+    forgetful = replace(PATIENT, downshift_lookback_s=0.0)
+    without = decide(*args, forgetful, model=MODEL_70B_GQA)
+    assert without.decision is not None and without.decision.to_plan.num_gpus == 4
 
 
 def test_the_guard_switches_off() -> None:
