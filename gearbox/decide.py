@@ -11,9 +11,11 @@ Small pure steps, in order of precedence:
    also counts the candidate's outage: its whole transition (the shadow weight load included,
    :attr:`gearbox.switch.SwitchCost.transition_s`) × its utility above what the surviving
    replicas serve, the gain forgone until it is up. So the plan that restores service soonest
-   wins unless a slower one's steady gain outweighs its longer outage. Among candidates whose
-   estimate restores the SLOs with the downshift guard's margin (``downshift_slo_margin`` × the
-   SLOs, at this window's demand and at the lookback's peak), the switch takes the one that
+   wins unless a slower one's steady gain outweighs its longer outage. With
+   ``forced_restore_slos`` (off by default, see its note in :mod:`gearbox.config`), among
+   candidates whose estimate restores the SLOs with the downshift guard's margin
+   (``downshift_slo_margin`` × the SLOs, at this window's demand and at the lookback's peak),
+   the switch takes the one that
    restores them soonest — its transition past the TTFT SLO — then the best by gain − cost
    with the freed GPUs' credit counted even under observed pressure, so it takes no GPUs beyond
    what restores its SLOs unless they restore them sooner (:func:`_forced_choice`); when none
@@ -606,7 +608,7 @@ def _take_best(tick: _Tick, scored: Sequence[_Scored], problems: Sequence[str]) 
         tick,
         DecisionReason.FORCED_INFEASIBLE,
         scored,
-        chosen=_forced_choice(tick, scored),
+        chosen=_forced_choice(tick, scored) if tick.config.forced_restore_slos else scored[0],
         forced=True,
         problems=problems,
     )

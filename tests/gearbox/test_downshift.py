@@ -122,8 +122,10 @@ def test_forced_switches_ignore_the_guard() -> None:
 # and a 4-GPU plan (≈ 100 ms, a longer transition) restore the SLOs within 0.7 × 150 = 105 ms
 BROKEN = with_gpus(article_cluster(), A8[:1], healthy=False)
 PRESSED = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=20_000.0, tbt_p95_ms=400.0)
-# a TTFT SLO both transitions fit within: requests queued by either switch can still meet it
-PATIENT = replace(VALUED, ttft_slo_ms=10_000.0)
+# the forced switch's SLO rule (off by default) ...
+RESTORING = replace(VALUED, forced_restore_slos=True)
+# ... with a TTFT SLO both transitions fit within: requests queued by either can still meet it
+PATIENT = replace(RESTORING, ttft_slo_ms=10_000.0)
 
 
 def _forced(config: GearboxConfig, load: LoadSnapshot = PRESSED) -> DecideResult:
@@ -149,14 +151,18 @@ def test_a_forced_switch_takes_the_smaller_plan_that_restores_the_slos() -> None
     # with no credit configured for freed GPUs the faster load decides again
     free = _forced(replace(PATIENT, idle_gpu_value_tok_s=0.0))
     assert free.decision is not None and free.decision.to_plan.num_gpus == 8
+    # and with the rule off (the default) the best by gain − cost, the 8-GPU plan
+    assert not DEFAULT_CONFIG.forced_restore_slos
+    off = _forced(replace(PATIENT, forced_restore_slos=False))
+    assert off.decision is not None and off.decision.to_plan_id == best.plan_id
 
 
 def test_a_forced_switch_restores_the_slos_soonest_before_freeing_gpus() -> None:
     # at the default 2 s TTFT SLO both transitions outlast it: the sooner one is taken (queued
     # requests miss the SLO for every second longer), the freed GPUs' credit notwithstanding
-    result = _forced(VALUED)
+    result = _forced(RESTORING)
     assert result.decision is not None and result.decision.to_plan.num_gpus == 8
-    assert result.decision.switch_cost.transition_s > VALUED.ttft_slo_ms / 1000.0
+    assert result.decision.switch_cost.transition_s > RESTORING.ttft_slo_ms / 1000.0
     patient = _forced(PATIENT).decision
     assert patient is not None
     assert patient.switch_cost.transition_s > result.decision.switch_cost.transition_s
