@@ -15,8 +15,7 @@ Small pure steps, in order of precedence:
    ``forced_restore_slos`` (off by default, see its note in :mod:`gearbox.config`), among
    candidates whose estimate restores the SLOs with the downshift guard's margin
    (``downshift_slo_margin`` × the SLOs, at this window's demand and at the lookback's peak),
-   the switch takes the one that
-   restores them soonest — its transition past the TTFT SLO — then the best by gain − cost
+   and up within one TTFT SLO of the soonest of them, the switch takes the best by gain − cost
    with the freed GPUs' credit counted even under observed pressure, so it takes no GPUs beyond
    what restores its SLOs unless they restore them sooner (:func:`_forced_choice`); when none
    restores them, the best by gain − cost.
@@ -616,9 +615,9 @@ def _take_best(tick: _Tick, scored: Sequence[_Scored], problems: Sequence[str]) 
 
 def _forced_choice(tick: _Tick, scored: Sequence[_Scored]) -> _Scored:
     """A forced switch's target: among ``scored`` (best gain − cost first), those whose estimate
-    restores the SLOs with the margin (:func:`_restores_slos`), the one that restores them
-    soonest (:func:`_late_s`), then the best by gain − cost with the freed GPUs' credit counted;
-    when none restores them, ``scored[0]``.
+    restores the SLOs with the margin (:func:`_restores_slos`) and is up within one TTFT SLO of
+    the soonest of them, the best by gain − cost with the freed GPUs' credit counted (then the
+    shorter transition); when none restores them, ``scored[0]``.
 
     NOTE: under observed pressure freed GPUs earn no credit (module docstring), and a forced
     switch is usually under it (its plan just lost GPUs), so every plan that restores the SLOs
@@ -645,17 +644,15 @@ def _forced_choice(tick: _Tick, scored: Sequence[_Scored]) -> _Scored:
         held = credit_s * s.summary.num_gpus if pressured else 0.0  # else already in the gain
         return s.summary.gain_tokens - s.summary.cost_tokens - held
 
-    return min(
-        restoring,
-        key=lambda s: (_late_s(tick, s), -net(s), s.cost.transition_s, s.summary.plan_id),
-    )
-
-
-def _late_s(tick: _Tick, scored: _Scored) -> float:
-    """How long past the TTFT SLO a request that arrives as the switch starts waits for its
-    plan (0 when the whole transition fits within the SLO: the requests it queues can still
-    meet it, so no goodput is lost to restoring later)."""
-    return max(0.0, scored.cost.transition_s - tick.config.ttft_slo_ms / 1000.0)
+    # NOTE: "soonest" at the TTFT SLO's resolution: a plan up within one TTFT SLO of the
+    # soonest counts as as soon. Ranked by the time past the SLO alone, mixed-failures seed
+    # 10's 7B (2-GPU target 2.12 s, 0.12 s past the 2 s SLO; 4-GPU 1.35 s) took the 4 hoppers
+    # again. The tolerance was chosen after seeing that case and fragmented-short's (7.40 s
+    # against 3.95 s): a modelling choice, not a derived one.
+    soonest = min(s.cost.transition_s for s in restoring)
+    slo_s = tick.config.ttft_slo_ms / 1000.0
+    prompt = [s for s in restoring if s.cost.transition_s <= soonest + slo_s]
+    return min(prompt, key=lambda s: (-net(s), s.cost.transition_s, s.summary.plan_id))
 
 
 def _restores_slos(tick: _Tick, scored: _Scored) -> bool:

@@ -240,8 +240,8 @@ def test_a_forced_switch_prefers_the_plan_that_restores_the_slos() -> None:
     assert slow.gain_tokens - slow.cost_tokens > quick.gain_tokens - quick.cost_tokens
     assert slow.est_tbt_p95_ms > DEFAULT_CONFIG.tbt_slo_ms
     assert result.decision.to_plan_id == quick.plan_id
-    # at a 250 ms TBT SLO both restore the SLOs; both transitions (33 s, 18 s) outlast the 2 s
-    # TTFT SLO, so the sooner one is taken, though TP4 still nets more
+    # at a 250 ms TBT SLO both restore the SLOs; TP4 is up (33 s) more than one 2 s TTFT SLO
+    # after TP8 (18 s), so the sooner one is taken, though TP4 still nets more
     both = _forced_onto_b(5.0, tbt_slo_ms=250.0, restore=True)
     assert both.decision is not None and both.decision.to_plan_id == quick.plan_id
     by_gpus = {c.num_gpus: c for c in both.candidates}
