@@ -89,6 +89,16 @@ CEILINGS = {
     "goodput_util_ratio_vs_model_aware_rr": "ceiling_goodput_util_ratio_vs_model_aware_rr",
     "goodput_ratio_vs_vllm_like": "ceiling_goodput_ratio_vs_vllm_like",
 }
+# Each ours / baseline ratio figure: (the system's metric, the baseline).
+RATIOS = {
+    "goodput_util_ratio_vs_naive_rr": ("goodput_tok_per_gpu_s", "naive_rr"),
+    "goodput_util_ratio_vs_model_aware_rr": ("goodput_tok_per_gpu_s", "model_aware_rr"),
+    "util_ratio_vs_naive_rr": ("busy_frac", "naive_rr"),
+    "util_ratio_vs_model_aware_rr": ("busy_frac", "model_aware_rr"),
+    "useful_util_ratio_vs_naive_rr": ("useful_frac", "naive_rr"),
+    "useful_util_ratio_vs_model_aware_rr": ("useful_frac", "model_aware_rr"),
+    "goodput_ratio_vs_vllm_like": ("goodput_req_s", "vllm_like"),
+}
 # Figures reported per seed and as median / worst, judged against no bound.
 REPORTED = (
     "util_ratio_vs_naive_rr",
@@ -180,37 +190,18 @@ def run_seed(
         },
         "systems": systems,
         "oom_ours": ours["oom_events"],
-        "goodput_util_ratio_vs_naive_rr": _ratio(
-            ours["goodput_tok_per_gpu_s"], systems["naive_rr"]["goodput_tok_per_gpu_s"]
-        ),
-        "goodput_util_ratio_vs_model_aware_rr": _ratio(
-            ours["goodput_tok_per_gpu_s"], systems["model_aware_rr"]["goodput_tok_per_gpu_s"]
-        ),
-        "util_ratio_vs_naive_rr": _ratio(ours["busy_frac"], systems["naive_rr"]["busy_frac"]),
-        "util_ratio_vs_model_aware_rr": _ratio(
-            ours["busy_frac"], systems["model_aware_rr"]["busy_frac"]
-        ),
-        "useful_util_ratio_vs_naive_rr": _ratio(
-            ours["useful_frac"], systems["naive_rr"]["useful_frac"]
-        ),
-        "useful_util_ratio_vs_model_aware_rr": _ratio(
-            ours["useful_frac"], systems["model_aware_rr"]["useful_frac"]
-        ),
-        "goodput_ratio_vs_vllm_like": _ratio(
-            ours["goodput_req_s"], systems["vllm_like"]["goodput_req_s"]
-        ),
         "dead_memory_frac_ours": ours["dead_frac"],
         "evicted_with_active": ours["evicted_with_active"],
         "perfect": perfect,
-        "ceiling_goodput_util_ratio_vs_naive_rr": _ratio(
-            perfect["goodput_tok_per_gpu_s"], systems["naive_rr"]["goodput_tok_per_gpu_s"]
-        ),
-        "ceiling_goodput_util_ratio_vs_model_aware_rr": _ratio(
-            perfect["goodput_tok_per_gpu_s"], systems["model_aware_rr"]["goodput_tok_per_gpu_s"]
-        ),
-        "ceiling_goodput_ratio_vs_vllm_like": _ratio(
-            perfect["goodput_req_s"], systems["vllm_like"]["goodput_req_s"]
-        ),
+        **{
+            figure: _ratio(ours[metric], systems[baseline][metric])
+            for figure, (metric, baseline) in RATIOS.items()
+        },
+        **{
+            ceiling: _ratio(perfect[metric], systems[baseline][metric])
+            for figure, ceiling in CEILINGS.items()
+            for metric, baseline in (RATIOS[figure],)
+        },
     }
 
 
