@@ -286,6 +286,7 @@ class GearboxSystem:
         self.scale_decisions: list[ScaleDecision] = []  # every OUT, IN and NO_ROOM
         # per model: (time, refused for capacity) of each request routed, over SCALE_WINDOW_S
         self._routed: dict[str, deque[tuple[float, bool]]] = {}
+        self._refused: dict[str, int] = {}  # per model: the capacity refusals in _routed
         self._changed_s: dict[str, float] = {}  # per model: its replica set last changed
 
     # ---- placement ----------------------------------------------------------------------------
@@ -351,8 +352,10 @@ class GearboxSystem:
         now_s = sim.now_s
         order = sorted(candidates, key=lambda i: (not i.is_ready(now_s), i.active, i.iid))
         choice = self._admit(request, order)
-        routed = self._routed.setdefault(request.model_name, deque())
-        routed.append((now_s, isinstance(choice, str) and choice in _CAPACITY_REFUSALS))
+        refused = isinstance(choice, str) and choice in _CAPACITY_REFUSALS
+        self._routed.setdefault(request.model_name, deque()).append((now_s, refused))
+        if refused:
+            self._refused[request.model_name] = self._refused.get(request.model_name, 0) + 1
         return choice
 
     def _admit(self, request: SimRequest, order: Sequence[Instance]) -> Instance | str:
@@ -422,11 +425,12 @@ class GearboxSystem:
         sim = self.sim
         routed = self._routed.setdefault(profile.name, deque())
         while routed and routed[0][0] < sim.now_s - SCALE_WINDOW_S:
-            routed.popleft()
+            if routed.popleft()[1]:
+                self._refused[profile.name] -= 1
         queued = sum(len(i.waiting) for i in sim.instances_of(profile.name))
         demand = ReplicaDemand(
             arrivals=len(routed),
-            refused=sum(1 for _, r in routed if r),
+            refused=self._refused.get(profile.name, 0),
             waiting_requests=sim.pending(profile.name) + queued,
             window_s=SCALE_WINDOW_S,
             steady_s=sim.now_s - self._changed_s.get(profile.name, -math.inf),
