@@ -215,19 +215,12 @@ def _counts(transitions: Sequence[tuple[float, GearTransition]], names: set[str]
             continue
         before, after = replicas.get(dep, 0), len(rec.plan.replicas)
         replicas[dep] = after
-        kind = (
-            "loads"
-            if before == 0 and after
-            else "evictions"
-            if not after
-            else "scale_outs"
-            if after > before
-            else "scale_ins"
-            if after < before
-            else None
-        )
-        if kind is not None:
-            counts[kind] += 1
+        if not after:
+            counts["evictions"] += 1
+        elif before == 0:
+            counts["loads"] += 1
+        elif after != before:
+            counts["scale_outs" if after > before else "scale_ins"] += 1
     return counts
 
 
