@@ -99,12 +99,18 @@ class RangeAllocator:
 
     def allocate(self, size_bytes: int) -> int | None:
         """Offset of a free span of ``size_bytes``, or ``None`` when no span is large enough."""
-        for i, (start, length) in enumerate(self._free):
+        # NOTE: the scan carries no index (the found span's is looked up in C, spans being
+        # distinct): a simulated engine allocates here once per GPU for every run of KV pages
+        # a sequence grows by.
+        spans = self._free
+        for span in spans:
+            start, length = span
             if length >= size_bytes:
+                i = spans.index(span)
                 if length == size_bytes:
-                    del self._free[i]
+                    del spans[i]
                 else:
-                    self._free[i] = (start + size_bytes, length - size_bytes)
+                    spans[i] = (start + size_bytes, length - size_bytes)
                 return start
         return None
 
@@ -112,19 +118,25 @@ class RangeAllocator:
         """Give a span back, merging it with its neighbours."""
         # NOTE: the spans are kept sorted and merged, so only the given span's neighbours can
         # touch it: merging with them alone is what a full merging pass would give, in O(log n)
-        # (a simulated engine frees pages thousands of times a simulated minute).
+        # (a simulated engine frees pages thousands of times a simulated minute). A merge
+        # rewrites a neighbour in place; only a span with no free neighbour is inserted.
         spans = self._free
         i = bisect.bisect_left(spans, (offset, 0))
         end = offset + size_bytes
-        if i < len(spans) and spans[i][0] == end:
-            end += spans[i][1]
-            del spans[i]
-        if i > 0 and spans[i - 1][0] + spans[i - 1][1] == offset:
-            offset = spans[i - 1][0]
-            i -= 1
-            spans[i] = (offset, end - offset)
+        follows = i < len(spans) and spans[i][0] == end
+        if i > 0:
+            prev_start, prev_length = spans[i - 1]
+            if prev_start + prev_length == offset:
+                if follows:
+                    spans[i - 1] = (prev_start, end + spans[i][1] - prev_start)
+                    del spans[i]
+                else:
+                    spans[i - 1] = (prev_start, end - prev_start)
+                return
+        if follows:
+            spans[i] = (offset, end + spans[i][1] - offset)
         else:
-            spans.insert(i, (offset, end - offset))
+            spans.insert(i, (offset, size_bytes))
 
     @property
     def free_bytes(self) -> int:

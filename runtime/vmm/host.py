@@ -104,17 +104,16 @@ class HostReservationBackend:
 
     def release_commit(self, commit: Commit) -> None:
         """Return the pages; unknown or already released commits are ignored."""
-        held = self._held.get(commit.reservation_id)
+        reservation_id, request_id, offset, size, _ = commit  # (one unpack, not 3 lookups)
+        held = self._held.get(reservation_id)
         if held is None:
             return
         commits = held.commits
-        request_id = commit.request_id
         known = commits.get(request_id)
         if known is not commit and known != commit:  # (identity first: the usual case)
             return
         del commits[request_id]
-        size = commit.size_bytes
-        held.ranges.free(commit.offset_bytes, size)
+        held.ranges.free(offset, size)
         self._committed -= size
 
     def unreserve(self, reservation: Reservation) -> None:

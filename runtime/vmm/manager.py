@@ -140,6 +140,17 @@ class ReservationManager:
         resv = self._reservations.get(replica_id)
         if held is None or resv is None:
             return self.commit(replica_id, request_id, bytes_per_gpu)
+        return self._extend(key, held, resv, bytes_per_gpu)
+
+    def _extend(
+        self,
+        key: tuple[str, str],
+        held: dict[str, list[Commit]],
+        resv: dict[str, Reservation],
+        bytes_per_gpu: Mapping[str, int],
+    ) -> bool:
+        """``extend`` of a request that holds commits on a reserved replica."""
+        replica_id, request_id = key
         # NOTE: a backend keeps one commit per request id; an extension is the n-th chunk (n:
         # the most chunks the request holds on one GPU, so the id is new on every GPU).
         chunks = self._chunks[key]
@@ -149,15 +160,18 @@ class ReservationManager:
         totals = self._totals[key]
         by_gpu = self._by_gpu
         for uuid, c in done.items():
+            size = c.size_bytes
             mine = held.get(uuid)
             if mine is None:
                 mine = held[uuid] = []
             mine.append(c)
             if len(mine) > chunks:
                 chunks = len(mine)
-            totals[uuid] = totals.get(uuid, 0) + c.size_bytes
-            replicas = by_gpu.setdefault(uuid, {})
-            replicas[replica_id] = replicas.get(replica_id, 0) + c.size_bytes
+            totals[uuid] = totals.get(uuid, 0) + size
+            replicas = by_gpu.get(uuid)
+            if replicas is None:
+                replicas = by_gpu[uuid] = {}
+            replicas[replica_id] = replicas.get(replica_id, 0) + size
         self._chunks[key] = chunks
         return True
 
@@ -175,17 +189,36 @@ class ReservationManager:
         caller reading ``held_bytes`` before and after it.
         """
         key = (replica_id, request_id)
-        totals = self._totals.get(key, _NOTHING)
+        totals: Mapping[str, int] | None = self._totals.get(key)
         lack: dict[str, int] = {}
+        if totals is None:  # no commit yet: the first one is all of it
+            for uuid, per in bytes_per_token.items():
+                if per * tokens > 0:
+                    lack[uuid] = per * tokens
+            if lack:
+                if not self.commit(replica_id, request_id, lack):
+                    return None
+                totals = self._totals[key]
+            else:
+                totals = _NOTHING
+        else:
+            for uuid, per in bytes_per_token.items():
+                short = per * tokens - totals.get(uuid, 0)
+                if short > 0:
+                    lack[uuid] = short
+            if lack:
+                # (``extend`` inlined: the request holds commits, so ``_commits`` has its key)
+                resv = self._reservations.get(replica_id)
+                if resv is None or not self._extend(key, self._commits[key], resv, lack):
+                    return None
+        # (``min`` over a generator, unrolled: one call per run of pages a sequence grows by)
+        covered = tokens
+        first = True
         for uuid, per in bytes_per_token.items():
-            short = per * tokens - totals.get(uuid, 0)
-            if short > 0:
-                lack[uuid] = short
-        if lack:
-            if not self.extend(replica_id, request_id, lack):
-                return None
-            totals = self._totals[key]
-        return min((totals.get(u, 0) // per for u, per in bytes_per_token.items()), default=tokens)
+            have = totals.get(uuid, 0) // per
+            if first or have < covered:
+                covered, first = have, False
+        return covered
 
     def _commit_all(
         self, resv: dict[str, Reservation], request_id: str, bytes_per_gpu: Mapping[str, int]
