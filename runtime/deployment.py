@@ -338,7 +338,7 @@ class DeploymentRuntime:
                     "role": str(core.router.role(rid)),
                     "ready": engine.is_ready(now_s),
                     "fault": engine.health(),
-                    "queued": len(core.router.queued(rid)),
+                    "queued": core.router.queue_len(rid),
                     "running": len(core.router.running(rid)),
                     "gpus": list(gpus),
                     "kv_bytes": engine.kv_bytes(),

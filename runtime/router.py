@@ -170,6 +170,11 @@ class Router:
         """Waiting sequences of a replica, oldest first."""
         return tuple(self._replicas[replica_id].queued)
 
+    def queue_len(self, replica_id: str) -> int:
+        """How many sequences wait in the replica's queue (``len(queued(...))`` without the
+        copy: admission asks once per request and candidate replica)."""
+        return len(self._replicas[replica_id].queued)
+
     def running(self, replica_id: str) -> frozenset[str]:
         """Sequences of a replica that are inside its engine."""
         return frozenset(self._replicas[replica_id].running)

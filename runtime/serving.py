@@ -285,7 +285,7 @@ class ServingCore:
             need = self._kv_need(slot, request, 0)
             if request.total_tokens > timing.kv_capacity_tokens:
                 refused.add(Reason.TOO_LONG)
-            elif len(self.router.queued(choice.replica_id)) >= self.settings.max_queue_per_replica:
+            elif self.router.queue_len(choice.replica_id) >= self.settings.max_queue_per_replica:
                 refused.add(Reason.QUEUE_FULL)
             elif not check_watermark(
                 self.vmm.memory_for(slot.ledger, need),
@@ -369,6 +369,10 @@ class ServingCore:
                 self._absorb(rid, slot.engine.step(now_s))
 
     def _feed(self, rid: str, slot: _Slot, now_s: float) -> None:
+        # NOTE: a full engine takes nothing: asked before the queue is copied (a busy replica's
+        # queue is long and it is fed on every tick).
+        if not slot.engine.has_capacity():
+            return
         for seq_id in self.router.queued(rid):
             if not slot.engine.has_capacity():
                 return
@@ -606,7 +610,7 @@ class ServingCore:
 
     def queue_len(self) -> int:
         """Sequences waiting for an engine, across replicas and unplaced."""
-        queued = sum(len(self.router.queued(r)) for r in self._slots)
+        queued = sum(self.router.queue_len(r) for r in self._slots)
         return queued + len(self._unplaced)
 
     def active_sequences(self) -> int:
