@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -94,6 +95,16 @@ class WorkloadRates:
     def __call__(self, t_s: float) -> MixRates:
         chat, summ = self.workload.multipliers(t_s)
         return self.base.scaled(chat, summ)
+
+    def class_at(self, t_s: float, kind: RequestKind) -> ClassRate:
+        """``_class(self(t_s), kind)`` without building the other class's rate (the trace asks
+        once per candidate arrival): the same product of the base rate and the multiplier."""
+        chat, summ = self.workload.multipliers(t_s)
+        if kind is RequestKind.CHAT:
+            c, x = self.base.chat, chat
+        else:
+            c, x = self.base.summarisation, summ
+        return ClassRate(c.arrival_rps * x, c.prompt_tokens_mean, c.output_tokens_mean)
 
     def peak(self, kind: RequestKind) -> float:
         """An upper bound of the class's arrival rate over all time."""
@@ -160,6 +171,11 @@ def class_arrivals(
     :func:`client_max_tokens`) and carries the drawn length, at most the cap, as the SIMULATED
     ``sim_output_tokens``. ``max_tokens`` clips the drawn lengths (prompt and output)."""
     rates_at = rates if callable(rates) else _constant(rates)
+    class_at: Callable[[float], ClassRate] = (
+        functools.partial(rates.class_at, kind=kind)
+        if isinstance(rates, WorkloadRates)
+        else lambda t_s: _class(rates_at(t_s), kind)
+    )
     peak_rps = _peak(rates, kind, start_s, duration_s)
     if peak_rps <= 0:
         return
@@ -169,7 +185,7 @@ def class_arrivals(
         t += rng.expovariate(peak_rps)
         if t >= start_s + duration_s:
             return
-        now = _class(rates_at(t), kind)
+        now = class_at(t)
         accept = rng.random() * peak_rps < now.arrival_rps
         prompt = _tokens(rng, now.prompt_tokens_mean, SIGMA_PROMPT, max_tokens)
         output = _tokens(rng, now.output_tokens_mean, SIGMA_OUTPUT, max_tokens)
