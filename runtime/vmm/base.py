@@ -10,6 +10,7 @@ a retry or a restart.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple, Protocol
@@ -92,10 +93,18 @@ def round_up(size_bytes: int, granularity_bytes: int) -> int:
 
 
 class RangeAllocator:
-    """First-fit allocator of offsets inside one reservation (free spans kept sorted, merged)."""
+    """First-fit allocator of offsets inside one reservation (free spans kept sorted, merged).
+
+    A reservation's free list grows to a few hundred spans late in a long simulated run, and
+    most of them are too small for a multi-page commit. The allocator keeps one hint — every
+    span before index ``_hint_at`` is shorter than ``_hint_size`` bytes — so a request of at
+    least that size starts its scan there; the offset is the same first fit.
+    """
 
     def __init__(self, size_bytes: int) -> None:
         self._free: list[tuple[int, int]] = [(0, size_bytes)] if size_bytes > 0 else []
+        self._hint_size = 0  # every span before ``_hint_at`` is shorter than this
+        self._hint_at = 0
 
     def allocate(self, size_bytes: int) -> int | None:
         """Offset of a free span of ``size_bytes``, or ``None`` when no span is large enough."""
@@ -103,14 +112,21 @@ class RangeAllocator:
         # distinct): a simulated engine allocates here once per GPU for every run of KV pages
         # a sequence grows by.
         spans = self._free
-        for span in spans:
+        hint_at = self._hint_at
+        begin = hint_at if size_bytes >= self._hint_size else 0
+        for span in itertools.islice(spans, begin, None) if begin else spans:
             start, length = span
             if length >= size_bytes:
-                i = spans.index(span)
+                i = spans.index(span, begin)
                 if length == size_bytes:
                     del spans[i]
+                    if i < hint_at:
+                        hint_at -= 1
                 else:
                     spans[i] = (start + size_bytes, length - size_bytes)
+                if i >= hint_at and i > 0:  # every span before i is shorter than this request
+                    self._hint_size, hint_at = size_bytes, i
+                self._hint_at = hint_at
                 return start
         return None
 
@@ -119,8 +135,10 @@ class RangeAllocator:
         # NOTE: the spans are kept sorted and merged, so only the given span's neighbours can
         # touch it: merging with them alone is what a full merging pass would give, in O(log n)
         # (a simulated engine frees pages thousands of times a simulated minute). A merge
-        # rewrites a neighbour in place; only a span with no free neighbour is inserted.
+        # rewrites a neighbour in place; only a span with no free neighbour is inserted. A span
+        # that grows to the hint's size before the hint moves the hint back to it.
         spans = self._free
+        hint_at, hint_size = self._hint_at, self._hint_size
         i = bisect.bisect_left(spans, (offset, 0))
         end = offset + size_bytes
         follows = i < len(spans) and spans[i][0] == end
@@ -128,15 +146,23 @@ class RangeAllocator:
             prev_start, prev_length = spans[i - 1]
             if prev_start + prev_length == offset:
                 if follows:
-                    spans[i - 1] = (prev_start, end + spans[i][1] - prev_start)
+                    end += spans[i][1]
                     del spans[i]
-                else:
-                    spans[i - 1] = (prev_start, end - prev_start)
+                spans[i - 1] = (prev_start, end - prev_start)
+                if i - 1 < hint_at:
+                    if end - prev_start >= hint_size:
+                        self._hint_at = i - 1
+                    elif follows and i < hint_at:
+                        self._hint_at = hint_at - 1
                 return
         if follows:
             spans[i] = (offset, end + spans[i][1] - offset)
+            if i < hint_at and spans[i][1] >= hint_size:
+                self._hint_at = i
         else:
             spans.insert(i, (offset, size_bytes))
+            if i < hint_at:
+                self._hint_at = i if size_bytes >= hint_size else hint_at + 1
 
     @property
     def free_bytes(self) -> int:

@@ -469,3 +469,43 @@ def test_floored_admission_matches_the_ledger_after_any_history(ops: list[Any]) 
                 others = sum(max(b, floor.get(r, 0)) for r, b in use.items() if r != me)
                 mine = max(use.get(me, 0) + gib, floor.get(me, 0))
                 assert seen[g].committed_bytes == others + mine - gib
+
+
+class _PlainFirstFit:
+    """The allocator without its hint: first fit by a scan from the first span."""
+
+    def __init__(self, size: int) -> None:
+        self.free: list[tuple[int, int]] = [(0, size)]
+
+    def allocate(self, size: int) -> int | None:
+        for i, (start, length) in enumerate(self.free):
+            if length >= size:
+                if length == size:
+                    del self.free[i]
+                else:
+                    self.free[i] = (start + size, length - size)
+                return start
+        return None
+
+    def release(self, offset: int, size: int) -> None:
+        self.free = _merged_by_full_pass(self.free, offset, size)
+
+
+@pytest.mark.unit
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 24)), max_size=200))
+def test_range_allocator_hint_gives_the_plain_first_fit(ops: list[tuple[int, int]]) -> None:
+    alloc, plain = RangeAllocator(256), _PlainFirstFit(256)
+    held: list[tuple[int, int]] = []
+    for action, size in ops:
+        if action == 0 and held:
+            offset, length = held.pop(size % len(held))
+            alloc.free(offset, length)
+            plain.release(offset, length)
+        else:
+            got = alloc.allocate(size)
+            assert got == plain.allocate(size)
+            if got is not None:
+                held.append((got, size))
+        assert alloc._free == plain.free
+        hint = alloc._hint_at
+        assert all(length < alloc._hint_size for _, length in alloc._free[:hint])
