@@ -328,6 +328,14 @@ class RuntimeConfig(_Section):
         description="runtime s a request for an on-demand model that is not loaded waits for "
         "its load, then 429 model_loading",
     )
+    memory_wait_s: float | None = Field(
+        None,
+        ge=0.0,
+        description="runtime s a request the pre-OOM watermark refuses only for the moment "
+        "(other sequences' KV fills the GPU) may wait for memory, less its first token's time, "
+        "then 429 throttled_watermark; None = half each deployment's TTFT SLO "
+        "(runtime.admission); 0 = refused at once",
+    )
     engine: Literal["sim", "torch"] = Field(
         "sim",
         description="sim: SimEngine (default); torch: the torch reference engine (a small "

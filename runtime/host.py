@@ -73,6 +73,7 @@ class RuntimeHost:
         routers: Mapping[str, Router] | None = None,
         hold_s: Mapping[str, float] | None = None,
         kv_floor_tokens: Mapping[str, int] | None = None,
+        memory_wait_s: Mapping[str, float] | None = None,
     ) -> None:
         self.pool = pool or SimGpuPool()
         # NOTE: on-demand deployments (those that hold requests for a load) share GPUs' memory
@@ -97,6 +98,10 @@ class RuntimeHost:
         for d, wait_s in (hold_s or {}).items():
             if d in self.runtimes:
                 self.runtimes[d].core.hold_s = wait_s
+        # A transient watermark refusal waits for memory this long at most (runtime.admission).
+        for d, wait_s in (memory_wait_s or {}).items():
+            if d in self.runtimes:
+                self.runtimes[d].core.memory_wait_s = wait_s
         # On a shared GPU each on-demand replica is guaranteed its footprint's KV (a VMM floor).
         for d, tokens in (kv_floor_tokens or {}).items():
             if d in self.runtimes:
@@ -168,7 +173,7 @@ class RuntimeHost:
 
     def serving_reports(self, now_s: float, only: Sequence[str] | None = None) -> list[ServingLoad]:
         """Each deployment's (or ``only`` those's) serving window as a report; the windows
-        restart at ``now_s``. Requests held for a load count in the queue."""
+        restart at ``now_s``. Requests held for a load or for memory count in the queue."""
         out = []
         for deployment, rt in self.runtimes.items():
             if only is not None and deployment not in only:

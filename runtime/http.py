@@ -142,7 +142,7 @@ class _Api:
             result = await asyncio.wait_for(asyncio.shield(done), self.request_timeout_s)
         except TimeoutError:
             return _error(504, "timeout", f"{req.request_id} still running; it will complete")
-        except RequestRefused as exc:  # held for a model's load, then refused
+        except RequestRefused as exc:  # held for a load or for memory, then refused
             status = _STATUS_FOR.get(exc.reason, 429)
             headers = {"Retry-After": "1"} if status in (429, 503) else {}
             return _error(status, exc.reason, f"request {req.request_id} refused", **headers)

@@ -22,6 +22,14 @@ rejected: they wait in their new owner's queue until its VMM can commit them.
 On demand (``hold_s`` set): a request arriving while no replica is routable (the model is cold,
 loading or being evicted) is held, first come first served, and admitted once a replica serves;
 after ``hold_s`` it is refused with ``MODEL_LOADING`` (``refused``, for the caller to answer).
+
+Memory waits (``memory_wait_s`` > 0): a request the watermark refuses only because other
+sequences' KV fills its replicas' GPUs for the moment is held too (``HELD_FOR_MEMORY``) and
+tried again every step, while it can still get its first token within ``memory_wait_s`` of its
+first refusal (:func:`runtime.admission.memory_wait_until_s`); then it is refused with
+``THROTTLED_WATERMARK``. The watermark and the VMM commit still gate its admission. Held
+requests are retried oldest first; a later request is not held behind them (measured: holding
+it back cost more goodput than it saved, bench/HISTORY.md 2026-12-02).
 """
 
 from __future__ import annotations
@@ -32,6 +40,13 @@ from dataclasses import dataclass
 
 from gearbox.plans import ExecutionPlan
 from gearbox.switch import KvAction
+from runtime.admission import (
+    first_token_s,
+    memory_wait_until_s,
+    screen,
+    transient,
+    worst_refusal,
+)
 from runtime.engine.base import (
     Engine,
     EngineFault,
@@ -45,7 +60,6 @@ from runtime.engine.paging import PagedEngine, admission_tokens
 from runtime.kvpager import VmmPager
 from runtime.router import ROUTABLE, ReplicaRole, Router
 from runtime.stats import ServingWindow
-from runtime.throttle import check_watermark
 from runtime.timing import ReplicaTiming
 from runtime.types import (
     Admission,
@@ -61,13 +75,6 @@ from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager
 EngineFactory = Callable[[ReplicaTiming], Engine]
 _RUNS = frozenset(
     {ReplicaRole.CANARY, ReplicaRole.ACTIVE, ReplicaRole.FROZEN, ReplicaRole.DRAINING}
-)
-# Most specific rejection wins when several replicas refused for different reasons.
-_REJECTION_ORDER = (
-    Reason.REJECTED_OOM_RISK,
-    Reason.THROTTLED_WATERMARK,
-    Reason.QUEUE_FULL,
-    Reason.TOO_LONG,
 )
 
 
@@ -86,6 +93,16 @@ class _Slot:
     engine: Engine
     ledger: str  # its id in the host's VMM ledger (ServingCore.ledger_id)
     pager: VmmPager | None = None  # the engine pages its KV through the VMM (None: up front)
+
+
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    """A request held for a load or for memory."""
+
+    request: Request
+    until_s: float  # refused when still not admitted then
+    why: Reason  # HELD_FOR_LOAD or HELD_FOR_MEMORY
+    first_refused_s: float  # held for memory: its first watermark refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +143,9 @@ class ServingCore:
         self.hold_s: float | None = None  # on demand: how long a request waits for a load
         # on demand: KV tokens each replica is guaranteed on a shared GPU (its VMM floor)
         self.kv_floor_tokens: int | None = None
-        self._held: dict[str, tuple[Request, float]] = {}  # request id → (request, deadline)
+        # how long a transient watermark refusal may wait for memory (0: refused at once)
+        self.memory_wait_s = 0.0
+        self._held: dict[str, _Hold] = {}  # request id → its hold, in arrival order
         self.refused: list[tuple[str, Reason]] = []  # held requests refused since the drain
 
     # ---- replica lifecycle ---------------------------------------------------------------------
@@ -240,72 +259,99 @@ class ServingCore:
     # ---- admission -----------------------------------------------------------------------------
 
     def submit(self, request: Request, now_s: float) -> Admission:
-        """Route and commit a new request, or reject it with the rule that refused."""
-        reason = self._try_admit(request, now_s)
+        """Route and commit a new request, hold it (for a load or for memory), or reject it with
+        the rule that refused."""
+        rid = request.request_id
+        reason, soonest_s = self._try_admit(request, now_s)
         if reason.reason is Reason.NO_SERVING_PLAN and self.hold_s is not None:
-            self._held[request.request_id] = (request, now_s + self.hold_s)
-            reason = Admission(request.request_id, True, Reason.HELD_FOR_LOAD)
+            self._held[rid] = _Hold(request, now_s + self.hold_s, Reason.HELD_FOR_LOAD, now_s)
+            reason = Admission(rid, True, Reason.HELD_FOR_LOAD)
+        elif (until_s := self._memory_wait(reason.reason, soonest_s, now_s, now_s)) is not None:
+            self._held[rid] = _Hold(request, until_s, Reason.HELD_FOR_MEMORY, now_s)
+            reason = Admission(rid, True, Reason.HELD_FOR_MEMORY)
         self.window.on_arrival(request, reason.reason)
         if not reason.admitted:
             self.rejections[reason.reason] += 1
         return reason
 
-    def held(self) -> tuple[str, ...]:
-        """Requests held for a load, oldest first."""
-        return tuple(self._held)
+    def held(self, why: Reason | None = None) -> tuple[str, ...]:
+        """Requests held (``why``: only those held for a load, or for memory), oldest first."""
+        return tuple(rid for rid, h in self._held.items() if why is None or h.why is why)
+
+    def _memory_wait(
+        self, refusal: Reason, soonest_s: float | None, first_s: float, now_s: float
+    ) -> float | None:
+        if self.memory_wait_s <= 0.0:
+            return None
+        return memory_wait_until_s(refusal, soonest_s, first_s, now_s, self.memory_wait_s)
 
     def _release_held(self, now_s: float) -> None:
-        """Admit held requests once a replica serves; refuse those whose wait ran out (or that
-        a serving replica refused: the reason stays that replica's)."""
+        """Admit held requests, oldest first, once a replica serves and has room; refuse those
+        whose wait ran out (or that a serving replica refused: the reason stays that replica's)."""
         held, self._held = self._held, {}
-        for rid, (request, deadline_s) in held.items():
-            admission = self._try_admit(request, now_s)
-            waiting = admission.reason is Reason.NO_SERVING_PLAN
-            if waiting and now_s < deadline_s:
-                self._held[rid] = (request, deadline_s)  # NOTE: in arrival order, as before
-                continue
+        for rid, hold in held.items():
+            admission, soonest_s = self._try_admit(hold.request, now_s)
             if admission.admitted:
                 continue
-            reason = Reason.MODEL_LOADING if waiting else admission.reason
+            if admission.reason is Reason.NO_SERVING_PLAN and now_s < hold.until_s:
+                self._held[rid] = hold  # NOTE: in arrival order, as before
+                continue
+            first_s = hold.first_refused_s if hold.why is Reason.HELD_FOR_MEMORY else now_s
+            until_s = self._memory_wait(admission.reason, soonest_s, first_s, now_s)
+            if until_s is not None:
+                self._held[rid] = _Hold(hold.request, until_s, Reason.HELD_FOR_MEMORY, first_s)
+                continue
+            reason = admission.reason
+            if reason is Reason.NO_SERVING_PLAN:
+                reason = Reason.MODEL_LOADING
             self.refused.append((rid, reason))
             self.rejections[reason] += 1
             self.window.on_refused(reason)
 
-    def _try_admit(self, request: Request, now_s: float) -> Admission:
+    def _try_admit(self, request: Request, now_s: float) -> tuple[Admission, float | None]:
+        """The admission, and on a refusal the soonest first token on a replica where a
+        watermark refusal is transient (None: on none; :mod:`runtime.admission`)."""
         rid_ = request.request_id
         if rid_ in self._live or rid_ in self._unplaced or rid_ in self._held:
-            return Admission(rid_, False, Reason.DUPLICATE_REQUEST)
+            return Admission(rid_, False, Reason.DUPLICATE_REQUEST), None
         choices = self.router.candidates(request, now_s)
         if not choices:
-            return Admission(rid_, False, Reason.NO_SERVING_PLAN)
+            return Admission(rid_, False, Reason.NO_SERVING_PLAN), None
         refused: set[Reason] = set()
+        soonest_s: float | None = None
+        watermark = self.settings.watermark
         for choice in choices:
             slot = self._slots[choice.replica_id]
             timing = slot.timing
             need = self._kv_need(slot, request, 0)
-            if request.total_tokens > timing.kv_capacity_tokens:
-                refused.add(Reason.TOO_LONG)
-            elif self.router.queue_len(choice.replica_id) >= self.settings.max_queue_per_replica:
-                refused.add(Reason.QUEUE_FULL)
-            elif not check_watermark(
-                self.vmm.memory_for(slot.ledger, need),
-                need,
-                self.settings.watermark,
-            ).allowed:
-                refused.add(Reason.THROTTLED_WATERMARK)
-            elif not self.vmm.commit(slot.ledger, rid_, need):
-                refused.add(Reason.REJECTED_OOM_RISK)
-            else:
+            memory = self.vmm.memory_for(slot.ledger, need)
+            reason = screen(
+                too_long=request.total_tokens > timing.kv_capacity_tokens,
+                queue_full=self.router.queue_len(choice.replica_id)
+                >= self.settings.max_queue_per_replica,
+                memory=memory,
+                need_bytes=need,
+                watermark=watermark,
+            )
+            if reason is None and not self.vmm.commit(slot.ledger, rid_, need):
+                reason = Reason.REJECTED_OOM_RISK
+            if reason is None:
                 self.router.enqueue(request, choice.replica_id)
                 self._live[rid_] = _Live(request)
                 self.ownership_events.append(
                     OwnershipEvent(OwnershipKind.ADMITTED, request, choice.replica_id)
                 )
-                return Admission(
+                admitted = Admission(
                     rid_, True, Reason.ADMITTED, choice.replica_id, choice.predicted_completion_s
                 )
-        worst = next(r for r in _REJECTION_ORDER if r in refused)
-        return Admission(rid_, False, worst)
+                return admitted, None
+            refused.add(reason)
+            if reason is Reason.THROTTLED_WATERMARK and transient(
+                memory, self.vmm.held_bytes(slot.ledger, WEIGHTS_REQUEST), need, watermark
+            ):
+                t_s = first_token_s(timing, request.prompt_tokens)
+                soonest_s = t_s if soonest_s is None else min(soonest_s, t_s)
+        return Admission(rid_, False, worst_refusal(refused)), soonest_s
 
     def readmit(self, request: Request, now_s: float) -> None:
         """Take back a sequence recovered from the journal; it is replayed, never rejected."""

@@ -49,7 +49,7 @@ class ServingWindow:
         self.prompt_tokens += request.prompt_tokens
         if len(self.prompt_lengths) < MAX_SAMPLES:
             self.prompt_lengths.append(request.prompt_tokens)
-        if reason not in (Reason.ADMITTED, Reason.HELD_FOR_LOAD):
+        if reason not in (Reason.ADMITTED, Reason.HELD_FOR_LOAD, Reason.HELD_FOR_MEMORY):
             self.on_refused(reason)
 
     def on_refused(self, reason: Reason) -> None:

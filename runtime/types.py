@@ -37,6 +37,9 @@ class Reason(StrEnum):
     # on-demand models: a request for one that is not loaded waits for its load
     HELD_FOR_LOAD = "held_for_load"  # held until a replica serves (or model_load_wait_s)
     MODEL_LOADING = "model_loading"  # held past model_load_wait_s: the model is still not loaded
+    # a transient watermark refusal waits for memory (runtime.admission, memory_wait_s), then
+    # is admitted or refused THROTTLED_WATERMARK
+    HELD_FOR_MEMORY = "held_for_memory"
 
 
 # Refusals for want of room on the serving plan: the request was fine, the plan could not take

@@ -43,6 +43,7 @@ from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.presets import LINK_CLASSES
 from gearbox.residency import kv_floor_tokens
+from runtime.admission import default_memory_wait_s
 from runtime.clock import SimClock
 from runtime.deployment import DeploymentRuntime, EngineFactory, Outbox, RuntimeSettings
 from runtime.engine.paging import KvAdmission
@@ -149,6 +150,14 @@ class RuntimeWorker:
                 d.name: self.rc.model_load_wait_s
                 for d in cfg.deployments
                 if d.residency == "on_demand"
+            },
+            memory_wait_s={
+                d.name: (
+                    self.rc.memory_wait_s
+                    if self.rc.memory_wait_s is not None
+                    else default_memory_wait_s(d.slo_ms(cfg.gearbox)[0] / 1000.0)
+                )
+                for d in cfg.deployments
             },
             kv_floor_tokens={
                 d.name: kv_floor_tokens(d.prompt_tokens + d.output_tokens, cfg.placement)
@@ -499,7 +508,8 @@ class RuntimeWorker:
         self.metrics.requests.labels(deployment, admission.reason).inc()
         if not admission.admitted:
             return admission, None
-        if admission.reason is Reason.HELD_FOR_LOAD and len(rt.core.held()) == 1:
+        held = Reason.HELD_FOR_LOAD
+        if admission.reason is held and len(rt.core.held(held)) == 1:
             self._demand.add(deployment)
             self._demand_event.set()
         fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()

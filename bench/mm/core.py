@@ -29,6 +29,10 @@ and the KV pool layout differ:
   sequence arriving mid-step cuts the step at its next token, so it joins the batch then.
 * **Timeouts**: a sequence waiting (never admitted, or preempted and not resumed) longer than
   ``QUEUE_TIMEOUT_S`` gives up, as does a request no instance took for that long.
+* **Memory waits**: a system may answer a request with :class:`Wait` (ours, for a transient
+  watermark refusal): it stays at the front end — holding back the model's later requests when
+  ``Wait.blocks``, else letting them past — and is routed again whenever a sequence finishes
+  (memory came free), on the model's arrivals and ticks, and at ``Wait.until_s``.
 * **Replicas**: while a model has demand it wants ``ModelProfile.replicas`` instances; a system
   that places on demand is asked on arrivals and ticks, at most every ``PLACE_RETRY_S`` per model.
   Each tick the system may also scale a resident model's replicas (``System.on_tick``).
@@ -54,7 +58,7 @@ from runtime.engine.paging import KvAdmission, admission_tokens, paged, preempti
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
 
-__all__ = ["Instance", "Seq", "Simulator", "System", "footprint_of"]
+__all__ = ["Instance", "Seq", "Simulator", "System", "Wait", "footprint_of"]
 
 TICK_S = 5.0  # sampling, timeout sweep and placement-retry period
 MAX_BATCH = 32  # running sequences per instance (same engine setting for every system)
@@ -65,12 +69,22 @@ GAP_WINDOW = 20  # arrivals in the mean-gap estimate handed to eviction
 
 
 class _Kind(IntEnum):
-    """Event order at equal times: free memory first, then loads, arrivals, the tick."""
+    """Event order at equal times: free memory first, then loads, arrivals, the tick, the end of
+    a memory wait."""
 
     STEP_END = 0
     READY = 1
     ARRIVAL = 2
     TICK = 3
+    WAIT_END = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """A system's answer to a request that waits at the front end for memory."""
+
+    until_s: float  # it is routed again then at the latest (and refused, if still no room)
+    blocks: bool  # the model's later requests wait behind it (else they are routed past it)
 
 
 @dataclass
@@ -181,8 +195,9 @@ class System(Protocol):
         """A model with demand lacks ``count`` instances: load some, or leave it waiting."""
         ...
 
-    def route(self, request: SimRequest) -> Instance | str | None:
-        """The instance to queue the request at, a rejection reason, or None (no instance yet)."""
+    def route(self, request: SimRequest) -> Instance | str | Wait | None:
+        """The instance to queue the request at, a rejection reason, a wait for memory, or None
+        (no instance yet)."""
         ...
 
     def on_loaded(self, instance: Instance) -> bool:
@@ -245,6 +260,8 @@ class Simulator:
         self._seq = 0
         self._serial = 0
         self._footprints = tuple(footprint_of(m, self.config) for m in scenario.models)
+        self._memory_waits: set[str] = set()  # models with a request waiting for memory
+        self._wait_ends: set[tuple[str, float]] = set()  # (model, until_s) events pushed
 
     # ---- queries systems use ------------------------------------------------------------------
 
@@ -396,6 +413,10 @@ class Simulator:
         if kind is _Kind.TICK:
             self._on_tick()
             return
+        if kind is _Kind.WAIT_END:
+            self._wait_ends.discard((iid, self.now_s))
+            self._drain_pending(iid)
+            return
         inst = self.instances.get(iid)
         if inst is None or inst.serial != number:
             return  # evicted meanwhile
@@ -417,10 +438,19 @@ class Simulator:
     def _drain_pending(self, model_name: str) -> None:
         assert self.system is not None
         pending = self._pending[model_name]
+        passed: list[SimRequest] = []  # waiting for memory, not holding the others back
+        waited = False
         while pending:
             choice = self.system.route(pending[0])
             if choice is None:
-                return  # no instance to take it yet: it waits in the front end
+                break  # no instance to take it yet: it waits in the front end
+            if isinstance(choice, Wait):
+                waited = True
+                self._wait(model_name, choice.until_s)
+                if choice.blocks:
+                    break
+                passed.append(pending.popleft())
+                continue
             request = pending.popleft()
             if isinstance(choice, str):
                 self.metrics.rejected[choice] += 1
@@ -429,6 +459,22 @@ class Simulator:
             choice.last_request_s = self.now_s
             self._cut_step(choice)
             self._step(choice)
+        pending.extendleft(reversed(passed))
+        if waited:
+            self._memory_waits.add(model_name)
+        else:
+            self._memory_waits.discard(model_name)
+
+    def _wait(self, model_name: str, until_s: float) -> None:
+        """A request of the model waits for memory until ``until_s``: route it again then."""
+        if (model_name, until_s) not in self._wait_ends:
+            self._wait_ends.add((model_name, until_s))
+            self._push(until_s, _Kind.WAIT_END, (model_name, 0))
+
+    def _retry_waits(self) -> None:
+        """Memory came free: route the requests waiting for it again."""
+        for model_name in sorted(self._memory_waits):
+            self._drain_pending(model_name)
 
     def _ensure_replicas(self, model_name: str) -> None:
         """Ask the system for missing replicas (rate-limited per model)."""
@@ -599,6 +645,8 @@ class Simulator:
         self._step(inst)
         if finished:
             self._kick(inst.gpu_uuid)
+            if self._memory_waits:
+                self._retry_waits()
 
     def _finish(self, inst: Instance, seq: Seq) -> None:
         request = seq.request

@@ -29,7 +29,13 @@ Admission mirrors :meth:`runtime.serving.ServingCore.submit` without knowing any
 candidates least loaded first, the engine's context limit on prompt + stated ``max_tokens``, the
 queue cap, then the runtime's ``check_watermark`` on the GPU's memory with the KV the request is
 admitted with (its prompt's blocks under incremental admission) — ready replicas least loaded
-first, the first passing takes it, else a 429 naming the rule. Weights are reserved through the
+first, the first passing takes it, else a 429 naming the rule; those rules are the runtime's own
+(:mod:`runtime.admission`). A watermark refusal that is only transient (the model's weights and
+the request's KV would pass on some candidate's GPU) waits at the front end for memory instead,
+while it can still get its first token within ``memory_wait_s`` (half the TTFT SLO) of its
+first refusal, without holding the model's later requests back (``wait_blocks``); then it is refused
+``throttled_watermark``. It counts among the model's waiting requests meanwhile, and once in the
+scale window's arrivals and refusals. Weights are reserved through the
 runtime's ``ReservationManager`` (VMM). Every tick each resident model's replicas are scaled by
 ``gearbox.scaling.scale_replicas`` (the live residency round's rule) on its arrivals, capacity
 429s and waiting requests over the last ``SCALE_WINDOW_S``: one more replica when its demand is
@@ -44,7 +50,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from bench.mm.core import Instance, Simulator, footprint_of
+from bench.mm.core import Instance, Simulator, Wait, footprint_of
 from bench.mm.scenario import ModelProfile, SimRequest
 from gearbox.placement import (
     Backlog,
@@ -54,7 +60,15 @@ from gearbox.placement import (
     place_model,
 )
 from gearbox.scaling import ReplicaDemand, ScaleAction, ScaleDecision, scale_replicas
-from runtime.throttle import DEFAULT_WATERMARK, GpuMemory, check_watermark
+from runtime.admission import (
+    default_memory_wait_s,
+    first_token_s,
+    memory_wait_until_s,
+    screen,
+    transient,
+    worst_refusal,
+)
+from runtime.throttle import DEFAULT_WATERMARK, GpuMemory
 from runtime.types import Reason
 from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager
 
@@ -64,8 +78,6 @@ MAX_QUEUE_PER_INSTANCE = 1024  # ServingSettings.max_queue_per_replica's default
 SCALE_WINDOW_S = 60.0  # demand window of the scale rule: the live stream's load_window_s
 _CAPACITY_REFUSALS = frozenset({Reason.THROTTLED_WATERMARK.value, Reason.QUEUE_FULL.value})
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU its processes may take
-# Most specific rejection wins when several replicas refused (ServingCore's order).
-_REJECTION_ORDER = (Reason.THROTTLED_WATERMARK, Reason.QUEUE_FULL, Reason.TOO_LONG)
 
 
 def _deploy_live(
@@ -278,9 +290,24 @@ class GearboxSystem:
 
     name = "gearbox"
 
-    def __init__(self, sim: Simulator, watermark: float = DEFAULT_WATERMARK) -> None:
+    def __init__(
+        self,
+        sim: Simulator,
+        watermark: float = DEFAULT_WATERMARK,
+        memory_wait_s: float | None = None,
+        wait_blocks: bool = False,
+    ) -> None:
         self.sim = sim
         self.watermark = watermark
+        # how long a transient watermark refusal waits for memory (runtime.admission); None:
+        # the runtime's default for the TTFT SLO; 0: refused at once
+        self.memory_wait_s = (
+            default_memory_wait_s(sim.config.ttft_slo_ms / 1000.0)
+            if memory_wait_s is None
+            else memory_wait_s
+        )
+        self.wait_blocks = wait_blocks  # a waiting request holds its model's later ones back
+        self._first_refused_s: dict[str, float] = {}  # request id → its first watermark refusal
         self.vmm = ReservationManager()  # host backend: real address-space reservations
         self.decisions: list[PlacementDecision] = []
         self.scale_decisions: list[ScaleDecision] = []  # every OUT, IN and NO_ROOM
@@ -343,38 +370,61 @@ class GearboxSystem:
 
     # ---- admission ----------------------------------------------------------------------------
 
-    def route(self, request: SimRequest) -> Instance | str | None:
-        """ServingCore's admission loop: too long → queue cap → watermark."""
+    def route(self, request: SimRequest) -> Instance | str | Wait | None:
+        """ServingCore's admission loop: too long → queue cap → watermark; a transient watermark
+        refusal waits for memory (at most ``memory_wait_s`` from the first)."""
         sim = self.sim
         candidates = sim.instances_of(request.model_name)
         if not candidates:
             return None
         now_s = sim.now_s
         order = sorted(candidates, key=lambda i: (not i.is_ready(now_s), i.active, i.iid))
-        choice = self._admit(request, order)
+        admitted, soonest_s = self._admit(request, order)
+        choice: Instance | str = admitted
+        if isinstance(admitted, Reason):
+            first_s = self._first_refused_s.setdefault(request.request_id, now_s)
+            wait_s = self.memory_wait_s
+            until_s = memory_wait_until_s(admitted, soonest_s, first_s, now_s, wait_s)
+            if until_s is not None:
+                return Wait(until_s, self.wait_blocks)
+            choice = admitted.value
+        self._first_refused_s.pop(request.request_id, None)
+        # NOTE: counted once, when routed or refused: a wait is in the model's pending requests
         refused = isinstance(choice, str) and choice in _CAPACITY_REFUSALS
         self._routed.setdefault(request.model_name, deque()).append((now_s, refused))
         if refused:
             self._refused[request.model_name] = self._refused.get(request.model_name, 0) + 1
         return choice
 
-    def _admit(self, request: SimRequest, order: Sequence[Instance]) -> Instance | str:
-        """The first instance in ``order`` that admits ``request``, else the refusal."""
+    def _admit(
+        self, request: SimRequest, order: Sequence[Instance]
+    ) -> tuple[Instance | Reason, float | None]:
+        """The first instance in ``order`` that admits ``request``, else the refusal and the
+        soonest first token on an instance where a watermark refusal is transient (None: on
+        none; :mod:`runtime.admission`)."""
         sim = self.sim
         refused: set[Reason] = set()
+        soonest_s: float | None = None
         for inst in order:
             uuid = inst.gpu_uuid
             memory = {uuid: GpuMemory(sim.pool.total_bytes(uuid), sim.pool.used_bytes(uuid))}
             need = {uuid: sim.reservation_tokens(request) * inst.kv_bytes_per_token}
-            if _too_long(request, inst):
-                refused.add(Reason.TOO_LONG)
-            elif len(inst.waiting) >= MAX_QUEUE_PER_INSTANCE:
-                refused.add(Reason.QUEUE_FULL)
-            elif not check_watermark(memory, need, self.watermark).allowed:
-                refused.add(Reason.THROTTLED_WATERMARK)
-            else:
-                return inst
-        return next(r for r in _REJECTION_ORDER if r in refused).value
+            reason = screen(
+                too_long=_too_long(request, inst),
+                queue_full=len(inst.waiting) >= MAX_QUEUE_PER_INSTANCE,
+                memory=memory,
+                need_bytes=need,
+                watermark=self.watermark,
+            )
+            if reason is None:
+                return inst, None
+            refused.add(reason)
+            if reason is Reason.THROTTLED_WATERMARK and transient(
+                memory, {uuid: inst.weight_bytes}, need, self.watermark
+            ):
+                t_s = first_token_s(inst.timing, request.prompt_tokens)
+                soonest_s = t_s if soonest_s is None else min(soonest_s, t_s)
+        return worst_refusal(refused), soonest_s
 
     def on_loaded(self, instance: Instance) -> bool:
         """Reserve the GPU's address space for the instance and commit its weights."""

@@ -224,6 +224,24 @@ def test_ours_throttles_at_the_watermark() -> None:
 
 
 @pytest.mark.unit
+def test_ours_waits_for_memory_only_while_a_request_can_start_in_time() -> None:
+    # As above; the default wait (half the 2 s TTFT SLO) is shorter than an 8k prompt's first
+    # token on the A10 (2.04 s), so there no request waits. Given longer, the two refused above
+    # wait for the first to finish (~10.4 s each), in arrival order, never past the watermark.
+    scenario = make_single_gpu_scenario(tuple(request(n, 8000, 200) for n in range(3)))
+
+    def ours(wait_s: float) -> Metrics:
+        sim = Simulator(scenario, PlacementConfig())
+        return sim.run(GearboxSystem(sim, memory_wait_s=wait_s))
+
+    waited = ours(30.0)
+    assert waited.rejected == {} and waited.served_requests == 3 and waited.oom_events == 0
+    assert waited.ttft_s == sorted(waited.ttft_s) and waited.ttft_s[2] > 20.0
+    bounded = ours(20.0)  # the third could start only past its wait: refused then
+    assert bounded.rejected == {"throttled_watermark": 1} and bounded.served_requests == 2
+
+
+@pytest.mark.unit
 def test_vllm_like_keeps_kv_in_its_private_pool() -> None:
     # Two long prompts fit the GPU's free memory but not the 90 % pool: the second waits.
     requests = tuple(request(n, 7000, 200, 100.0 + n / 10) for n in range(2))

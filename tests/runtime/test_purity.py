@@ -14,6 +14,7 @@ PURE = (
     "runtime.router",
     "runtime.transition",
     "runtime.throttle",
+    "runtime.admission",
     "runtime.timing",
     "runtime.engine.sim",
     "runtime.serving",

@@ -45,3 +45,15 @@ def test_runtime_section_or_argument_narrows_what_is_served(tmp_path: Path) -> N
 def test_nothing_to_serve_is_an_error() -> None:
     with pytest.raises(FlexPipeError, match="no deployments"):
         RuntimeWorker(load_config(env={}))
+
+
+def test_memory_wait_defaults_to_half_each_deployments_ttft_slo(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(WORLD.replace("model: tiny-1b}", "model: tiny-1b, ttft_slo_ms: 500}"))
+    worker = RuntimeWorker(load_config(path, env={}))
+    assert worker.runtimes["chat"].core.memory_wait_s == 1.0  # gearbox's TTFT SLO: 2 s
+    assert worker.runtimes["tiny"].core.memory_wait_s == 0.25
+    env = {"FLEXPIPE_RUNTIME__MEMORY_WAIT_S": "0"}
+    assert RuntimeWorker(load_config(path, env=env)).runtimes["tiny"].core.memory_wait_s == 0.0
+    with pytest.raises(FlexPipeError, match="memory_wait_s"):
+        load_config(path, env={"FLEXPIPE_RUNTIME__MEMORY_WAIT_S": "-1"})
