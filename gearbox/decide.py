@@ -83,7 +83,7 @@ from gearbox.history import (
     record_demand,
     stability_factors,
 )
-from gearbox.joint import Neighbour, StandbyLoss, standby_losses
+from gearbox.joint import Neighbour, StandbyLoss, standby_meter
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.ranking import (
@@ -644,30 +644,33 @@ def _forced_choice(tick: _Tick, scored: Sequence[_Scored]) -> _Scored:
     if not restoring:
         return scored[0]
     config = tick.config
-    losses = standby_losses(
-        (s.plan.gpu_uuids for s in restoring),
-        tick.neighbours,
-        tick.snapshot,
-        tick.blocks,
-        tick.available,
-        config,
-    )
+    loss = standby_meter(tick.neighbours, tick.snapshot, tick.blocks, tick.available, config)
     credit_s = config.idle_gpu_value_tok_s * config.gain_horizon_s  # 0 under pressure
 
-    def net(s: _Scored) -> float:
+    def before_loss(s: _Scored) -> float:
         # NOTE: the credit the gain holds for GPUs handed back is taken out again (the
         # current plan's, common to every candidate, cancels out of the comparison)
         discount = s.summary.stability if s.raw_gain_tokens > 0 else 1.0
         held = credit_s * s.summary.num_gpus * discount
-        loss = losses[s.plan.gpu_uuids].tokens
-        return s.summary.gain_tokens + held - s.summary.cost_tokens - loss
+        return s.summary.gain_tokens + held - s.summary.cost_tokens
 
-    best = min(restoring, key=lambda s: (-net(s), s.cost.transition_s, s.summary.plan_id))
+    def order(s: _Scored, net: float) -> tuple[float, float, str]:
+        return (-net, s.cost.transition_s, s.summary.plan_id)
+
+    # NOTE: a standby loss is >= 0, so once a plan's net before it cannot beat the best net
+    # so far no later one can: the neighbours are ranked only for the sets that could win
+    best, best_key = restoring[0], (math.inf, math.inf, "")
+    for s in sorted(restoring, key=lambda s: order(s, before_loss(s))):
+        if order(s, before_loss(s)) > best_key:
+            break
+        key = order(s, before_loss(s) - loss(s.plan.gpu_uuids).tokens)
+        if key < best_key:
+            best, best_key = s, key
     first = restoring[0]
     passed = None
     if first is not best:
-        passed = (first.summary.plan_id, losses[first.plan.gpu_uuids])
-    return replace(best, joint=_Joint(losses[best.plan.gpu_uuids], passed))
+        passed = (first.summary.plan_id, loss(first.plan.gpu_uuids))
+    return replace(best, joint=_Joint(loss(best.plan.gpu_uuids), passed))
 
 
 def _restores_slos(tick: _Tick, scored: _Scored) -> bool:

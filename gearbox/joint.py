@@ -22,7 +22,7 @@ cost model's: their learned corrections live in their own states.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gearbox.blocks import AtomicBlock
@@ -31,7 +31,7 @@ from gearbox.model import ModelSpec
 from gearbox.ranking import rank_candidates
 from gearbox.types import LoadSnapshot, TopologySnapshot
 
-__all__ = ["Neighbour", "StandbyLoss", "standby_losses"]
+__all__ = ["Neighbour", "StandbyLoss", "standby_meter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,33 +78,40 @@ def _standby_tok_s(
     return max(0.0, ranked[0].estimate.utility_tok_s) if ranked else 0.0
 
 
-def standby_losses(
-    taken: Iterable[frozenset[str]],
+def standby_meter(
     neighbours: Sequence[Neighbour],
     snapshot: TopologySnapshot,
     blocks: Sequence[AtomicBlock],
     available: Mapping[str, int],
     config: GearboxConfig,
-) -> dict[frozenset[str], StandbyLoss]:
-    """Each GPU set in ``taken`` (a candidate's GPUs) → what holding it costs ``neighbours``.
+) -> Callable[[frozenset[str]], StandbyLoss]:
+    """A function: a GPU set (a candidate's GPUs) → what holding it costs ``neighbours``.
 
     ``available`` is the forced deployment's :func:`gearbox.ranking.available_memory`: its own
     GPUs count as free (it is moving off them), so the reference pool is everything spare.
-    Pure; one ranking per neighbour and distinct GPU set.
+    Pure; it ranks each neighbour's plans once on the whole pool and once per GPU set asked
+    for, lazily (a forced decision asks only for the sets that could change its choice).
     """
-    sets = list(dict.fromkeys(taken))
-    if not neighbours:
-        return dict.fromkeys(sets, NO_LOSS)
     plain = dataclasses.replace(config, idle_gpu_value_tok_s=0.0)
-    best = [_standby_tok_s(n, snapshot, blocks, available, plain) for n in neighbours]
-    out: dict[frozenset[str], StandbyLoss] = {}
-    for gpus in sets:
+    whole: list[float] = []
+    memo: dict[frozenset[str], StandbyLoss] = {}
+
+    def loss(gpus: frozenset[str]) -> StandbyLoss:
+        if not neighbours:
+            return NO_LOSS
+        if not whole:
+            whole.extend(_standby_tok_s(n, snapshot, blocks, available, plain) for n in neighbours)
+        if gpus in memo:
+            return memo[gpus]
         pool = {u: b for u, b in available.items() if u not in gpus}
-        loss, worst = 0.0, None
-        for n, whole in zip(neighbours, best, strict=True):
-            left = _standby_tok_s(n, snapshot, blocks, pool, plain) if whole > 0 else 0.0
-            if whole - left > 0 and (worst is None or whole - left > worst[1] - worst[2]):
-                worst = (n.deployment, whole, left)
-            loss += max(0.0, whole - left) * config.gain_horizon_s
-        out[gpus] = StandbyLoss(loss, worst)
-    return out
+        tokens, worst = 0.0, None
+        for n, best in zip(neighbours, whole, strict=True):
+            left = _standby_tok_s(n, snapshot, blocks, pool, plain) if best > 0 else 0.0
+            lost = max(0.0, best - left)
+            if lost > 0 and (worst is None or lost > worst[1] - worst[2]):
+                worst = (n.deployment, best, left)
+            tokens += lost * config.gain_horizon_s
+        memo[gpus] = StandbyLoss(tokens, worst)
+        return memo[gpus]
+
+    return loss

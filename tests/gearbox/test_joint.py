@@ -18,7 +18,7 @@ from gearbox import (
     decide,
 )
 from gearbox.history import DemandSample
-from gearbox.joint import Neighbour, standby_losses
+from gearbox.joint import Neighbour, standby_meter
 from gearbox.ranking import available_memory
 from tests.gearbox.builders import (
     NOW_S,
@@ -116,7 +116,8 @@ def test_the_standby_loss_is_what_the_neighbour_could_no_longer_restore() -> Non
     blocks = build_blocks(LOST_HOST, DEFAULT_CONFIG)
     available = available_memory(LOST_HOST, frozenset(B2))
     two, four = frozenset(H6[:2]), frozenset(H6[:4])
-    losses = standby_losses((two, four), (CHAT_70B,), LOST_HOST, blocks, available, DEFAULT_CONFIG)
+    loss = standby_meter((CHAT_70B,), LOST_HOST, blocks, available, DEFAULT_CONFIG)
+    losses = {gpus: loss(gpus) for gpus in (two, four)}
     assert losses[two].tokens == 0.0 and losses[two].worst is None
     assert losses[four].tokens > 0.0
     worst = losses[four].worst
@@ -125,11 +126,10 @@ def test_the_standby_loss_is_what_the_neighbour_could_no_longer_restore() -> Non
     assert name == "chat" and left < whole
     assert losses[four].tokens == pytest.approx((whole - left) * DEFAULT_CONFIG.gain_horizon_s)
     # no neighbours: nothing to lose
-    none = standby_losses((four,), (), LOST_HOST, blocks, available, DEFAULT_CONFIG)
-    assert none[four].tokens == 0.0
+    none = standby_meter((), LOST_HOST, blocks, available, DEFAULT_CONFIG)
+    assert none(four).tokens == 0.0
     # the neighbour's own GPUs are never its standby: holding them costs it nothing
-    own = standby_losses((X4,), (CHAT_70B,), LOST_HOST, blocks, available, DEFAULT_CONFIG)
-    assert own[X4].tokens == 0.0
+    assert loss(X4).tokens == 0.0
 
 
 # the 70B's TP8 on block A with one GPU lost, observed far over its SLOs (pressure: no GPU
