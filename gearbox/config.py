@@ -6,6 +6,7 @@ naming the field, the range and the value. Cost-model constants cite their sourc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
@@ -18,6 +19,7 @@ __all__ = [
     "GearboxConfig",
     "PlacementConfig",
     "PlacementStrategy",
+    "without_gpu_credit",
 ]
 
 _GIB = 1024**3
@@ -169,6 +171,18 @@ class GearboxConfig(Serialisable):
                 "headroom would look saturated at the load its latency is judged at (got "
                 f"{self.noise_margin} > {self.capacity_headroom})"
             )
+
+
+def without_gpu_credit(config: GearboxConfig) -> GearboxConfig:
+    """``config`` with ``idle_gpu_value_tok_s`` = 0, every other field unchanged.
+
+    NOTE: copied rather than rebuilt with ``dataclasses.replace``: 0 is in range and no other
+    field changes, so nothing needs validating again — and re-validating would reject the
+    deliberately out-of-range ablation config of ``bench.sim.systems.permissive``.
+    """
+    made = copy.copy(config)
+    object.__setattr__(made, "idle_gpu_value_tok_s", 0.0)
+    return made
 
 
 _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {

@@ -47,13 +47,12 @@ Every outcome carries a :class:`DecisionReason`; the new :class:`GearState` come
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gearbox.blocks import AtomicBlock, build_blocks
-from gearbox.config import GearboxConfig
+from gearbox.config import GearboxConfig, without_gpu_credit
 from gearbox.correction import (
     Corrections,
     apply_correction,
@@ -197,7 +196,7 @@ def decide(
     available = available_memory(snapshot, own)
     pressure = _pressure(current, available, model, load, config)
     if pressure:
-        config = _without_gpu_credit(config)
+        config = without_gpu_credit(config)
     quarantined = quarantined_plan_ids(state, snapshot.now_s, config)
     demand = record_demand(state.demand, load.now_s, demand_rps(load, config), config)
     failed = tuple(f for f in state.failed if f.plan_id in quarantined)
@@ -360,18 +359,6 @@ def _current_estimate(tick: _Tick, current: DeploymentPlan) -> _Estimate:
     """The corrected estimate of the current plan, from the tick's one model estimate."""
     assert tick.current_model is not None, "set whenever there is a current plan"
     return _corrected(tick, current, tick.current_model)
-
-
-def _without_gpu_credit(config: GearboxConfig) -> GearboxConfig:
-    """``config`` with ``idle_gpu_value_tok_s`` = 0, every other field unchanged.
-
-    NOTE: copied rather than rebuilt with ``dataclasses.replace``: 0 is in range and no other
-    field changes, so nothing needs validating again — and re-validating would reject the
-    deliberately out-of-range ablation config of ``bench.sim.systems.permissive``.
-    """
-    made = copy.copy(config)
-    object.__setattr__(made, "idle_gpu_value_tok_s", 0.0)
-    return made
 
 
 def _downshift_block(

@@ -21,12 +21,11 @@ cost model's: their learned corrections live in their own states.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gearbox.blocks import AtomicBlock
-from gearbox.config import GearboxConfig
+from gearbox.config import GearboxConfig, without_gpu_credit
 from gearbox.model import ModelSpec
 from gearbox.ranking import rank_candidates
 from gearbox.types import LoadSnapshot, TopologySnapshot
@@ -92,7 +91,7 @@ def standby_meter(
     Pure; it ranks each neighbour's plans once on the whole pool and once per GPU set asked
     for, lazily (a forced decision asks only for the sets that could change its choice).
     """
-    plain = dataclasses.replace(config, idle_gpu_value_tok_s=0.0)
+    plain = without_gpu_credit(config)
     whole: list[float] = []
     memo: dict[frozenset[str], StandbyLoss] = {}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -185,3 +186,12 @@ def test_a_forced_switch_must_restore_the_slos_at_the_lookbacks_peak() -> None:
     assert result.decision is not None and result.decision.to_plan.num_gpus == 8
     forgetful = _forced(replace(VALUED, downshift_lookback_s=0.0), ON_B, state_peak=9.0)
     assert forgetful.decision is not None and forgetful.decision.to_plan.num_gpus == 4
+
+
+def test_the_standby_takes_an_unvalidated_ablation_config() -> None:
+    # bench.sim.systems.permissive sets hysteresis 1.0, out of its bounds, without validation:
+    # the standby's credit-free copy must not validate it again
+    permissive = copy.copy(DEFAULT_CONFIG)
+    object.__setattr__(permissive, "hysteresis", 1.0)
+    result = _seven_b_forced(CHAT_70B, config=permissive)
+    assert result.decision is not None and result.decision.to_plan.num_gpus == 2
