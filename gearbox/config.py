@@ -6,6 +6,7 @@ naming the field, the range and the value. Cost-model constants cite their sourc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
@@ -18,6 +19,7 @@ __all__ = [
     "GearboxConfig",
     "PlacementConfig",
     "PlacementStrategy",
+    "without_gpu_credit",
 ]
 
 _GIB = 1024**3
@@ -67,32 +69,15 @@ class GearboxConfig(Serialisable):
     # not only at this window's: a smaller plan the planner would itself undo at a load it has
     # just served earns its freed GPUs' credit only until that load returns, then pays a second
     # switch and the SLO misses before it. 0 = this window only (the behaviour before).
-    # NOTE: off by default. In sim/scenarios/steady-boundary.yaml every flap was a downshift
-    # gaining only the freed GPUs' credit (2 x 50 tok/s x 300 s = 30,000 tok against a cost of
-    # 1,400-8,900) undone 20-45 s into the next high phase (est TTFT p95 2.3-7.8 s on 2 GPUs).
-    # 3,600 s there (5 seeds, no oracle): flaps 12 -> 0, vs fixed 0.994 -> 1.000 (worst 0.993 ->
-    # 0.999), estimator p95 5.13 -> 0.29, refusals 219 -> 0; steady-noisy flaps 2 -> 0 (goodput
-    # 0.9997 -> 0.9994); fragmented-short identical. But mixed-failures seed 8 fell from 0.973
-    # to 0.871 of offered (vs fixed 1.149 -> 1.029): the 7B, no longer drifting onto hopper
-    # GPUs through its credit churn, was forced off node-b1 onto all four A2 hoppers (under
-    # pressure a forced switch credits no freed GPU, so the biggest plan costs nothing more),
-    # and the 70B preempted off A1 then found no hopper left (8 GPUs, 3,771 tok/s, goodput
-    # 0.57). Turn it on once forced switches are decided jointly (issue 12, item 4).
-    downshift_lookback_s: float = 0.0
-    # A forced switch takes, among the candidates whose estimate restores the SLOs with the
-    # downshift margin (at this window's demand and the lookback's peak) and that are up within
-    # one TTFT SLO of the soonest of them, the best by gain - cost with the freed GPUs' credit
-    # counted even under pressure (gearbox.decide._forced_choice). False: the best by gain -
-    # cost, which under pressure (no GPU credit) is the fastest to load, usually the largest.
-    # NOTE: off by default. With downshift_lookback_s 3600 (bench.fragmented, 5 seeds, no
-    # oracle) this form gave mixed-failures seed 8 0.871 -> 0.973 of offered (the 7B forced onto
-    # 2 of A2's hoppers, not all 4), flaps 3 -> 0, and fragmented-short as committed (seed 10
-    # better); but post-preemption 4.78 -> 4.88 and 7B shift p95 3.95 -> 4.47 s on
-    # mixed-failures, the steady scenarios were not rerun with it, and its one-SLO tolerance was
-    # picked after seeing the cases (bench/HISTORY.md, 2026-12-02). Credit alone took
-    # fragmented-short's 70B to TP4 on 4 GPUs (7.4 s) over TP8 (3.95 s): goodput 0.9947 ->
-    # 0.9907; time past the TTFT SLO first dropped mixed-failures seed 10 0.983 -> 0.879.
-    forced_restore_slos: bool = False
+    # NOTE: in sim/scenarios/steady-boundary.yaml every flap was a downshift gaining only the
+    # freed GPUs' credit (2 x 50 tok/s x 300 s = 30,000 tok against a cost of 1,400-8,900)
+    # undone 20-45 s into the next high phase (est TTFT p95 2.3-7.8 s on 2 GPUs). 3,600 s there
+    # (5 seeds, no oracle): flaps 12 -> 0, vs fixed 0.994 -> 1.000, estimator p95 5.13 -> 0.29,
+    # refusals 219 -> 0. Alone it dropped mixed-failures seed 8 from 0.973 to 0.871 of offered:
+    # the 7B, forced off node-b1 under pressure (no GPU credit), took all four spare hoppers and
+    # the 70B preempted later found none; forced switches now weigh the other deployments'
+    # standby (gearbox.joint). Both measured on all four scenarios: bench/HISTORY.md.
+    downshift_lookback_s: float = 3600.0
     history_window_s: float = 3600.0  # samples older than this are dropped
     max_history_samples: int = 240  # per block
     min_shrink_steps: int = 2  # separate shrink events needed before a block counts as shrinking
@@ -188,6 +173,18 @@ class GearboxConfig(Serialisable):
             )
 
 
+def without_gpu_credit(config: GearboxConfig) -> GearboxConfig:
+    """``config`` with ``idle_gpu_value_tok_s`` = 0, every other field unchanged.
+
+    NOTE: copied rather than rebuilt with ``dataclasses.replace``: 0 is in range and no other
+    field changes, so nothing needs validating again — and re-validating would reject the
+    deliberately out-of-range ablation config of ``bench.sim.systems.permissive``.
+    """
+    made = copy.copy(config)
+    object.__setattr__(made, "idle_gpu_value_tok_s", 0.0)
+    return made
+
+
 _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "hysteresis": (1.3, 1.5),
     "cooldown_s": (0.0, 86_400.0),
@@ -197,7 +194,6 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "top_k_candidates": (1, 50),
     "profile_step_tokens": (1, 4096),
     "downshift_guard": (0, 1),
-    "forced_restore_slos": (0, 1),
     "downshift_slo_margin": (0.01, 1.0),
     "downshift_lookback_s": (0.0, 7 * 86_400.0),
     "history_window_s": (60.0, 7 * 86_400.0),

@@ -11,14 +11,12 @@ Small pure steps, in order of precedence:
    also counts the candidate's outage: its whole transition (the shadow weight load included,
    :attr:`gearbox.switch.SwitchCost.transition_s`) × its utility above what the surviving
    replicas serve, the gain forgone until it is up. So the plan that restores service soonest
-   wins unless a slower one's steady gain outweighs its longer outage. With
-   ``forced_restore_slos`` (off by default, see its note in :mod:`gearbox.config`), among
-   candidates whose estimate restores the SLOs with the downshift guard's margin
-   (``downshift_slo_margin`` × the SLOs, at this window's demand and at the lookback's peak),
-   and up within one TTFT SLO of the soonest of them, the switch takes the best by gain − cost
-   with the freed GPUs' credit counted even under observed pressure, so it takes no GPUs beyond
-   what restores its SLOs unless they restore them sooner (:func:`_forced_choice`); when none
-   restores them, the best by gain − cost.
+   wins unless a slower one's steady gain outweighs its longer outage. Among candidates whose
+   estimate restores the SLOs with the downshift guard's margin (``downshift_slo_margin`` × the
+   SLOs, at this window's demand and at the lookback's peak) it is decided jointly: the best by
+   gain − cost − the standby loss its GPUs cost the other deployments sharing the cluster (what
+   they could restore on the spare GPUs it leaves, :mod:`gearbox.joint`), with no blanket
+   freed-GPU credit (:func:`_forced_choice`); when none restores them, the best by gain − cost.
 4. Otherwise propose → clamp → debounce: gain = (utility − current utility) × horizon, discounted
    by the candidate's block stability; keep candidates with gain > cost × hysteresis; hold while
    the cooldown since the last switch runs (``reverse_cooldown_factor`` longer to switch straight
@@ -31,7 +29,7 @@ blocked unless its estimated TTFT and TBT p95 are at most ``downshift_slo_margin
 at this window's demand and at the highest demand of the last ``downshift_lookback_s``
 (:func:`gearbox.history.record_demand`: a plan the planner would itself undo at a load it has
 just served only earns its freed GPUs' credit until that load returns, then pays a second
-switch and the SLO misses before it; off by default, see its note in :mod:`gearbox.config`);
+switch and the SLO misses before it; see its note in :mod:`gearbox.config`);
 every downshift is blocked while the deployment is under observed pressure
 (:func:`gearbox.scoring.observed_pressure`). A candidate with fewer GPUs but more capacity (say
 TP4 on NVLink instead of a PP/PD plan over slow links) is an upgrade, not a downshift: blocking
@@ -49,13 +47,12 @@ Every outcome carries a :class:`DecisionReason`; the new :class:`GearState` come
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gearbox.blocks import AtomicBlock, build_blocks
-from gearbox.config import GearboxConfig
+from gearbox.config import GearboxConfig, without_gpu_credit
 from gearbox.correction import (
     Corrections,
     apply_correction,
@@ -85,6 +82,7 @@ from gearbox.history import (
     record_demand,
     stability_factors,
 )
+from gearbox.joint import Neighbour, StandbyLoss, standby_meter
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.ranking import (
@@ -127,9 +125,8 @@ class _Tick:
     current_model: DeploymentEstimate | None
     # the load at the lookback's peak demand, when above this window's (the downshift guard)
     peak_load: LoadSnapshot | None = None
-    # the configured idle_gpu_value_tok_s (``config`` holds 0 under pressure): a forced switch
-    # still counts it among the candidates that restore the SLOs (_forced_choice)
-    gpu_credit_tok_s: float = 0.0
+    # the other deployments sharing the cluster: a forced switch charges their standby loss
+    neighbours: tuple[Neighbour, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +137,17 @@ class _Scored:
     raw_gain_tokens: float  # before the stability discount
     worthwhile: bool  # gain > cost × hysteresis, before the downshift guard
     outage_tokens: float = 0.0  # in the summary's cost: a forced switch's gain forgone
+    # a forced switch's joint choice among plans restoring the SLOs (_forced_choice)
+    joint: _Joint | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Joint:
+    """What a forced switch's target and the plan it passed over cost the other deployments."""
+
+    standby: StandbyLoss  # the target's standby loss (gearbox.joint)
+    # the restoring plan best by gain − cost alone, when the standby loss passed it over
+    passed_over: tuple[str, StandbyLoss] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,12 +170,15 @@ def decide(
     deployment: str | None = None,
     trigger: Trigger = Trigger.TIMER,
     overrides: Overrides = NO_OVERRIDES,
+    neighbours: Sequence[Neighbour] = (),
 ) -> DecideResult:
     """Decide whether ``deployment`` should shift gear now. Pure and deterministic.
 
     ``deployment`` defaults to ``current.deployment`` and is required when there is no current
     plan; ``model`` must be the model the current plan serves (``ValueError`` otherwise — these
-    are caller bugs, not outcomes). Pass the returned ``state`` to the next call.
+    are caller bugs, not outcomes). ``neighbours``: the other deployments sharing the cluster,
+    whose standby a forced switch weighs (:mod:`gearbox.joint`). Pass the returned ``state`` to
+    the next call.
     """
     name = deployment or (current.deployment if current is not None else None)
     if name is None:
@@ -184,9 +195,8 @@ def decide(
     own = current.gpu_uuids if current is not None else frozenset()
     available = available_memory(snapshot, own)
     pressure = _pressure(current, available, model, load, config)
-    gpu_credit_tok_s = config.idle_gpu_value_tok_s
     if pressure:
-        config = _without_gpu_credit(config)
+        config = without_gpu_credit(config)
     quarantined = quarantined_plan_ids(state, snapshot.now_s, config)
     demand = record_demand(state.demand, load.now_s, demand_rps(load, config), config)
     failed = tuple(f for f in state.failed if f.plan_id in quarantined)
@@ -216,7 +226,7 @@ def decide(
         pressure,
         modelled,
         _peak_load(load, peak_demand_rps(demand), config),
-        gpu_credit_tok_s,
+        tuple(neighbours),
     )
     if overrides.emergency_downshift and overrides.baseline_plan is not None:
         return _override(tick, overrides.baseline_plan, DecisionReason.EMERGENCY_DOWNSHIFT)
@@ -349,18 +359,6 @@ def _current_estimate(tick: _Tick, current: DeploymentPlan) -> _Estimate:
     """The corrected estimate of the current plan, from the tick's one model estimate."""
     assert tick.current_model is not None, "set whenever there is a current plan"
     return _corrected(tick, current, tick.current_model)
-
-
-def _without_gpu_credit(config: GearboxConfig) -> GearboxConfig:
-    """``config`` with ``idle_gpu_value_tok_s`` = 0, every other field unchanged.
-
-    NOTE: copied rather than rebuilt with ``dataclasses.replace``: 0 is in range and no other
-    field changes, so nothing needs validating again — and re-validating would reject the
-    deliberately out-of-range ablation config of ``bench.sim.systems.permissive``.
-    """
-    made = copy.copy(config)
-    object.__setattr__(made, "idle_gpu_value_tok_s", 0.0)
-    return made
 
 
 def _downshift_block(
@@ -607,7 +605,7 @@ def _take_best(tick: _Tick, scored: Sequence[_Scored], problems: Sequence[str]) 
         tick,
         DecisionReason.FORCED_INFEASIBLE,
         scored,
-        chosen=_forced_choice(tick, scored) if tick.config.forced_restore_slos else scored[0],
+        chosen=_forced_choice(tick, scored),
         forced=True,
         problems=problems,
     )
@@ -615,44 +613,51 @@ def _take_best(tick: _Tick, scored: Sequence[_Scored], problems: Sequence[str]) 
 
 def _forced_choice(tick: _Tick, scored: Sequence[_Scored]) -> _Scored:
     """A forced switch's target: among ``scored`` (best gain − cost first), those whose estimate
-    restores the SLOs with the margin (:func:`_restores_slos`) and is up within one TTFT SLO of
-    the soonest of them, the best by gain − cost with the freed GPUs' credit counted (then the
-    shorter transition); when none restores them, ``scored[0]``.
+    restores the SLOs with the margin (:func:`_restores_slos`), the best by gain − cost − the
+    standby loss its GPUs cost the other deployments (:mod:`gearbox.joint`), with no freed-GPU
+    credit (then the shorter transition); when none restores them, ``scored[0]``.
 
-    NOTE: under observed pressure freed GPUs earn no credit (module docstring), and a forced
-    switch is usually under it (its plan just lost GPUs), so every plan that restores the SLOs
-    scored the same steady gain and the fastest to load won — typically the largest (more GPUs
-    load a shard each faster). In sim/scenarios/mixed-failures.yaml seed 8 the 7B forced off
-    node-b1 took all four A2 hoppers (capacity 51 k tok/s for 6.8 k tok/s served; the 2-GPU plan,
-    capacity 28 k, est TTFT p95 34 ms, loaded in 1.9 s instead of 1.2 s) and the 70B preempted
-    off A1 later found no hopper left. Among plans the estimate says restore the SLOs with the
-    guard's margin (the same margin against optimistic estimates), GPUs held beyond them are
-    what another deployment would lose, so they are charged at ``idle_gpu_value_tok_s`` again.
-    But only once restoration time is equal: charged against the outage alone (its tokens
-    over the transition) the credit also took the 70B in tests/fixtures/scenarios/
-    fragmented-short.yaml from TP8 over block A's 8 live GPUs (3.95 s) to TP4 on the 4 it kept
-    (7.4 s), and its post-preemption TTFT p95 ratio went 0.69 → 1.20 (goodput of offered 0.9947
-    → 0.9907, 5 seeds): requests queued past the TTFT SLO cost more than the outage's tokens.
+    NOTE: restoring plans serve the same demand within the SLOs, so what tells them apart is
+    their outage (in the cost: the gain forgone over the whole transition, so the plan up
+    soonest nets most) and the GPUs they take. The blanket ``idle_gpu_value_tok_s`` credit priced
+    every GPU alike: counted, it took fragmented-short's 70B to TP4 on the 4 GPUs it kept (up in
+    7.4 s) over TP8 on block A's 8 (3.95 s), which nobody else wanted (goodput 0.9947 → 0.9907,
+    5 seeds); not counted (under observed pressure, the usual case), mixed-failures seed 8's 7B
+    took all four spare hoppers, 0.7 s sooner than two, and the 70B preempted later found none
+    (0.973 → 0.871). The standby loss charges the hoppers at what the 70B could restore on them
+    and block A's GPUs at nothing (bench/HISTORY.md, 2026-12-02).
     """
     restoring = [s for s in scored if _restores_slos(tick, s)]
     if not restoring:
         return scored[0]
-    credit_s = tick.gpu_credit_tok_s * tick.config.gain_horizon_s
-    pressured = tick.config.idle_gpu_value_tok_s != tick.gpu_credit_tok_s
+    config = tick.config
+    loss = standby_meter(tick.neighbours, tick.snapshot, tick.blocks, tick.available, config)
+    credit_s = config.idle_gpu_value_tok_s * config.gain_horizon_s  # 0 under pressure
 
-    def net(s: _Scored) -> float:
-        held = credit_s * s.summary.num_gpus if pressured else 0.0  # else already in the gain
-        return s.summary.gain_tokens - s.summary.cost_tokens - held
+    def before_loss(s: _Scored) -> float:
+        # NOTE: the credit the gain holds for GPUs handed back is taken out again (the
+        # current plan's, common to every candidate, cancels out of the comparison)
+        discount = s.summary.stability if s.raw_gain_tokens > 0 else 1.0
+        held = credit_s * s.summary.num_gpus * discount
+        return s.summary.gain_tokens + held - s.summary.cost_tokens
 
-    # NOTE: "soonest" at the TTFT SLO's resolution: a plan up within one TTFT SLO of the
-    # soonest counts as as soon. Ranked by the time past the SLO alone, mixed-failures seed
-    # 10's 7B (2-GPU target 2.12 s, 0.12 s past the 2 s SLO; 4-GPU 1.35 s) took the 4 hoppers
-    # again. The tolerance was chosen after seeing that case and fragmented-short's (7.40 s
-    # against 3.95 s): a modelling choice, not a derived one.
-    soonest = min(s.cost.transition_s for s in restoring)
-    slo_s = tick.config.ttft_slo_ms / 1000.0
-    prompt = [s for s in restoring if s.cost.transition_s <= soonest + slo_s]
-    return min(prompt, key=lambda s: (-net(s), s.cost.transition_s, s.summary.plan_id))
+    def order(s: _Scored, net: float) -> tuple[float, float, str]:
+        return (-net, s.cost.transition_s, s.summary.plan_id)
+
+    # NOTE: a standby loss is >= 0, so once a plan's net before it cannot beat the best net
+    # so far no later one can: the neighbours are ranked only for the sets that could win
+    best, best_key = restoring[0], (math.inf, math.inf, "")
+    for s in sorted(restoring, key=lambda s: order(s, before_loss(s))):
+        if order(s, before_loss(s)) > best_key:
+            break
+        key = order(s, before_loss(s) - loss(s.plan.gpu_uuids).tokens)
+        if key < best_key:
+            best, best_key = s, key
+    first = restoring[0]
+    passed = None
+    if first is not best:
+        passed = (first.summary.plan_id, loss(first.plan.gpu_uuids))
+    return replace(best, joint=_Joint(loss(best.plan.gpu_uuids), passed))
 
 
 def _restores_slos(tick: _Tick, scored: _Scored) -> bool:
@@ -735,6 +740,29 @@ def _observed(load: LoadSnapshot) -> str:
     )
 
 
+def _standby_text(loss: StandbyLoss) -> str:
+    if loss.worst is None:
+        return "none"
+    name, whole, left = loss.worst
+    return (
+        f"{loss.tokens:,.0f} tok ({name} could restore {left:,.0f} tok/s of SLO goodput on the "
+        f"spare GPUs it leaves, {whole:,.0f} on all of them)"
+    )
+
+
+def _joint_line(joint: _Joint) -> str:
+    """The forced choice's rule and figures, as its explanation names them."""
+    text = (
+        "Forced choice (joint): among the plans restoring the SLOs with the margin, the best by "
+        "gain − cost − the standby loss its GPUs cost the other deployments, no freed-GPU "
+        f"credit; its standby loss: {_standby_text(joint.standby)}"
+    )
+    if joint.passed_over is not None:
+        plan_id, loss = joint.passed_over
+        text += f"; {plan_id}, best by gain − cost alone: {_standby_text(loss)}"
+    return text + "."
+
+
 def _explain(
     tick: _Tick,
     reason: DecisionReason,
@@ -768,6 +796,8 @@ def _explain(
                 f"The cost includes {chosen.outage_tokens:,.0f} tok of outage: the gain "
                 f"forgone over the whole transition ≈ {cost.transition_s:.1f} s."
             )
+        if chosen.joint is not None:
+            parts.append(_joint_line(chosen.joint))
     elif candidates:
         best = candidates[0]
         parts.append(

@@ -45,11 +45,13 @@ from flexpipe import envelope
 from gearbox.config import DEFAULT_CONFIG, GearboxConfig
 from gearbox.decisions import Trigger
 from gearbox.history import GearState
+from gearbox.joint import Neighbour
 from gearbox.residency import OnDemandModel
 from gearbox.types import TopologySnapshot
 from streams import codec
 from streams.intake import DeadLetterReason, Rejected
 from streams.load import ServingWindows
+from streams.neighbours import neighbours_view
 from streams.ondemand import is_on_demand, on_demand_view
 from streams.ports import DecisionLog, Message, TableName, TriggerMessage
 from streams.processor import StreamProcessor
@@ -559,6 +561,7 @@ class Decider:
             claims=claimed_gpus(plans, name),
             on_demand=self._on_demand(plans, now_ms),
             placement=e.cfg.placement,
+            neighbours=self._neighbours(plans, now_ms, name),
         )
 
     async def _step(self, inp: StepInput) -> StepOutput | None:
@@ -619,6 +622,20 @@ class Decider:
         return on_demand_view(
             e.deployments, plans, serving, e.load_window, now_ms / 1000.0, self.gearbox_config
         )
+
+    def _neighbours(
+        self, plans: dict[str, PlanState], now_ms: int, name: str
+    ) -> tuple[Neighbour, ...]:
+        """The other resident deployments from ``plans`` (:meth:`_plans`) and the serving
+        tables, as the replay builds them."""
+        e = self.engine
+        serving = {
+            d.name: s
+            for d in e.deployments
+            if d.name != name
+            and (s := e.load(TableName.SERVING, d.name, ServingWindows)) is not None
+        }
+        return neighbours_view(e.deployments, plans, serving, e.load_window, now_ms / 1000.0, name)
 
     async def _send(self, name: str, out: StepOutput) -> None:
         e = self.engine

@@ -32,6 +32,7 @@ from gearbox.types import TopologySnapshot
 from streams.catalog import Catalog
 from streams.deployments import Deployment
 from streams.load import ServingWindows, fold_serving
+from streams.neighbours import neighbours_view
 from streams.ondemand import on_demand_view
 from streams.snapshot import build_topology
 from streams.state import (
@@ -197,6 +198,14 @@ class Replayer:
                 self.cfg.gearbox,
             ),
             placement=self.cfg.placement,
+            neighbours=neighbours_view(
+                self.deployments,
+                {n: tb.plan for n, tb in self.tables.items()},
+                {n: tb.serving for n, tb in self.tables.items()},
+                self.load_window,
+                now_ms / 1000.0,
+                name,
+            ),
         )
         out = step(inp)
         if out is not None:

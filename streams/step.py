@@ -34,6 +34,7 @@ from gearbox.config import DEFAULT_PLACEMENT_CONFIG, GearboxConfig, PlacementCon
 from gearbox.decide import decide
 from gearbox.decisions import DecideResult, Overrides
 from gearbox.history import GearState, record_failed_target
+from gearbox.joint import Neighbour
 from gearbox.plans import DeploymentPlan
 from gearbox.residency import OnDemandModel
 from gearbox.starting import starting_plan
@@ -167,6 +168,9 @@ class StepInput:
     # every on-demand deployment (streams.ondemand.on_demand_view); empty when none is
     on_demand: tuple[OnDemandModel, ...] = ()
     placement: PlacementConfig = DEFAULT_PLACEMENT_CONFIG  # the config's placement section
+    # the other resident deployments, whose standby a forced switch weighs (gearbox.joint;
+    # streams.neighbours.neighbours_view)
+    neighbours: tuple[Neighbour, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,12 +214,14 @@ def make_input(
     claims: frozenset[str] = frozenset(),
     on_demand: tuple[OnDemandModel, ...] = (),
     placement: PlacementConfig = DEFAULT_PLACEMENT_CONFIG,
+    neighbours: tuple[Neighbour, ...] = (),
 ) -> StepInput:
     """Build snapshots at ``now_ms`` from the view and tables: the one place live and replay
     turn state into gearbox's inputs. ``topology``, when given, must be what
     :func:`build_topology` returns for the same view and time (a cache); ``claims`` are the GPUs
     other deployments' plans hold (:func:`claimed_gpus`); ``on_demand`` every on-demand
-    deployment's view (:func:`streams.ondemand.on_demand_view`)."""
+    deployment's view (:func:`streams.ondemand.on_demand_view`); ``neighbours`` the other
+    resident deployments (:func:`streams.neighbours.neighbours_view`)."""
     now_s = now_ms / 1000.0
     if topology is None:
         topology = build_topology(view[0], view[1], catalog, now_s, heartbeat_timeout_s)
@@ -238,6 +244,7 @@ def make_input(
         claims,
         on_demand,
         placement,
+        neighbours,
     )
 
 
@@ -385,6 +392,7 @@ def step(inp: StepInput) -> StepOutput | None:
             deployment=inp.deployment.name,
             trigger=inp.trigger.kind,
             overrides=overrides,
+            neighbours=inp.neighbours,
         )
     marker = plan.in_flight
     result = guard(result, inp.gear, marker, serving_plan_id(plan), inp.transition_timeout_s)

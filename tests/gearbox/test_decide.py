@@ -176,7 +176,7 @@ X4 = ("X-g00", "X-g01", "X-g02", "X-g03")
 
 
 def _forced_onto_b(
-    weight_load_gbps: float, tbt_slo_ms: float = 150.0, margin: float = 0.7, restore: bool = False
+    weight_load_gbps: float, tbt_slo_ms: float = 150.0, margin: float = 0.7
 ) -> DecideResult:
     """The 70B's only island X (4 H100) is gone; block B (8 A100-80G, NVLink) is all that is
     left. At 1 rps gearbox offers TP4 (35 GB a GPU to load, more utility: 4 GPUs handed back)
@@ -191,7 +191,6 @@ def _forced_onto_b(
         weight_load_gbps=weight_load_gbps,
         tbt_slo_ms=tbt_slo_ms,
         downshift_slo_margin=margin,
-        forced_restore_slos=restore,
     )
     blocks = build_blocks(broken, config)
     history = record_blocks(GearState().history, blocks, NOW_S - 30, config)
@@ -214,7 +213,7 @@ def test_a_forced_switch_counts_its_outage(weight_load_gbps: float, slow_wins: b
     wins while its gain outweighs the longer outage (5 GB/s loads: modelled transitions of 33 s
     against 18 s), and loses once the outage outweighs it (0.5 GB/s: 95 s against 49 s) — when
     neither restores the SLOs with the margin (0.01: none does; gearbox.decide._forced_choice)."""
-    result = _forced_onto_b(weight_load_gbps, margin=0.01, restore=True)
+    result = _forced_onto_b(weight_load_gbps, margin=0.01)
     assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
     by_gpus = {c.num_gpus: c for c in result.candidates}
     slow, quick = by_gpus[4], by_gpus[8]
@@ -233,24 +232,22 @@ def test_a_forced_switch_counts_its_outage(weight_load_gbps: float, slow_wins: b
 def test_a_forced_switch_prefers_the_plan_that_restores_the_slos() -> None:
     """At the default 150 ms TBT SLO only TP8 restores the SLOs (TP4 ≈ 163 ms): it is taken
     though TP4 scores more steady utility net of its cost (gearbox.decide._forced_choice)."""
-    result = _forced_onto_b(5.0, restore=True)
+    result = _forced_onto_b(5.0)
     assert result.decision is not None
     by_gpus = {c.num_gpus: c for c in result.candidates}
     slow, quick = by_gpus[4], by_gpus[8]
     assert slow.gain_tokens - slow.cost_tokens > quick.gain_tokens - quick.cost_tokens
     assert slow.est_tbt_p95_ms > DEFAULT_CONFIG.tbt_slo_ms
     assert result.decision.to_plan_id == quick.plan_id
-    # at a 250 ms TBT SLO both restore the SLOs; TP4 is up (33 s) more than one 2 s TTFT SLO
-    # after TP8 (18 s), so the sooner one is taken, though TP4 still nets more
-    both = _forced_onto_b(5.0, tbt_slo_ms=250.0, restore=True)
+    # at a 250 ms TBT SLO both restore the SLOs: TP4 nets more only by the credit for the 4
+    # GPUs it hands back, which a forced choice does not count (no other deployment here to
+    # want them: gearbox.joint), so TP8, up in 18 s against 33 s, is taken
+    both = _forced_onto_b(5.0, tbt_slo_ms=250.0)
     assert both.decision is not None and both.decision.to_plan_id == quick.plan_id
     by_gpus = {c.num_gpus: c for c in both.candidates}
     assert by_gpus[4].gain_tokens - by_gpus[4].cost_tokens > (
         by_gpus[8].gain_tokens - by_gpus[8].cost_tokens
     )
-    # with the rule off (the default) TP4, the better gain − cost, as before
-    off = _forced_onto_b(5.0)
-    assert off.decision is not None and off.decision.to_plan_id == slow.plan_id
 
 
 @pytest.mark.unit

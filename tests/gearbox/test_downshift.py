@@ -34,7 +34,7 @@ pytestmark = pytest.mark.unit
 # GPUs handed back are worth enough that dropping from TP8 to a 4-GPU plan pays off at low load.
 GUARDED = GearboxConfig(downshift_guard=True)
 VALUED = replace(GUARDED, idle_gpu_value_tok_s=300.0)
-# the downshift guard with an hour's lookback for the peak demand (off by default)
+# the downshift guard with an hour's lookback for the peak demand (the default), and without
 REMEMBERING = replace(VALUED, downshift_lookback_s=3600.0)
 FORGETFUL = replace(VALUED, downshift_lookback_s=0.0)
 
@@ -117,89 +117,6 @@ def test_forced_switches_ignore_the_guard() -> None:
     assert result.decision is not None and result.decision.forced
 
 
-# the 70B's TP8 on block A with one GPU lost, observed far over its SLOs (pressure: no GPU
-# credit in the scores): at 3 rps both TP8 elsewhere (TBT p95 est ≈ 54 ms, transition ≈ 4.2 s)
-# and a 4-GPU plan (≈ 100 ms, a longer transition) restore the SLOs within 0.7 × 150 = 105 ms
-BROKEN = with_gpus(article_cluster(), A8[:1], healthy=False)
-PRESSED = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=20_000.0, tbt_p95_ms=400.0)
-# the forced switch's SLO rule (off by default) ...
-RESTORING = replace(VALUED, forced_restore_slos=True)
-# ... with a TTFT SLO longer than the gap between the two transitions: both count as soonest
-PATIENT = replace(RESTORING, ttft_slo_ms=10_000.0)
-
-
-def _forced(config: GearboxConfig, load: LoadSnapshot = PRESSED) -> DecideResult:
-    result = _decide(load, config, BROKEN)
-    assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
-    return result
-
-
-def test_a_forced_switch_takes_the_smaller_plan_that_restores_the_slos() -> None:
-    result = _forced(PATIENT)
-    assert result.decision is not None
-    best, smaller = result.candidates[0], result.candidates[1]
-    # by gain − cost alone the 8-GPU plan wins (no credit under pressure, it loads faster) ...
-    assert best.num_gpus == 8 and smaller.num_gpus == 4
-    assert best.gain_tokens - best.cost_tokens > smaller.gain_tokens - smaller.cost_tokens
-    assert smaller.est_tbt_p95_ms <= PATIENT.downshift_slo_margin * PATIENT.tbt_slo_ms
-    assert smaller.est_ttft_p95_ms <= PATIENT.downshift_slo_margin * PATIENT.ttft_slo_ms
-    # ... but four GPUs restore the SLOs with the margin, up within one TTFT SLO of the 8-GPU
-    # plan: the other four stay free for others
-    assert result.decision.to_plan_id == smaller.plan_id
-    assert result.decision.to_plan.num_gpus == 4
-    assert result.decision.switch_cost.transition_s <= PATIENT.ttft_slo_ms / 1000.0
-    # with no credit configured for freed GPUs the faster load decides again
-    free = _forced(replace(PATIENT, idle_gpu_value_tok_s=0.0))
-    assert free.decision is not None and free.decision.to_plan.num_gpus == 8
-    # and with the rule off (the default) the best by gain − cost, the 8-GPU plan
-    assert not DEFAULT_CONFIG.forced_restore_slos
-    off = _forced(replace(PATIENT, forced_restore_slos=False))
-    assert off.decision is not None and off.decision.to_plan_id == best.plan_id
-
-
-def test_a_forced_switch_restores_the_slos_soonest_before_freeing_gpus() -> None:
-    # at the default 2 s TTFT SLO the 4-GPU plan is up more than one TTFT SLO after the 8-GPU
-    # one: the sooner one is taken, the freed GPUs' credit notwithstanding
-    result = _forced(RESTORING)
-    assert result.decision is not None and result.decision.to_plan.num_gpus == 8
-    assert result.decision.switch_cost.transition_s > RESTORING.ttft_slo_ms / 1000.0
-    patient = _forced(PATIENT).decision
-    assert patient is not None
-    assert patient.switch_cost.transition_s > result.decision.switch_cost.transition_s
-
-
-def test_a_forced_switch_takes_a_larger_plan_when_only_it_restores_the_slos() -> None:
-    # a 120 ms TBT SLO: the 4-GPU plan (≈ 100 ms) is within it but not within 0.7 × 120 = 84 ms
-    tight = replace(PATIENT, tbt_slo_ms=120.0)
-    result = _forced(tight)
-    assert result.decision is not None and result.decision.to_plan.num_gpus == 8
-    chosen = next(c for c in result.candidates if c.plan_id == result.decision.to_plan_id)
-    assert chosen.est_tbt_p95_ms <= tight.downshift_slo_margin * tight.tbt_slo_ms
-
-
-def test_a_forced_switch_falls_back_to_the_best_estimate_when_none_restores_the_slos() -> None:
-    # a margin no plan meets: the best by gain − cost, as without the rule
-    hopeless = replace(PATIENT, downshift_slo_margin=0.01)
-    result = _forced(hopeless)
-    assert result.decision is not None
-    assert result.decision.to_plan_id == result.candidates[0].plan_id
-    assert result.decision.to_plan.num_gpus == 8
-
-
-def test_a_forced_switch_must_restore_the_slos_at_the_lookbacks_peak() -> None:
-    # 9 rps ten minutes ago: the 4-GPU plan is within the margin now but not at that peak
-    snapshot = BROKEN
-    state = replace(_state(snapshot), demand=(DemandSample(NOW_S - 600.0, 9.0),))
-    args = (_tp8(), snapshot, PRESSED, state)
-    remembering = replace(PATIENT, downshift_lookback_s=3600.0)
-    result = decide(*args, remembering, model=MODEL_70B_GQA)
-    assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
-    assert result.decision.to_plan.num_gpus == 8
-    forgetful = replace(PATIENT, downshift_lookback_s=0.0)
-    without = decide(*args, forgetful, model=MODEL_70B_GQA)
-    assert without.decision is not None and without.decision.to_plan.num_gpus == 4
-
-
 def test_the_guard_switches_off() -> None:
     assert DEFAULT_CONFIG.downshift_guard
     off = replace(VALUED, downshift_guard=False, tbt_slo_ms=105.0)
@@ -268,8 +185,8 @@ def test_a_peak_past_the_lookback_no_longer_holds_a_downshift() -> None:
     result = _decide_after_peak(low, old, REMEMBERING)
     assert result.reason is DecisionReason.SWITCH_GAIN and result.decision is not None
     assert result.decision.to_plan.num_gpus < 8
-    # and with no lookback (the default) the peak counts for nothing
-    assert DEFAULT_CONFIG.downshift_lookback_s == 0.0
+    # and with no lookback the peak counts for nothing (the default remembers an hour)
+    assert DEFAULT_CONFIG.downshift_lookback_s == 3600.0
     recent = DemandSample(NOW_S - 60.0, 9.0)
     off = _decide_after_peak(low, recent, FORGETFUL)
     assert off.reason is DecisionReason.SWITCH_GAIN

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.unit
 
 STREAMS = Path(__file__).resolve().parents[2] / "streams"
 PURE = (
-    "catalog", "clock", "codec", "cursor", "deployments", "inflight", "intake", "load", "order",
-    "ondemand", "step", "replay", "snapshot", "state", "view", "windows",
+    "catalog", "clock", "codec", "cursor", "deployments", "inflight", "intake", "load",
+    "neighbours", "order", "ondemand", "step", "replay", "snapshot", "state", "view", "windows",
 )  # fmt: skip
 FORBIDDEN = {
     "aiokafka", "asyncio", "datetime", "faust", "os", "prometheus_client", "random",

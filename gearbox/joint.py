@@ -1,0 +1,116 @@
+"""What the GPUs a forced switch takes are worth to the other deployments sharing the cluster.
+
+A forced switch (its plan lost GPUs) usually picks among several plans that restore its SLOs.
+The GPUs they take beyond the deployment's own come out of the cluster's spare pool, and that
+pool is all another deployment has to fall back on when its own plan breaks in turn. So the
+choice charges each plan its **standby loss**: for every other deployment (a
+:class:`Neighbour`, at its current demand), the SLO goodput of the best plan it could restore
+on the spare GPUs the plan leaves, against the best on the spare pool with the forced
+deployment's own GPUs handed back and nothing else taken, over ``gain_horizon_s``. Utilities
+are the cost model's (:func:`gearbox.ranking.rank_candidates`) without the freed-GPU credit: a
+GPU nobody could use is worth nothing here, one another deployment would need is worth what it
+would restore there.
+
+NOTE: the standby counts the neighbour's own GPUs as lost (what it could do if forced now);
+while its plan runs, the extra GPUs add it little at its demand, which is why a blanket
+per-GPU credit was used before (bench/HISTORY.md, 2026-12-02): in
+sim/scenarios/mixed-failures.yaml seed 8 the 7B, forced off node-b1, took all four spare hoppers
+and the 70B preempted off its island later found none. The neighbours' figures are the plain
+cost model's: their learned corrections live in their own states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gearbox.blocks import AtomicBlock
+from gearbox.config import GearboxConfig, without_gpu_credit
+from gearbox.model import ModelSpec
+from gearbox.ranking import rank_candidates
+from gearbox.types import LoadSnapshot, TopologySnapshot
+
+__all__ = ["Neighbour", "StandbyLoss", "standby_meter"]
+
+
+@dataclass(frozen=True, slots=True)
+class Neighbour:
+    """Another resident deployment sharing the cluster, as a forced switch weighs it."""
+
+    deployment: str  # its name
+    model: ModelSpec  # the model it serves
+    load: LoadSnapshot  # its serving load over the window (its demand)
+    gpu_uuids: frozenset[str]  # GPUs its plans hold or are moving to: never in its standby
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyLoss:
+    """What a set of GPUs taken costs the neighbours' standby."""
+
+    tokens: float  # the sum over neighbours of (best − left) × gain_horizon_s, >= 0
+    # the neighbour losing most: (name, best SLO goodput tok/s on the whole spare pool, on what
+    # the plan leaves); None when no neighbour loses anything
+    worst: tuple[str, float, float] | None = None
+
+
+NO_LOSS = StandbyLoss(0.0)
+
+
+def _standby_tok_s(
+    neighbour: Neighbour,
+    snapshot: TopologySnapshot,
+    blocks: Sequence[AtomicBlock],
+    pool: Mapping[str, int],
+    config: GearboxConfig,
+) -> float:
+    """The best SLO goodput (tok/s, no GPU credit) ``neighbour`` could restore on ``pool``."""
+    spare = {u: b for u, b in pool.items() if u not in neighbour.gpu_uuids}
+    ranked = rank_candidates(
+        snapshot,
+        blocks,
+        neighbour.model,
+        neighbour.load,
+        config,
+        deployment=neighbour.deployment,
+        available=spare,
+    )
+    return max(0.0, ranked[0].estimate.utility_tok_s) if ranked else 0.0
+
+
+def standby_meter(
+    neighbours: Sequence[Neighbour],
+    snapshot: TopologySnapshot,
+    blocks: Sequence[AtomicBlock],
+    available: Mapping[str, int],
+    config: GearboxConfig,
+) -> Callable[[frozenset[str]], StandbyLoss]:
+    """A function: a GPU set (a candidate's GPUs) → what holding it costs ``neighbours``.
+
+    ``available`` is the forced deployment's :func:`gearbox.ranking.available_memory`: its own
+    GPUs count as free (it is moving off them), so the reference pool is everything spare.
+    Pure; it ranks each neighbour's plans once on the whole pool and once per GPU set asked
+    for, lazily (a forced decision asks only for the sets that could change its choice).
+    """
+    plain = without_gpu_credit(config)
+    whole: list[float] = []
+    memo: dict[frozenset[str], StandbyLoss] = {}
+
+    def loss(gpus: frozenset[str]) -> StandbyLoss:
+        if not neighbours:
+            return NO_LOSS
+        if not whole:
+            whole.extend(_standby_tok_s(n, snapshot, blocks, available, plain) for n in neighbours)
+        if gpus in memo:
+            return memo[gpus]
+        pool = {u: b for u, b in available.items() if u not in gpus}
+        tokens, worst = 0.0, None
+        for n, best in zip(neighbours, whole, strict=True):
+            left = _standby_tok_s(n, snapshot, blocks, pool, plain) if best > 0 else 0.0
+            lost = max(0.0, best - left)
+            if lost > 0 and (worst is None or lost > worst[1] - worst[2]):
+                worst = (n.deployment, best, left)
+            tokens += lost * config.gain_horizon_s
+        memo[gpus] = StandbyLoss(tokens, worst)
+        return memo[gpus]
+
+    return loss

@@ -1,0 +1,47 @@
+"""The other resident deployments a forced switch weighs (:class:`gearbox.joint.Neighbour`).
+
+Built by the live decider and the replay alike from the plans and serving tables they hold,
+so both give :func:`streams.step.step` the same inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from gearbox.joint import Neighbour
+from streams.deployments import Deployment
+from streams.load import ServingWindows, serving_aggregate
+from streams.ondemand import PlanView, is_on_demand
+from streams.snapshot import build_load
+from streams.windows import HoppingWindow
+
+__all__ = ["neighbours_view"]
+
+
+def neighbours_view(
+    deployments: Sequence[Deployment],
+    plans: Mapping[str, PlanView],
+    serving: Mapping[str, ServingWindows],
+    window: HoppingWindow,
+    now_s: float,
+    deciding: str,
+) -> tuple[Neighbour, ...]:
+    """Every resident deployment but ``deciding`` with a plan in ``plans``: its model, its load
+    over the window (the nominal load while the window holds no reports) and the GPUs its plans
+    hold.
+
+    NOTE: on-demand deployments share GPUs by residency rounds, not gear plans: not included.
+    """
+    out = []
+    for dep in deployments:
+        plan = plans.get(dep.name)
+        if plan is None or dep.name == deciding or is_on_demand(dep):
+            continue
+        held = [p for p in (plan.current, plan.confirmed) if p is not None]
+        if not held:
+            continue
+        aggregate = serving_aggregate(serving.get(dep.name, ServingWindows()), window, now_s)
+        load, _ = build_load(aggregate, dep.nominal, dep.model, now_s)
+        gpus = frozenset().union(*(p.gpu_uuids for p in held))
+        out.append(Neighbour(dep.name, dep.model, load, gpus))
+    return tuple(out)

@@ -1,0 +1,197 @@
+"""Forced switches decided jointly: the standby loss a plan's GPUs cost the other deployments."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+
+from gearbox import (
+    DEFAULT_CONFIG,
+    MODEL_7B_MHA,
+    MODEL_70B_GQA,
+    DecideResult,
+    DecisionReason,
+    GearboxConfig,
+    TopologySnapshot,
+    build_blocks,
+    decide,
+)
+from gearbox.history import DemandSample
+from gearbox.joint import Neighbour, standby_meter
+from gearbox.ranking import available_memory
+from tests.gearbox.builders import (
+    NOW_S,
+    DomainSpec,
+    article_cluster,
+    deployment,
+    make_cluster,
+    make_load,
+    tp_plan,
+    with_gpus,
+)
+from tests.gearbox.test_decide import A8, _state
+from tests.gearbox.test_downshift import _tp8
+
+pytestmark = pytest.mark.unit
+
+# mixed-failures seed 8 in small: the 7B's host (2 A100) dies; spare are 6 H100 on NVLink (H);
+# a 70B serves on its own 4-H100 island (X, full). At 6.6 rps, under pressure, the 7B has two
+# plans on H restoring its SLOs: 4 GPUs (up in ≈ 1.2 s) and 2 GPUs (≈ 1.9 s)
+H6 = tuple(f"H-g{i:02d}" for i in range(6))
+X4 = frozenset(f"X-g{i:02d}" for i in range(4))
+B2 = ("B-g00", "B-g01")
+
+
+def _seven_b_cluster() -> TopologySnapshot:
+    domains = (
+        DomainSpec("H", "nvlink", ("h100-sxm",) * 6),
+        DomainSpec("B", "rdma", ("a100-80g",) * 2),
+        DomainSpec("X", "nvlink", ("h100-sxm",) * 4),
+    )
+    snapshot = make_cluster(domains)
+    gpus = tuple(replace(g, free_memory_bytes=0) if g.uuid in X4 else g for g in snapshot.gpus)
+    return with_gpus(replace(snapshot, gpus=gpus), B2, healthy=False)
+
+
+LOST_HOST = _seven_b_cluster()
+PRESSED_7B = replace(
+    make_load(6.6, prompt_tokens=700, output_tokens=210, active_sequences=5),
+    ttft_p95_ms=20_000.0,
+)
+# a 70B at 3 rps: TP4 on four H100 serves it within its SLOs; on two it cannot keep up
+CHAT_70B = Neighbour("chat", MODEL_70B_GQA, make_load(3.0), X4)
+
+
+def _seven_b_forced(*neighbours: Neighbour, config: GearboxConfig = DEFAULT_CONFIG) -> DecideResult:
+    current = deployment(
+        *(
+            tp_plan((u,), MODEL_7B_MHA, block_id="B", domain_id="B", gpu_class="a100-80g")
+            for u in B2
+        ),
+        name="assist",
+    )
+    result = decide(
+        current,
+        LOST_HOST,
+        PRESSED_7B,
+        _state(LOST_HOST),
+        config,
+        model=MODEL_7B_MHA,
+        neighbours=neighbours,
+    )
+    assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
+    return result
+
+
+def test_the_faster_restoring_plan_wins_when_nobody_else_wants_the_gpus() -> None:
+    result = _seven_b_forced()
+    assert result.decision is not None
+    by_gpus = {c.num_gpus: c for c in result.candidates}
+    four, two = by_gpus[4], by_gpus[2]
+    # both restore the SLOs with the margin and serve the same tokens: the outage decides
+    for c in (four, two):
+        assert c.est_ttft_p95_ms <= 0.7 * DEFAULT_CONFIG.ttft_slo_ms
+        assert c.est_tbt_p95_ms <= 0.7 * DEFAULT_CONFIG.tbt_slo_ms
+    assert four.gain_tokens == pytest.approx(two.gain_tokens)
+    assert four.cost_tokens < two.cost_tokens
+    assert result.decision.to_plan_id == four.plan_id
+    assert "its standby loss: none" in result.explanation
+    # a neighbour that fits anywhere (a 7B) loses nothing either
+    small = _seven_b_forced(replace(CHAT_70B, model=MODEL_7B_MHA))
+    assert small.decision is not None and small.decision.to_plan_id == four.plan_id
+
+
+def test_the_smaller_plan_wins_when_a_neighbour_would_need_the_gpus() -> None:
+    result = _seven_b_forced(CHAT_70B)
+    assert result.decision is not None
+    chosen = result.decision.to_plan
+    assert chosen.num_gpus == 2 and chosen.gpu_uuids <= frozenset(H6)
+    # four H100 left: the 70B could restore itself there; two would not serve it
+    assert "Forced choice (joint): among the plans restoring the SLOs" in result.explanation
+    assert "chat could restore" in result.explanation
+
+
+def test_the_standby_loss_is_what_the_neighbour_could_no_longer_restore() -> None:
+    blocks = build_blocks(LOST_HOST, DEFAULT_CONFIG)
+    available = available_memory(LOST_HOST, frozenset(B2))
+    two, four = frozenset(H6[:2]), frozenset(H6[:4])
+    loss = standby_meter((CHAT_70B,), LOST_HOST, blocks, available, DEFAULT_CONFIG)
+    losses = {gpus: loss(gpus) for gpus in (two, four)}
+    assert losses[two].tokens == 0.0 and losses[two].worst is None
+    assert losses[four].tokens > 0.0
+    worst = losses[four].worst
+    assert worst is not None
+    name, whole, left = worst
+    assert name == "chat" and left < whole
+    assert losses[four].tokens == pytest.approx((whole - left) * DEFAULT_CONFIG.gain_horizon_s)
+    # no neighbours: nothing to lose
+    none = standby_meter((), LOST_HOST, blocks, available, DEFAULT_CONFIG)
+    assert none(four).tokens == 0.0
+    # the neighbour's own GPUs are never its standby: holding them costs it nothing
+    assert loss(X4).tokens == 0.0
+
+
+# the 70B's TP8 on block A with one GPU lost, observed far over its SLOs (pressure: no GPU
+# credit in the scores): at 3 rps both TP8 elsewhere on A (TBT p95 est ≈ 54 ms, up in ≈ 4.2 s)
+# and TP4 on A (≈ 100 ms, a longer transition) restore the SLOs within 0.7 × 150 = 105 ms.
+# Block C is out, so a second 70B serving on block B has only block A to fall back on.
+C6 = tuple(f"C-g{i:02d}" for i in range(6))
+BROKEN = with_gpus(with_gpus(article_cluster(), A8[:1], healthy=False), C6, healthy=False)
+PRESSED = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=20_000.0, tbt_p95_ms=400.0)
+# credit for freed GPUs that would otherwise take TP4 (the blanket credit no longer counts)
+VALUED = GearboxConfig(idle_gpu_value_tok_s=300.0)
+ON_B = Neighbour("other", MODEL_70B_GQA, make_load(3.0), frozenset(f"B-g{i:02d}" for i in range(9)))
+
+
+def _forced(config: GearboxConfig, *neighbours: Neighbour, state_peak: float = 0.0) -> DecideResult:
+    state = _state(BROKEN)
+    if state_peak:
+        state = replace(state, demand=(DemandSample(NOW_S - 600.0, state_peak),))
+    result = decide(
+        _tp8(), BROKEN, PRESSED, state, config, model=MODEL_70B_GQA, neighbours=neighbours
+    )
+    assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
+    return result
+
+
+def test_a_forced_70b_leaves_another_70b_its_fallback() -> None:
+    alone = _forced(VALUED).decision
+    assert alone is not None and alone.to_plan.num_gpus == 8  # sooner, the credit aside
+    joint = _forced(VALUED, ON_B).decision
+    assert joint is not None and joint.to_plan.num_gpus == 4
+
+
+def test_a_forced_switch_takes_a_larger_plan_when_only_it_restores_the_slos() -> None:
+    # a 120 ms TBT SLO: the 4-GPU plan (≈ 100 ms) is within it but not within 0.7 × 120 = 84 ms
+    tight = replace(VALUED, tbt_slo_ms=120.0)
+    result = _forced(tight, ON_B)
+    assert result.decision is not None and result.decision.to_plan.num_gpus == 8
+    # the only one restoring them: taken whatever the other 70B's standby loses
+    assert "its standby loss: 5" in result.explanation
+
+
+def test_a_forced_switch_falls_back_to_the_best_estimate_when_none_restores_the_slos() -> None:
+    hopeless = replace(VALUED, downshift_slo_margin=0.01)
+    result = _forced(hopeless, ON_B)
+    assert result.decision is not None
+    assert result.decision.to_plan_id == result.candidates[0].plan_id
+
+
+def test_a_forced_switch_must_restore_the_slos_at_the_lookbacks_peak() -> None:
+    # 9 rps ten minutes ago: the 4-GPU plan is within the margin now but not at that peak
+    assert DEFAULT_CONFIG.downshift_lookback_s == 3600.0
+    result = _forced(VALUED, ON_B, state_peak=9.0)
+    assert result.decision is not None and result.decision.to_plan.num_gpus == 8
+    forgetful = _forced(replace(VALUED, downshift_lookback_s=0.0), ON_B, state_peak=9.0)
+    assert forgetful.decision is not None and forgetful.decision.to_plan.num_gpus == 4
+
+
+def test_the_standby_takes_an_unvalidated_ablation_config() -> None:
+    # bench.sim.systems.permissive sets hysteresis 1.0, out of its bounds, without validation:
+    # the standby's credit-free copy must not validate it again
+    permissive = copy.copy(DEFAULT_CONFIG)
+    object.__setattr__(permissive, "hysteresis", 1.0)
+    result = _seven_b_forced(CHAT_70B, config=permissive)
+    assert result.decision is not None and result.decision.to_plan.num_gpus == 2
