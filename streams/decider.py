@@ -45,7 +45,6 @@ from flexpipe import envelope
 from gearbox.config import DEFAULT_CONFIG, GearboxConfig
 from gearbox.decisions import Trigger
 from gearbox.history import GearState
-from gearbox.joint import Neighbour
 from gearbox.residency import OnDemandModel
 from gearbox.types import TopologySnapshot
 from streams import codec
@@ -544,6 +543,7 @@ class Decider:
         )
         now_ms = max(e.now_ms(), trigger.time_ms)
         plans = self._plans(decided)
+        serving = self._serving()
         return make_input(
             self._by_name[name],
             e.deployments,
@@ -559,9 +559,11 @@ class Decider:
             topology=self._topology_at(now_ms),
             transition_timeout_s=e.cfg.streams.transition_timeout_s,
             claims=claimed_gpus(plans, name),
-            on_demand=self._on_demand(plans, now_ms),
+            on_demand=self._on_demand(plans, serving, now_ms),
             placement=e.cfg.placement,
-            neighbours=self._neighbours(plans, now_ms, name),
+            neighbours=neighbours_view(
+                e.deployments, plans, serving, e.load_window, now_ms / 1000.0, name
+            ),
         )
 
     async def _step(self, inp: StepInput) -> StepOutput | None:
@@ -608,34 +610,27 @@ class Decider:
         }
         return loaded | decided
 
-    def _on_demand(self, plans: dict[str, PlanState], now_ms: int) -> tuple[OnDemandModel, ...]:
-        """Every on-demand deployment's view from ``plans`` (:meth:`_plans`) and the serving
-        tables, as the replay builds it; empty when none is on demand."""
+    def _serving(self) -> dict[str, ServingWindows]:
+        """Every deployment's serving windows this worker can read: read once per step for both
+        the on-demand view and the neighbours."""
         e = self.engine
-        if not self._has_on_demand:
-            return ()
-        serving = {
+        return {
             d.name: s
             for d in e.deployments
             if (s := e.load(TableName.SERVING, d.name, ServingWindows)) is not None
         }
+
+    def _on_demand(
+        self, plans: dict[str, PlanState], serving: dict[str, ServingWindows], now_ms: int
+    ) -> tuple[OnDemandModel, ...]:
+        """Every on-demand deployment's view from ``plans`` (:meth:`_plans`) and ``serving``
+        (:meth:`_serving`), as the replay builds it; empty when none is on demand."""
+        if not self._has_on_demand:
+            return ()
+        e = self.engine
         return on_demand_view(
             e.deployments, plans, serving, e.load_window, now_ms / 1000.0, self.gearbox_config
         )
-
-    def _neighbours(
-        self, plans: dict[str, PlanState], now_ms: int, name: str
-    ) -> tuple[Neighbour, ...]:
-        """The other resident deployments from ``plans`` (:meth:`_plans`) and the serving
-        tables, as the replay builds them."""
-        e = self.engine
-        serving = {
-            d.name: s
-            for d in e.deployments
-            if d.name != name
-            and (s := e.load(TableName.SERVING, d.name, ServingWindows)) is not None
-        }
-        return neighbours_view(e.deployments, plans, serving, e.load_window, now_ms / 1000.0, name)
 
     async def _send(self, name: str, out: StepOutput) -> None:
         e = self.engine

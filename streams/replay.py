@@ -174,6 +174,9 @@ class Replayer:
     ) -> StepOutput | None:
         name = dep.name
         t = self.tables[name]
+        plans = {n: tb.plan for n, tb in self.tables.items()}
+        serving = {n: tb.serving for n, tb in self.tables.items()}
+        now_s = now_ms / 1000.0
         inp = make_input(
             dep,
             self.deployments,
@@ -188,23 +191,13 @@ class Replayer:
             "replay",
             topology=topology,
             transition_timeout_s=self.cfg.streams.transition_timeout_s,
-            claims=claimed_gpus({n: tb.plan for n, tb in self.tables.items()}, name),
+            claims=claimed_gpus(plans, name),
             on_demand=on_demand_view(
-                self.deployments,
-                {n: tb.plan for n, tb in self.tables.items()},
-                {n: tb.serving for n, tb in self.tables.items()},
-                self.load_window,
-                now_ms / 1000.0,
-                self.cfg.gearbox,
+                self.deployments, plans, serving, self.load_window, now_s, self.cfg.gearbox
             ),
             placement=self.cfg.placement,
             neighbours=neighbours_view(
-                self.deployments,
-                {n: tb.plan for n, tb in self.tables.items()},
-                {n: tb.serving for n, tb in self.tables.items()},
-                self.load_window,
-                now_ms / 1000.0,
-                name,
+                self.deployments, plans, serving, self.load_window, now_s, name
             ),
         )
         out = step(inp)
