@@ -17,6 +17,11 @@ per-GPU credit was used before (bench/HISTORY.md, 2026-12-02): in
 sim/scenarios/mixed-failures.yaml seed 8 the 7B, forced off node-b1, took all four spare hoppers
 and the 70B preempted off its island later found none. The neighbours' figures are the plain
 cost model's: their learned corrections live in their own states.
+
+Cost: a neighbour's ranking on the whole pool is a full enumeration (10-30 ms on 1,000 GPUs).
+Where the cluster has room, every neighbour can restore all it is offered on a few of the
+roomiest blocks the plan leaves (:func:`_restores_all`, well under a millisecond), and then it
+loses nothing whatever the whole pool holds: the whole ranking runs only where room is short.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from gearbox.blocks import AtomicBlock
 from gearbox.config import GearboxConfig, without_gpu_credit
 from gearbox.model import ModelSpec
 from gearbox.ranking import rank_candidates
+from gearbox.scoring import demand_rps, request_profile
 from gearbox.types import LoadSnapshot, TopologySnapshot
 
 __all__ = ["Neighbour", "StandbyLoss", "standby_meter"]
@@ -54,6 +60,10 @@ class StandbyLoss:
 
 
 NO_LOSS = StandbyLoss(0.0)
+PROBE_BLOCKS = 4  # the roomiest blocks a neighbour is first tried on (:func:`_restores_all`)
+# NOTE: utilities are sums over replicas of shares of the demand; two plans that both serve all
+# of it can differ in the last bits, which is no token lost
+_ROUNDING = 1e-9
 
 
 def _standby(
@@ -80,6 +90,34 @@ def _standby(
     return max(0.0, ranked[0].estimate.utility_tok_s), ranked[0].plan.gpu_uuids
 
 
+def _restores_all(
+    neighbour: Neighbour,
+    snapshot: TopologySnapshot,
+    blocks: Sequence[AtomicBlock],
+    pool: Mapping[str, int],
+    config: GearboxConfig,
+) -> bool:
+    """Whether ``neighbour`` restores every token it is offered, within its SLOs, on the
+    :data:`PROBE_BLOCKS` blocks of ``pool`` with the most usable GPUs (then bytes, then id).
+
+    NOTE: exact as a test of "loses nothing": a credit-free utility never exceeds the tokens
+    offered (served <= demand, the SLO discount <= 1), so no plan on the whole pool beats one
+    that reaches them, and the plan found here is still there on the whole of ``pool``.
+    """
+    offered = demand_rps(neighbour.load, config) * sum(request_profile(neighbour.load, config))
+    room: list[tuple[int, int, str, AtomicBlock]] = []
+    for block in blocks:
+        usable = [pool[u] for u in block.gpu_uuids if u in pool and u not in neighbour.gpu_uuids]
+        if usable:
+            room.append((-len(usable), -sum(usable), block.block_id, block))
+    roomiest = [r[3] for r in sorted(room, key=lambda r: r[:3])[:PROBE_BLOCKS]]
+    if not roomiest:
+        return offered <= 0
+    probe = {u: pool[u] for b in roomiest for u in b.gpu_uuids if u in pool}
+    best, _ = _standby(neighbour, snapshot, roomiest, probe, config)
+    return best >= offered * (1 - _ROUNDING)
+
+
 def standby_meter(
     neighbours: Sequence[Neighbour],
     snapshot: TopologySnapshot,
@@ -91,24 +129,28 @@ def standby_meter(
 
     ``available`` is the forced deployment's :func:`gearbox.ranking.available_memory`: its own
     GPUs count as free (it is moving off them), so the reference pool is everything spare.
-    Pure; it ranks each neighbour's plans once on the whole pool and again only for a GPU set
-    asked for that takes GPUs of that best plan, lazily (a forced decision asks only for the
-    sets that could change its choice).
+    Pure and lazy (a forced decision asks only for the sets that could change its choice): per
+    set asked for, a neighbour that restores all it is offered on a few blocks the set leaves
+    loses nothing (:func:`_restores_all`); any other is ranked once on the whole pool, and again
+    on what the set leaves only when the set takes GPUs of that best plan.
     """
     plain = without_gpu_credit(config)
-    whole: list[tuple[float, frozenset[str]]] = []
+    whole: dict[int, tuple[float, frozenset[str]]] = {}
     memo: dict[frozenset[str], StandbyLoss] = {}
 
     def loss(gpus: frozenset[str]) -> StandbyLoss:
         if not neighbours:
             return NO_LOSS
-        if not whole:
-            whole.extend(_standby(n, snapshot, blocks, available, plain) for n in neighbours)
         if gpus in memo:
             return memo[gpus]
         pool = {u: b for u, b in available.items() if u not in gpus}
         tokens, worst = 0.0, None
-        for n, (best, used) in zip(neighbours, whole, strict=True):
+        for i, n in enumerate(neighbours):
+            if _restores_all(n, snapshot, blocks, pool, plain):
+                continue
+            if i not in whole:
+                whole[i] = _standby(n, snapshot, blocks, available, plain)
+            best, used = whole[i]
             # NOTE: a plan the set leaves untouched is still there on the smaller pool, and no
             # plan there beats the whole pool's best: nothing lost, no ranking (each neighbour's
             # ranking is a full enumeration: 10-30 ms on 1,000 GPUs, per set asked for)

@@ -20,7 +20,7 @@ from gearbox import (
 )
 from gearbox.history import DemandSample
 from gearbox.joint import Neighbour, standby_meter
-from gearbox.ranking import available_memory
+from gearbox.ranking import available_memory, rank_candidates
 from tests.gearbox.builders import (
     NOW_S,
     DomainSpec,
@@ -195,3 +195,42 @@ def test_the_standby_takes_an_unvalidated_ablation_config() -> None:
     object.__setattr__(permissive, "hysteresis", 1.0)
     result = _seven_b_forced(CHAT_70B, config=permissive)
     assert result.decision is not None and result.decision.to_plan.num_gpus == 2
+
+
+def _exhaustive(neighbour: Neighbour, snapshot: TopologySnapshot, gpus: frozenset[str]) -> float:
+    """The standby loss by definition: the neighbour ranked on the whole pool and on what
+    ``gpus`` leave, no shortcut."""
+    plain = replace(DEFAULT_CONFIG, idle_gpu_value_tok_s=0.0)
+    blocks = build_blocks(snapshot, DEFAULT_CONFIG)
+    pool = {u: b for u, b in available_memory(snapshot, frozenset()).items()}
+
+    def best(on: dict[str, int]) -> float:
+        spare = {u: b for u, b in on.items() if u not in neighbour.gpu_uuids}
+        ranked = rank_candidates(snapshot, blocks, neighbour.model, neighbour.load, plain,
+                                 deployment=neighbour.deployment, available=spare)  # fmt: skip
+        return max(0.0, ranked[0].estimate.utility_tok_s) if ranked else 0.0
+
+    left = best({u: b for u, b in pool.items() if u not in gpus})
+    return max(0.0, best(pool) - left) * DEFAULT_CONFIG.gain_horizon_s
+
+
+@pytest.mark.parametrize("rps", [1.0, 3.0, 12.0, 40.0])
+def test_the_standby_shortcuts_agree_with_ranking_the_whole_pool(rps: float) -> None:
+    # six roomy NVLink blocks and a neighbour from light (served on any one block: the probe
+    # answers) to heavy (it needs more than the probe's blocks: ranked on the whole pool)
+    snapshot = make_cluster(
+        tuple(DomainSpec(f"N{d}", "nvlink", ("h100-sxm",) * 8) for d in range(6)),
+        inter_domain_link="rdma",
+    )
+    neighbour = Neighbour("chat", MODEL_70B_GQA, make_load(rps), frozenset())
+    blocks = build_blocks(snapshot, DEFAULT_CONFIG)
+    loss = standby_meter(
+        (neighbour,), snapshot, blocks, available_memory(snapshot, frozenset()), DEFAULT_CONFIG
+    )
+    for taken in (1, 2, 3, 5):
+        gpus = frozenset(f"N{d}-g{i:02d}" for d in range(taken) for i in range(8))
+        expected = _exhaustive(neighbour, snapshot, gpus)
+        assert loss(gpus).tokens == pytest.approx(expected, rel=1e-6, abs=1e-3)
+    # the heaviest load loses what it needs once most blocks are taken: the check can fail
+    if rps == 40.0:
+        assert loss(gpus).tokens > 0.0
