@@ -162,7 +162,8 @@ class ReservationManager:
         # sequence grows by, on each GPU of the replica)
         done: list[tuple[str, Commit]] = []
         backends = self._backends
-        for uuid in sorted(bytes_per_gpu):
+        # (a single GPU's extension, the usual one, needs no sorting)
+        for uuid in sorted(bytes_per_gpu) if len(bytes_per_gpu) > 1 else bytes_per_gpu:
             backend = backends.get(uuid)
             at = resv.get(uuid)
             commit = None
