@@ -228,6 +228,10 @@ def test_cuda_backend_maps_the_driver_calls() -> None:
     assert drv.calls[-3:] == ["cuMemCreate", "cuMemMap", "cuMemSetAccess"]
     backend.release_commit(commit)
     assert drv.calls[-2:] == ["cuMemUnmap", "cuMemRelease"] and not drv.live_handles
+    chunks = [backend.commit(resv, f"r1#{n}", MIB) for n in range(2)]
+    backend.release_commits([c for c in chunks if c is not None])  # each unmapped, released
+    assert drv.calls[-4:] == ["cuMemUnmap", "cuMemRelease"] * 2 and not drv.live_handles
+    assert backend.committed_bytes() == 0
     backend.commit(resv, "r2", MIB)
     backend.unreserve(resv)
     assert drv.calls[-1] == "cuMemAddressFree" and not drv.live_handles
