@@ -36,7 +36,7 @@ class VmmPager:
         vmm, rid = self._vmm, self._replica_id
         # NOTE: the cache spares the ledger a look-up per sequence and decode run; it is only
         # trusted while the sequence still holds its commit (the core may have released it).
-        if vmm.holds(rid, seq_id) and tokens <= self._covered.get(seq_id, -1):
+        if tokens <= self._covered.get(seq_id, -1) and vmm.holds(rid, seq_id):
             return True
         covered = vmm.extend_to(rid, seq_id, self._per_token, tokens)
         if covered is None:

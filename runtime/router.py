@@ -131,7 +131,9 @@ class Router:
         """Routable replicas, best first: the request's group (canary or not), then the other."""
         canary = [r for r, e in self._replicas.items() if e.role is ReplicaRole.CANARY]
         active = [r for r, e in self._replicas.items() if e.role is ReplicaRole.ACTIVE]
-        wants_canary = canary_fraction(request.request_id) < self.canary_share
+        # (no canary, the usual case: either order gives the active group alone, so the
+        # request id is not hashed)
+        wants_canary = bool(canary) and canary_fraction(request.request_id) < self.canary_share
         groups = (canary, active) if wants_canary or not active else (active, canary)
         out: list[RouteChoice] = []
         for group in groups:

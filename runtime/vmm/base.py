@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple, Protocol
@@ -71,6 +72,10 @@ class ReservationBackend(Protocol):
 
     def release_commit(self, commit: Commit) -> None:
         """Return a commit's pages; a second call is a no-op."""
+        ...
+
+    def release_commits(self, commits: Iterable[Commit]) -> None:
+        """``release_commit`` of each commit, in order (a request's chunks on the device)."""
         ...
 
     def unreserve(self, reservation: Reservation) -> None:

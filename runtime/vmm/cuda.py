@@ -10,6 +10,7 @@ Construct it with :func:`open_cuda_backend`, which returns ``None`` when no GPU 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,11 @@ class CudaReservationBackend:
         self._call("cuMemRelease", handle)
         held.ranges.free(commit.offset_bytes, commit.size_bytes)
         self._committed -= commit.size_bytes
+
+    def release_commits(self, commits: Iterable[Commit]) -> None:
+        """``release_commit`` of each commit, in order."""
+        for commit in commits:
+            self.release_commit(commit)
 
     def unreserve(self, reservation: Reservation) -> None:
         """Release every commit, then ``cuMemAddressFree``; idempotent."""

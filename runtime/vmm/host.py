@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from runtime.vmm.base import (
@@ -115,6 +116,24 @@ class HostReservationBackend:
         del commits[request_id]
         held.ranges.free(offset, size)
         self._committed -= size
+
+    def release_commits(self, commits: Iterable[Commit]) -> None:
+        """``release_commit`` of each commit, in order."""
+        # NOTE: one call for all of a request's chunks on this device (a simulated engine's
+        # sequence holds one per run of KV pages it grew by), the reservation looked up once.
+        held: _Held | None = None
+        for commit in commits:
+            reservation_id, request_id, offset, size, _ = commit
+            if held is None or held.reservation.reservation_id != reservation_id:
+                held = self._held.get(reservation_id)
+                if held is None:
+                    continue
+            known = held.commits.get(request_id)
+            if known is not commit and known != commit:
+                continue
+            del held.commits[request_id]
+            held.ranges.free(offset, size)
+            self._committed -= size
 
     def unreserve(self, reservation: Reservation) -> None:
         """Release all commits and unmap the address range; idempotent."""

@@ -80,7 +80,9 @@ class ReservationManager:
         self._chunks: dict[tuple[str, str], int] = {}
         self._floors: dict[str, dict[str, int]] = {}  # gpu → replica → bytes it is guaranteed
         # gpu → replica → the bytes of its commits there (the sum of ``_totals``), so a floored
-        # admission reads its neighbours' use per replica, not per request
+        # admission reads its neighbours' use per replica, not per request. NOTE: kept only for
+        # GPUs that ever had a floor (the only ones ``memory_for`` reads it for): most commits
+        # are on GPUs without one, and a KV page extension should not pay for it.
         self._by_gpu: dict[str, dict[str, int]] = {}
         self.last_failure: CommitFailure | None = None
 
@@ -128,8 +130,9 @@ class ReservationManager:
         self._chunks[key] = 1 if done else 0
         by_gpu = self._by_gpu
         for uuid, c in done.items():
-            mine = by_gpu.setdefault(uuid, {})
-            mine[replica_id] = mine.get(replica_id, 0) + c.size_bytes
+            mine = by_gpu.get(uuid)
+            if mine is not None:
+                mine[replica_id] = mine.get(replica_id, 0) + c.size_bytes
         return True
 
     def extend(self, replica_id: str, request_id: str, bytes_per_gpu: Mapping[str, int]) -> bool:
@@ -154,12 +157,27 @@ class ReservationManager:
         # NOTE: a backend keeps one commit per request id; an extension is the n-th chunk (n:
         # the most chunks the request holds on one GPU, so the id is new on every GPU).
         chunks = self._chunks[key]
-        done = self._commit_all(resv, f"{request_id}#{chunks}", bytes_per_gpu)
-        if done is None:
-            return False
+        chunk_id = f"{request_id}#{chunks}"
+        # (``_commit_all`` inlined: a simulated engine extends once per run of KV pages a
+        # sequence grows by, on each GPU of the replica)
+        done: list[tuple[str, Commit]] = []
+        backends = self._backends
+        # (a single GPU's extension, the usual one, needs no sorting)
+        for uuid in sorted(bytes_per_gpu) if len(bytes_per_gpu) > 1 else bytes_per_gpu:
+            backend = backends.get(uuid)
+            at = resv.get(uuid)
+            commit = None
+            if backend is not None and at is not None:
+                commit = backend.commit(at, chunk_id, bytes_per_gpu[uuid])
+            if commit is None:
+                self.last_failure = CommitFailure(uuid, backend.last_error if backend else None)
+                for gpu, c in done:
+                    backends[gpu].release_commit(c)
+                return False
+            done.append((uuid, commit))
         totals = self._totals[key]
         by_gpu = self._by_gpu
-        for uuid, c in done.items():
+        for uuid, c in done:
             size = c.size_bytes
             mine = held.get(uuid)
             if mine is None:
@@ -169,9 +187,8 @@ class ReservationManager:
                 chunks = len(mine)
             totals[uuid] = totals.get(uuid, 0) + size
             replicas = by_gpu.get(uuid)
-            if replicas is None:
-                replicas = by_gpu[uuid] = {}
-            replicas[replica_id] = replicas.get(replica_id, 0) + size
+            if replicas is not None:
+                replicas[replica_id] = replicas.get(replica_id, 0) + size
         self._chunks[key] = chunks
         return True
 
@@ -249,8 +266,11 @@ class ReservationManager:
     def release(self, replica_id: str, request_id: str) -> None:
         """Return a request's pages on a replica; idempotent."""
         key = (replica_id, request_id)
+        by_gpu = self._by_gpu
         for uuid, size in self._totals.pop(key, _NOTHING).items():
-            replicas = self._by_gpu[uuid]
+            replicas = by_gpu.get(uuid)
+            if replicas is None:
+                continue
             left = replicas[replica_id] - size
             if left:
                 replicas[replica_id] = left
@@ -262,15 +282,24 @@ class ReservationManager:
             return
         backends = self._backends
         for uuid, commits in held.items():
-            release_commit = backends[uuid].release_commit
-            for commit in commits:
-                release_commit(commit)
+            backends[uuid].release_commits(commits)
 
     def set_floor(self, replica_id: str, bytes_per_gpu: Mapping[str, int]) -> None:
         """Guarantee the replica ``bytes_per_gpu`` on its GPUs against the others' admissions
         (see the module docstring); dropped with its reservation."""
         for uuid, size in bytes_per_gpu.items():
             self._floors.setdefault(uuid, {})[replica_id] = size
+            if uuid not in self._by_gpu:
+                self._by_gpu[uuid] = self._used_on(uuid)
+
+    def _used_on(self, gpu_uuid: str) -> dict[str, int]:
+        """Per replica, the bytes of its commits on the GPU (``_by_gpu`` from the ledger)."""
+        used: dict[str, int] = {}
+        for (replica_id, _), totals in self._totals.items():
+            size = totals.get(gpu_uuid)
+            if size:
+                used[replica_id] = used.get(replica_id, 0) + size
+        return used
 
     def memory_for(self, replica_id: str, need: Mapping[str, int]) -> dict[str, GpuMemory]:
         """:meth:`memory_of` the GPUs of ``need`` as an admission of ``need`` for the replica

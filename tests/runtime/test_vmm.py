@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.vmm.base import MIB, CommitError, RangeAllocator, round_up
+from runtime.vmm.base import MIB, Commit, CommitError, RangeAllocator, round_up
 from runtime.vmm.cuda import CudaReservationBackend, local_gpu_ordinals, open_cuda_backend
 from runtime.vmm.host import HostReservationBackend
 from runtime.vmm.manager import ReservationManager, cuda_backend_factory
@@ -228,6 +228,10 @@ def test_cuda_backend_maps_the_driver_calls() -> None:
     assert drv.calls[-3:] == ["cuMemCreate", "cuMemMap", "cuMemSetAccess"]
     backend.release_commit(commit)
     assert drv.calls[-2:] == ["cuMemUnmap", "cuMemRelease"] and not drv.live_handles
+    chunks = [backend.commit(resv, f"r1#{n}", MIB) for n in range(2)]
+    backend.release_commits([c for c in chunks if c is not None])  # each unmapped, released
+    assert drv.calls[-4:] == ["cuMemUnmap", "cuMemRelease"] * 2 and not drv.live_handles
+    assert backend.committed_bytes() == 0
     backend.commit(resv, "r2", MIB)
     backend.unreserve(resv)
     assert drv.calls[-1] == "cuMemAddressFree" and not drv.live_handles
@@ -509,3 +513,51 @@ def test_range_allocator_hint_gives_the_plain_first_fit(ops: list[tuple[int, int
         assert alloc._free == plain.free
         hint = alloc._hint_at
         assert all(length < alloc._hint_size for _, length in alloc._free[:hint])
+
+
+@pytest.mark.unit
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(1, 9)), max_size=40),  # (second resv, MiB)
+    st.lists(st.integers(0, 60), max_size=60),  # commits to give back (repeats: twice)
+)
+def test_release_commits_is_release_commit_of_each(
+    sizes: list[tuple[bool, int]], picks: list[int]
+) -> None:
+    # The one-call release a manager gives a request's chunks on a GPU: the same pages, free
+    # spans (so the same later offsets) and committed bytes as releasing them one by one.
+    ledgers: list[tuple[HostReservationBackend, list[Any], list[Commit]]] = []
+    for _ in range(2):
+        backend = HostReservationBackend("g", 64 * MIB, map_address_space=False)
+        resvs = [backend.reserve("p", 32 * MIB), backend.reserve("q", 32 * MIB)]
+        made: list[Commit | None] = []
+        for n, (second, mib) in enumerate(sizes):
+            resv = resvs[second]
+            assert resv is not None
+            made.append(backend.commit(resv, f"r{n}", mib * MIB))
+        picked = [made[p] for p in picks if p < len(made)]
+        ledgers.append((backend, resvs, [c for c in picked if c is not None]))
+    (fused, fused_resvs, given_back), (plain, plain_resvs, one_by_one) = ledgers
+    fused.release_commits(given_back)
+    for commit in one_by_one:
+        plain.release_commit(commit)
+    assert fused.committed_bytes() == plain.committed_bytes()
+    for a, b in zip(fused_resvs, plain_resvs, strict=True):
+        assert a is not None and b is not None
+        for n in range(4):  # the free spans left: the same first fits
+            got, want = fused.commit(a, f"again{n}", 3 * MIB), plain.commit(b, f"again{n}", 3 * MIB)
+            assert (got and got.offset_bytes) == (want and want.offset_bytes)
+
+
+@pytest.mark.unit
+def test_a_floor_set_after_commits_counts_them() -> None:
+    # Per-replica use is kept only on GPUs that had a floor: one set late reads the ledger.
+    vmm = ReservationManager(lambda u, cap: HostReservationBackend(u, cap, map_address_space=False))
+    for rid in ("x", "y"):
+        assert vmm.reserve_replica(rid, {"g": (100 * GIB, 100 * GIB)})
+        assert vmm.commit(rid, "weights", {"g": 10 * GIB})
+    assert vmm.extend_to("y", "r", {"g": GIB}, 7) == 7
+    assert vmm.extend_to("y", "r", {"g": GIB}, 9) == 9
+    vmm.set_floor("x", {"g": 30 * GIB})
+    assert vmm.memory_for("y", {"g": GIB})["g"].committed_bytes == 30 * GIB + 19 * GIB
+    vmm.release("y", "r")
+    assert vmm.memory_for("y", {"g": GIB})["g"].committed_bytes == 30 * GIB + 10 * GIB
