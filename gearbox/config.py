@@ -145,12 +145,13 @@ class GearboxConfig(Serialisable):
     # flaps 7 / 25 -> 8 / 11, but vs fixed 0.994 / 0.993 -> 0.991 / 0.990 (chat-13b refused
     # 207 / 363 -> 409 / 609 requests). Worse vs fixed than off, so it stays off.
     correction_service_ratio: float = 0.0
-    # On by default since the p95 prompt's prefill and the prefill queue's p95 wait are no longer
-    # summed (gearbox.cost). bench.fragmented, fragmented-short, seeds 7-11, estimator error p95
-    # off -> on: 0.602 -> 0.554 (the 7B's, median of seeds, 0.60 -> 0.40); with the sum it had
-    # been 0.631. Off, the mean prompt's prefill leaves the 70B's estimate 4-7x under the
-    # observed p95, which its summarisation prompts set, and pins its factor at the 4x clamp.
-    ttft_prompt_tail: bool = True  # TTFT p95 from the smoothed prompt tail, M/G/1 (gearbox.cost)
+    # NOTE: off by default. Since the p95 prompt's prefill and the prefill queue's p95 wait are
+    # no longer summed (gearbox.cost), bench.fragmented (seeds 7-11) measured with it on the
+    # estimator error p95 fragmented-short 0.602 -> 0.554, mixed-failures 0.520 -> 0.506,
+    # steady-boundary 0.281 -> 0.251, steady-noisy 0.330 -> 0.301, medians of goodput, vs fixed
+    # and flaps unchanged; but one seed of each of three scenarios took 2 more flaps, and
+    # steady-noisy's worst seed fell to 0.998x fixed (target >= 1.0): a target lost, none won.
+    ttft_prompt_tail: bool = False  # TTFT p95 from the smoothed prompt tail, M/G/1 (gearbox.cost)
     # --- switch cost (see gearbox.switch for sources) ---
     weight_load_gbps: float = 5.0  # per-GPU weight load rate from local NVMe/page cache
     kv_transfer_efficiency: float = 0.8  # achieved share of the path's bandwidth for KV

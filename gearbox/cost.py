@@ -491,11 +491,13 @@ def estimate_replica(
     if tail_prompt_tokens is not None:
         prefill_s, _ = prefill_latency_s(shape, model, tail_prompt_tokens, config)
         scv = prefill_scv(shape, model, prompt_tokens, tail_prompt_tokens, prompt_scv, config)
-    # NOTE: the p95 prompt's prefill and the prefill queue's p95 wait are not added: a prompt
-    # at the length p95 that also waits at the wait p95 is a ~1-in-400 request, not the p95 one
-    # (module notes). Without a tail, prefill_s is the mean prompt's: the plain sum as before.
-    queued_s = cap.prefill_latency_s + _wait_p95_s(lam, 1.0 / cap.prefill_occupancy_s, 1, scv)
-    wait_s = _wait_p95_s(lam, mu, cap.max_batch) + max(0.0, queued_s - prefill_s)
+    prefill_wait_s = _wait_p95_s(lam, 1.0 / cap.prefill_occupancy_s, 1, scv)
+    if tail_prompt_tokens is not None:
+        # NOTE: the p95 prompt's prefill and the queue's p95 wait are not added: a prompt at
+        # the length p95 that also waits at the wait p95 is a ~1-in-400 request (module notes)
+        queued_s = cap.prefill_latency_s + prefill_wait_s
+        prefill_wait_s = max(0.0, queued_s - prefill_s)
+    wait_s = _wait_p95_s(lam, mu, cap.max_batch) + prefill_wait_s
     context = prompt_tokens + output_tokens / 2
     stages = shape.decode_pipeline
     batch = 1

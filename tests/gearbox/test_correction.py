@@ -250,8 +250,8 @@ def test_corrected_ttft_can_block_a_downshift() -> None:
     assert smaller and all("est TTFT p95" in c.blocked for c in smaller)
 
 
-TAIL = CONFIG  # the prompt tail is on by default
-NO_TAIL = replace(CONFIG, ttft_prompt_tail=False)
+TAIL = replace(CONFIG, ttft_prompt_tail=True)
+NO_TAIL = CONFIG  # the prompt tail is off by default
 CHAT, LONG = (500.0, 90), (6000.0, 10)  # (tokens, count): one prompt in ten is long
 
 
