@@ -145,9 +145,12 @@ class GearboxConfig(Serialisable):
     # flaps 7 / 25 -> 8 / 11, but vs fixed 0.994 / 0.993 -> 0.991 / 0.990 (chat-13b refused
     # 207 / 363 -> 409 / 609 requests). Worse vs fixed than off, so it stays off.
     correction_service_ratio: float = 0.0
-    # NOTE: off by default: bench.fragmented (fragmented-short, 5 seeds) measured the 7B's
-    # estimator error p95 0.42 -> 0.38 with it but the 70B's 0.55 -> 0.66 (its windows hold
-    # ~40 prompts, and the error sits on the preemption's degraded plan): the headline got worse.
+    # NOTE: off by default. Since the p95 prompt's prefill and the prefill queue's p95 wait are
+    # no longer summed (gearbox.cost), bench.fragmented (seeds 7-11) measured with it on the
+    # estimator error p95 fragmented-short 0.602 -> 0.554, mixed-failures 0.520 -> 0.506,
+    # steady-boundary 0.281 -> 0.251, steady-noisy 0.330 -> 0.301, medians of goodput, vs fixed
+    # and flaps unchanged; but one seed of each of three scenarios took 2 more flaps, and
+    # steady-noisy's worst seed fell to 0.998x fixed (target >= 1.0): a target lost, none won.
     ttft_prompt_tail: bool = False  # TTFT p95 from the smoothed prompt tail, M/G/1 (gearbox.cost)
     # --- switch cost (see gearbox.switch for sources) ---
     weight_load_gbps: float = 5.0  # per-GPU weight load rate from local NVMe/page cache

@@ -251,6 +251,7 @@ def test_corrected_ttft_can_block_a_downshift() -> None:
 
 
 TAIL = replace(CONFIG, ttft_prompt_tail=True)
+NO_TAIL = CONFIG  # the prompt tail is off by default
 CHAT, LONG = (500.0, 90), (6000.0, 10)  # (tokens, count): one prompt in ten is long
 
 
@@ -275,18 +276,18 @@ def test_prompt_tail_is_read_from_the_smoothed_distribution() -> None:
     exact_scv = (0.95 * 500**2 + 0.05 * 6000**2) / mean**2 - 1
     assert p95 in (500.0, 6000.0)
     assert scv == pytest.approx(exact_scv, rel=0.1)
-    # applied to a load with lengths; loads without lengths and the default config keep theirs
+    # applied to a load with lengths; loads without lengths and a config without it keep theirs
     load = with_prompt_tail(_with_lengths(LONG), learned)
     assert (load.p95_prompt_tokens, load.prompt_tokens_scv) == (p95, scv)
     assert with_prompt_tail(make_load(3.0), learned) == make_load(3.0)
-    assert observe_prompts(NONE, _with_lengths(CHAT, LONG), CONFIG) == NONE
+    assert observe_prompts(NONE, _with_lengths(CHAT, LONG), NO_TAIL) == NONE
     assert observe_prompts(NONE, make_load(3.0), TAIL) == NONE
 
 
 def test_decide_uses_the_prompt_tail_only_when_asked() -> None:
     current = deployment(tp_plan(A8, MODEL_70B_GQA))
     load = replace(_with_lengths(CHAT, LONG), p95_prompt_tokens=6000.0, prompt_tokens_scv=2.0)
-    off = decide(current, article_cluster(), load, GearState(), CONFIG, model=MODEL_70B_GQA)
+    off = decide(current, article_cluster(), load, GearState(), NO_TAIL, model=MODEL_70B_GQA)
     on = decide(current, article_cluster(), load, GearState(), TAIL, model=MODEL_70B_GQA)
     assert off.current is not None and on.current is not None
     # the long prompts' prefill sets the p95, not the mean prompt's

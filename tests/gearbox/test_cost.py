@@ -153,8 +153,29 @@ def test_heavy_tailed_prompts_lengthen_the_ttft_p95_not_the_capacity() -> None:
     # A tail equal to the mean with exponential-like spread is the old estimate
     assert same.ttft_p95_ms == pytest.approx(even.ttft_p95_ms)
     longest, _ = prefill_latency_s(shape, MODEL_7B_MHA, 4000, DEFAULT_CONFIG)
-    assert tailed.ttft_p95_ms > longest * 1e3 > even.ttft_p95_ms
+    assert tailed.ttft_p95_ms >= longest * 1e3 > even.ttft_p95_ms
     assert (tailed.capacity_rps, tailed.tbt_p95_ms) == (even.capacity_rps, even.tbt_p95_ms)
+
+
+@pytest.mark.unit
+def test_the_long_prompts_or_the_queue_set_the_ttft_p95_never_both() -> None:
+    shape = _unified(_stage(1, 32, A100))
+    cap = replica_capacity(shape, MODEL_7B_MHA, 800, 200, DEFAULT_CONFIG)
+    longest, _ = prefill_latency_s(shape, MODEL_7B_MHA, 4000, DEFAULT_CONFIG)
+    scv = prefill_scv(shape, MODEL_7B_MHA, 800, 4000, 1.5, DEFAULT_CONFIG)
+
+    def at(share: float, tail: int | None, prompt_scv: float) -> float:
+        rate = share * cap.capacity_rps
+        args = (shape, MODEL_7B_MHA, 800, 200, rate, DEFAULT_CONFIG)
+        return estimate_replica(*args, tail_prompt_tokens=tail, prompt_scv=prompt_scv).ttft_p95_ms
+
+    # Light load: the p95 prompt's own prefill, no wait on top
+    assert at(0.03, 4000, 1.5) == pytest.approx(longest * 1e3)
+    # Near saturation the queue sets it: a mean prompt's prefill plus the wait, as without
+    # a tail at the same spread — not that wait on top of the p95 prompt's prefill
+    queued = at(0.95, None, scv)
+    assert queued > longest * 1e3
+    assert at(0.95, 4000, 1.5) == pytest.approx(queued)
 
 
 @pytest.mark.unit
