@@ -105,17 +105,9 @@ class HostReservationBackend:
 
     def release_commit(self, commit: Commit) -> None:
         """Return the pages; unknown or already released commits are ignored."""
-        reservation_id, request_id, offset, size, _ = commit  # (one unpack, not 3 lookups)
-        held = self._held.get(reservation_id)
-        if held is None:
-            return
-        commits = held.commits
-        known = commits.get(request_id)
-        if known is not commit and known != commit:  # (identity first: the usual case)
-            return
-        del commits[request_id]
-        held.ranges.free(offset, size)
-        self._committed -= size
+        held = self._held.get(commit.reservation_id)
+        if held is not None:
+            self._free(held, commit)
 
     def release_commits(self, commits: Iterable[Commit]) -> None:
         """``release_commit`` of each commit, in order."""
@@ -123,17 +115,22 @@ class HostReservationBackend:
         # sequence holds one per run of KV pages it grew by), the reservation looked up once.
         held: _Held | None = None
         for commit in commits:
-            reservation_id, request_id, offset, size, _ = commit
-            if held is None or held.reservation.reservation_id != reservation_id:
-                held = self._held.get(reservation_id)
+            if held is None or held.reservation.reservation_id != commit.reservation_id:
+                held = self._held.get(commit.reservation_id)
                 if held is None:
                     continue
-            known = held.commits.get(request_id)
-            if known is not commit and known != commit:
-                continue
-            del held.commits[request_id]
-            held.ranges.free(offset, size)
-            self._committed -= size
+            self._free(held, commit)
+
+    def _free(self, held: _Held, commit: Commit) -> None:
+        """Return a commit's pages to its reservation's ranges, when it is still held there."""
+        _, request_id, offset, size, _ = commit  # (one unpack, not 3 lookups)
+        commits = held.commits
+        known = commits.get(request_id)
+        if known is not commit and known != commit:  # (identity first: the usual case)
+            return
+        del commits[request_id]
+        held.ranges.free(offset, size)
+        self._committed -= size
 
     def unreserve(self, reservation: Reservation) -> None:
         """Release all commits and unmap the address range; idempotent."""

@@ -125,11 +125,11 @@ class ReservationManager:
         done = self._commit_all(resv, request_id, bytes_per_gpu)
         if done is None:
             return False
-        self._commits[key] = {u: [c] for u, c in done.items()}
-        self._totals[key] = {u: c.size_bytes for u, c in done.items()}
+        self._commits[key] = {u: [c] for u, c in done}
+        self._totals[key] = {u: c.size_bytes for u, c in done}
         self._chunks[key] = 1 if done else 0
         by_gpu = self._by_gpu
-        for uuid, c in done.items():
+        for uuid, c in done:
             mine = by_gpu.get(uuid)
             if mine is not None:
                 mine[replica_id] = mine.get(replica_id, 0) + c.size_bytes
@@ -157,24 +157,9 @@ class ReservationManager:
         # NOTE: a backend keeps one commit per request id; an extension is the n-th chunk (n:
         # the most chunks the request holds on one GPU, so the id is new on every GPU).
         chunks = self._chunks[key]
-        chunk_id = f"{request_id}#{chunks}"
-        # (``_commit_all`` inlined: a simulated engine extends once per run of KV pages a
-        # sequence grows by, on each GPU of the replica)
-        done: list[tuple[str, Commit]] = []
-        backends = self._backends
-        # (a single GPU's extension, the usual one, needs no sorting)
-        for uuid in sorted(bytes_per_gpu) if len(bytes_per_gpu) > 1 else bytes_per_gpu:
-            backend = backends.get(uuid)
-            at = resv.get(uuid)
-            commit = None
-            if backend is not None and at is not None:
-                commit = backend.commit(at, chunk_id, bytes_per_gpu[uuid])
-            if commit is None:
-                self.last_failure = CommitFailure(uuid, backend.last_error if backend else None)
-                for gpu, c in done:
-                    backends[gpu].release_commit(c)
-                return False
-            done.append((uuid, commit))
+        done = self._commit_all(resv, f"{request_id}#{chunks}", bytes_per_gpu)
+        if done is None:
+            return False
         totals = self._totals[key]
         by_gpu = self._by_gpu
         for uuid, c in done:
@@ -239,20 +224,24 @@ class ReservationManager:
 
     def _commit_all(
         self, resv: dict[str, Reservation], request_id: str, bytes_per_gpu: Mapping[str, int]
-    ) -> dict[str, Commit] | None:
-        done: dict[str, Commit] = {}
+    ) -> list[tuple[str, Commit]] | None:
+        """Commit ``bytes_per_gpu`` on each GPU in uuid order, all or none (a failure releases
+        what was done and sets ``last_failure``); the commits by GPU, in that order."""
+        done: list[tuple[str, Commit]] = []
         backends = self._backends
-        for uuid in sorted(bytes_per_gpu):
+        # NOTE: a single GPU's commit, the usual KV page extension, needs no sorting
+        for uuid in sorted(bytes_per_gpu) if len(bytes_per_gpu) > 1 else bytes_per_gpu:
             backend = backends.get(uuid)
+            at = resv.get(uuid)
             commit = None
-            if backend is not None and uuid in resv:
-                commit = backend.commit(resv[uuid], request_id, bytes_per_gpu[uuid])
+            if backend is not None and at is not None:
+                commit = backend.commit(at, request_id, bytes_per_gpu[uuid])
             if commit is None:
                 self.last_failure = CommitFailure(uuid, backend.last_error if backend else None)
-                for gpu, c in done.items():
+                for gpu, c in done:
                     backends[gpu].release_commit(c)
                 return None
-            done[uuid] = commit
+            done.append((uuid, commit))
         return done
 
     def held_bytes(self, replica_id: str, request_id: str) -> dict[str, int]:
