@@ -11,12 +11,19 @@ are the cost model's (:func:`gearbox.ranking.rank_candidates`) without the freed
 GPU nobody could use is worth nothing here, one another deployment would need is worth what it
 would restore there.
 
+Each neighbour is estimated as its own decisions would estimate it: the cost model's figures with
+its learned TTFT factors (:mod:`gearbox.correction`, from its :class:`gearbox.history.GearState`;
+a shape it never served gets its deployment-wide factor). Plain figures are several-fold
+optimistic where its factor says so: in sim/scenarios/mixed-failures.yaml (seed 8, 1,200 s) the
+model put the 70B's fallback on two hoppers and four older GPUs at 629 ms TTFT p95, its factor
+(2.1x) at 1.35 s. (Still within its 2 s SLO there, so that choice did not change; preempted at
+2,400 s, at the tide's higher load, the 70B observed 1.5-3.6 s on it.)
+
 NOTE: the standby counts the neighbour's own GPUs as lost (what it could do if forced now);
 while its plan runs, the extra GPUs add it little at its demand, which is why a blanket
 per-GPU credit was used before (bench/HISTORY.md, 2026-12-02): in
 sim/scenarios/mixed-failures.yaml seed 8 the 7B, forced off node-b1, took all four spare hoppers
-and the 70B preempted off its island later found none. The neighbours' figures are the plain
-cost model's: their learned corrections live in their own states.
+and the 70B preempted off its island later found none.
 
 Cost: a neighbour's ranking on the whole pool is a full enumeration (10-30 ms on 1,000 GPUs).
 Where the cluster has room, every neighbour can restore all it is offered on a few of the
@@ -27,10 +34,11 @@ loses nothing whatever the whole pool holds: the whole ranking runs only where r
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gearbox.blocks import AtomicBlock
 from gearbox.config import GearboxConfig, without_gpu_credit
+from gearbox.correction import Corrections, apply_correction, factor_for, plan_shape
 from gearbox.model import ModelSpec
 from gearbox.ranking import rank_candidates
 from gearbox.scoring import demand_rps, request_profile
@@ -47,6 +55,8 @@ class Neighbour:
     model: ModelSpec  # the model it serves
     load: LoadSnapshot  # its serving load over the window (its demand)
     gpu_uuids: frozenset[str]  # GPUs its plans hold or are moving to: never in its standby
+    # its learned factors (its GearState's): its standby is estimated as it would estimate it
+    corrections: Corrections = field(default_factory=Corrections)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +83,9 @@ def _standby(
     pool: Mapping[str, int],
     config: GearboxConfig,
 ) -> tuple[float, frozenset[str]]:
-    """The best SLO goodput (tok/s, no GPU credit) ``neighbour`` could restore on ``pool``, and
-    the GPUs of the plan that does it (empty when none)."""
+    """The best SLO goodput (tok/s, no GPU credit, its learned TTFT factors applied)
+    ``neighbour`` could restore on ``pool``, and the GPUs of the plan that does it (empty when
+    none)."""
     spare = {u: b for u, b in pool.items() if u not in neighbour.gpu_uuids}
     ranked = rank_candidates(
         snapshot,
@@ -85,9 +96,19 @@ def _standby(
         deployment=neighbour.deployment,
         available=spare,
     )
-    if not ranked:
+    best: tuple[float, frozenset[str]] | None = None
+    learned = neighbour.corrections
+    for candidate in ranked:
+        estimate = candidate.estimate
+        if learned.entries:
+            factor = factor_for(learned, plan_shape(candidate.plan), snapshot.now_s, config)
+            estimate = apply_correction(estimate, factor, config)
+        # NOTE: the factors reorder the plain ranking; ties keep its order (then plan id)
+        if best is None or estimate.utility_tok_s > best[0]:
+            best = (estimate.utility_tok_s, candidate.plan.gpu_uuids)
+    if best is None:
         return 0.0, frozenset()
-    return max(0.0, ranked[0].estimate.utility_tok_s), ranked[0].plan.gpu_uuids
+    return max(0.0, best[0]), best[1]
 
 
 def _restores_all(

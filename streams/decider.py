@@ -562,7 +562,13 @@ class Decider:
             on_demand=self._on_demand(plans, serving, now_ms),
             placement=e.cfg.placement,
             neighbours=neighbours_view(
-                e.deployments, plans, serving, e.load_window, now_ms / 1000.0, name
+                e.deployments,
+                plans,
+                serving,
+                self._gears(plans),
+                e.load_window,
+                now_ms / 1000.0,
+                name,
             ),
         )
 
@@ -609,6 +615,12 @@ class Decider:
             and (p := e.load(TableName.PLANS, d.name, PlanState)) is not None
         }
         return loaded | decided
+
+    def _gears(self, plans: dict[str, PlanState]) -> dict[str, GearState]:
+        """The gear states this worker can read of the deployments in ``plans`` (their learned
+        factors price their standby, :mod:`gearbox.joint`)."""
+        e = self.engine
+        return {n: g for n in plans if (g := e.load_gear(n)) is not None}
 
     def _serving(self) -> dict[str, ServingWindows]:
         """Every deployment's serving windows this worker can read: read once per step for both

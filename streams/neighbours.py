@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from gearbox.correction import Corrections
+from gearbox.history import GearState
 from gearbox.joint import Neighbour
 from streams.deployments import Deployment
 from streams.load import ServingWindows, serving_aggregate
@@ -22,13 +24,14 @@ def neighbours_view(
     deployments: Sequence[Deployment],
     plans: Mapping[str, PlanView],
     serving: Mapping[str, ServingWindows],
+    gears: Mapping[str, GearState],
     window: HoppingWindow,
     now_s: float,
     deciding: str,
 ) -> tuple[Neighbour, ...]:
     """Every resident deployment but ``deciding`` with a plan in ``plans``: its model, its load
-    over the window (the nominal load while the window holds no reports) and the GPUs its plans
-    hold.
+    over the window (the nominal load while the window holds no reports), the GPUs its plans
+    hold and its learned TTFT factors (its entry in ``gears``; none when absent).
 
     NOTE: on-demand deployments share GPUs by residency rounds, not gear plans: not included.
     """
@@ -43,5 +46,7 @@ def neighbours_view(
         aggregate = serving_aggregate(serving.get(dep.name, ServingWindows()), window, now_s)
         load, _ = build_load(aggregate, dep.nominal, dep.model, now_s)
         gpus = frozenset().union(*(p.gpu_uuids for p in held))
-        out.append(Neighbour(dep.name, dep.model, load, gpus))
+        gear = gears.get(dep.name)
+        learned = gear.corrections if gear is not None else Corrections()
+        out.append(Neighbour(dep.name, dep.model, load, gpus, learned))
     return tuple(out)

@@ -197,7 +197,13 @@ class Replayer:
             ),
             placement=self.cfg.placement,
             neighbours=neighbours_view(
-                self.deployments, plans, serving, self.load_window, now_s, name
+                self.deployments,
+                plans,
+                serving,
+                {n: t.gear for n, t in self.tables.items()},
+                self.load_window,
+                now_s,
+                name,
             ),
         )
         out = step(inp)

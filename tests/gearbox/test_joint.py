@@ -18,6 +18,7 @@ from gearbox import (
     build_blocks,
     decide,
 )
+from gearbox.correction import DEPLOYMENT_WIDE, Correction, Corrections
 from gearbox.history import DemandSample
 from gearbox.joint import Neighbour, standby_meter
 from gearbox.ranking import available_memory, rank_candidates
@@ -111,6 +112,26 @@ def test_the_smaller_plan_wins_when_a_neighbour_would_need_the_gpus() -> None:
     # four H100 left: the 70B could restore itself there; two would not serve it
     assert "Forced choice (joint): among the plans restoring the SLOs" in result.explanation
     assert "chat could restore" in result.explanation
+
+
+def test_the_neighbour_is_priced_with_its_learned_factor() -> None:
+    # at 0.6 rps the 70B's fallback on the two H100 the 4-GPU plan leaves is within an 800 ms
+    # TTFT SLO by the plain model (≈ 256 ms) but not by its learned factor (× 4): the joint
+    # choice then leaves it four (mixed-failures seeds 8-11, where the plain model said a
+    # preempted 70B's fallback was within its SLO and its factor said it was not)
+    config = replace(DEFAULT_CONFIG, ttft_slo_ms=800.0)
+    plain = replace(CHAT_70B, load=make_load(0.6))
+    learned = replace(
+        plain, corrections=Corrections(entries=(Correction(DEPLOYMENT_WIDE, 4.0, NOW_S, 50),))
+    )
+    unaware = _seven_b_forced(plain, config=config)
+    aware = _seven_b_forced(learned, config=config)
+    assert unaware.decision is not None and aware.decision is not None
+    assert unaware.decision.to_plan.num_gpus == 4
+    assert "its standby loss: none." in unaware.explanation
+    assert aware.decision.to_plan.num_gpus == 2
+    assert "best by gain − cost alone" in aware.explanation
+    assert "chat could restore" in aware.explanation
 
 
 def test_the_standby_loss_is_what_the_neighbour_could_no_longer_restore() -> None:
