@@ -527,7 +527,8 @@ def _current_summary(tick: _Tick) -> CandidateSummary | None:
 
 def _top(scored: Sequence[_Scored], k: int, chosen: _Scored | None) -> tuple[CandidateSummary, ...]:
     top = list(scored[:k])
-    if chosen is not None and chosen not in top:
+    # NOTE: by plan id: a joint choice is its scored entry with the standby figures attached
+    if chosen is not None and all(s.plan.plan_id != chosen.plan.plan_id for s in top):
         top.append(chosen)
     return tuple(s.summary for s in top)
 

@@ -112,6 +112,9 @@ def test_the_smaller_plan_wins_when_a_neighbour_would_need_the_gpus() -> None:
     # four H100 left: the 70B could restore itself there; two would not serve it
     assert "Forced choice (joint): among the plans restoring the SLOs" in result.explanation
     assert "chat could restore" in result.explanation
+    # the chosen plan is listed once among the candidates
+    ids = [c.plan_id for c in result.candidates]
+    assert len(ids) == len(set(ids)) and result.decision.to_plan_id in ids
 
 
 def test_the_neighbour_is_priced_with_its_learned_factor() -> None:
