@@ -16,11 +16,14 @@ Small pure steps, in order of precedence:
    SLOs, at this window's demand and at the lookback's peak) it is decided jointly: the best by
    gain − cost − the standby loss its GPUs cost the other deployments sharing the cluster (what
    they could restore on the spare GPUs it leaves, :mod:`gearbox.joint`), with no blanket
-   freed-GPU credit (:func:`_forced_choice`); when none restores them, the best by gain − cost.
+   freed-GPU credit (:func:`_joint_choice`); when none restores them, the best by gain − cost.
 4. Otherwise propose → clamp → debounce: gain = (utility − current utility) × horizon, discounted
    by the candidate's block stability; keep candidates with gain > cost × hysteresis; hold while
    the cooldown since the last switch runs (``reverse_cooldown_factor`` longer to switch straight
-   back); switch to the best remaining by gain − cost.
+   back); switch to the best remaining by gain − cost − the standby loss its GPUs cost the
+   other deployments, as a forced switch weighs it but keeping the freed-GPU credit the gain
+   was judged with: no deployment takes GPUs whose loss costs another more than it gains
+   (:func:`_joint_choice`).
 
 Downshift guard, when ``downshift_guard`` is on (the default — see its note in
 :mod:`gearbox.config`; voluntary switches only, forced switches and overrides are unaffected): a
@@ -125,7 +128,7 @@ class _Tick:
     current_model: DeploymentEstimate | None
     # the load at the lookback's peak demand, when above this window's (the downshift guard)
     peak_load: LoadSnapshot | None = None
-    # the other deployments sharing the cluster: a forced switch charges their standby loss
+    # the other deployments sharing the cluster: a switch charges their standby loss
     neighbours: tuple[Neighbour, ...] = ()
 
 
@@ -137,17 +140,18 @@ class _Scored:
     raw_gain_tokens: float  # before the stability discount
     worthwhile: bool  # gain > cost × hysteresis, before the downshift guard
     outage_tokens: float = 0.0  # in the summary's cost: a forced switch's gain forgone
-    # a forced switch's joint choice among plans restoring the SLOs (_forced_choice)
+    # a switch's joint choice, weighing the other deployments (_joint_choice)
     joint: _Joint | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Joint:
-    """What a forced switch's target and the plan it passed over cost the other deployments."""
+    """What a switch's target and the plan it passed over cost the other deployments."""
 
     standby: StandbyLoss  # the target's standby loss (gearbox.joint)
     # the restoring plan best by gain − cost alone, when the standby loss passed it over
     passed_over: tuple[str, StandbyLoss] | None = None
+    forced: bool = True  # a forced switch's choice (no freed-GPU credit), else a voluntary one
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +181,7 @@ def decide(
     ``deployment`` defaults to ``current.deployment`` and is required when there is no current
     plan; ``model`` must be the model the current plan serves (``ValueError`` otherwise — these
     are caller bugs, not outcomes). ``neighbours``: the other deployments sharing the cluster,
-    whose standby a forced switch weighs (:mod:`gearbox.joint`). Pass the returned ``state`` to
+    whose standby a switch weighs (:mod:`gearbox.joint`). Pass the returned ``state`` to
     the next call.
     """
     name = deployment or (current.deployment if current is not None else None)
@@ -606,17 +610,19 @@ def _take_best(tick: _Tick, scored: Sequence[_Scored], problems: Sequence[str]) 
         tick,
         DecisionReason.FORCED_INFEASIBLE,
         scored,
-        chosen=_forced_choice(tick, scored),
+        chosen=_joint_choice(tick, scored, forced=True),
         forced=True,
         problems=problems,
     )
 
 
-def _forced_choice(tick: _Tick, scored: Sequence[_Scored]) -> _Scored:
-    """A forced switch's target: among ``scored`` (best gain − cost first), those whose estimate
-    restores the SLOs with the margin (:func:`_restores_slos`), the best by gain − cost − the
-    standby loss its GPUs cost the other deployments (:mod:`gearbox.joint`), with no freed-GPU
-    credit (then the shorter transition); when none restores them, ``scored[0]``.
+def _joint_choice(tick: _Tick, scored: Sequence[_Scored], *, forced: bool) -> _Scored:
+    """A switch's target: the best of ``scored`` (best gain − cost first) by gain − cost − the
+    standby loss its GPUs cost the other deployments (:mod:`gearbox.joint`), then the shorter
+    transition. A ``forced`` switch weighs only the plans whose estimate restores the SLOs with
+    the margin (:func:`_restores_slos`; when none does, ``scored[0]``) and counts no freed-GPU
+    credit; a voluntary one weighs every worthwhile plan and keeps the credit its gain was
+    judged with (a downshift's reason to be): only the standby loss is added.
 
     NOTE: restoring plans serve the same demand within the SLOs, so what tells them apart is
     their outage (in the cost: the gain forgone over the whole transition, so the plan up
@@ -628,12 +634,17 @@ def _forced_choice(tick: _Tick, scored: Sequence[_Scored]) -> _Scored:
     (0.973 → 0.871). The standby loss charges the hoppers at what the 70B could restore on them
     and block A's GPUs at nothing (bench/HISTORY.md, 2026-12-02).
     """
-    restoring = [s for s in scored if _restores_slos(tick, s)]
+    # NOTE: a voluntary switch's candidates are all worthwhile already: preferring the ones
+    # restoring the SLOs at the lookback's peak would overrule the downshift guard's own test
+    if not forced and not tick.neighbours:
+        return scored[0]
+    restoring = [s for s in scored if _restores_slos(tick, s)] if forced else list(scored)
     if not restoring:
         return scored[0]
     config = tick.config
     loss = standby_meter(tick.neighbours, tick.snapshot, tick.blocks, tick.available, config)
-    credit_s = config.idle_gpu_value_tok_s * config.gain_horizon_s  # 0 under pressure
+    # 0 under pressure, and for a voluntary switch
+    credit_s = config.idle_gpu_value_tok_s * config.gain_horizon_s if forced else 0.0
 
     def before_loss(s: _Scored) -> float:
         # NOTE: the credit the gain holds for GPUs handed back is taken out again (the
@@ -658,7 +669,7 @@ def _forced_choice(tick: _Tick, scored: Sequence[_Scored]) -> _Scored:
     passed = None
     if first is not best:
         passed = (first.summary.plan_id, loss(first.plan.gpu_uuids))
-    return replace(best, joint=_Joint(loss(best.plan.gpu_uuids), passed))
+    return replace(best, joint=_Joint(loss(best.plan.gpu_uuids), passed, forced))
 
 
 def _restores_slos(tick: _Tick, scored: _Scored) -> bool:
@@ -708,7 +719,8 @@ def _voluntary(tick: _Tick, scored: Sequence[_Scored]) -> DecideResult:
             retry = last + min(_cooldown_s(tick, s) for s in eligible)
             return _result(tick, reason, scored, retry_after_s=retry)
         eligible = allowed
-    return _result(tick, DecisionReason.SWITCH_GAIN, scored, chosen=eligible[0])
+    chosen = _joint_choice(tick, eligible, forced=False)
+    return _result(tick, DecisionReason.SWITCH_GAIN, scored, chosen=chosen)
 
 
 def _describe(summary: CandidateSummary) -> str:
@@ -752,11 +764,16 @@ def _standby_text(loss: StandbyLoss) -> str:
 
 
 def _joint_line(joint: _Joint) -> str:
-    """The forced choice's rule and figures, as its explanation names them."""
+    """The joint choice's rule and figures, as its explanation names them."""
+    if joint.forced:
+        rule = "Forced choice (joint): among the plans restoring the SLOs with the margin"
+        credit = ", no freed-GPU credit"
+    else:
+        rule = "Joint choice: among the worthwhile plans"
+        credit = ""
     text = (
-        "Forced choice (joint): among the plans restoring the SLOs with the margin, the best by "
-        "gain − cost − the standby loss its GPUs cost the other deployments, no freed-GPU "
-        f"credit; its standby loss: {_standby_text(joint.standby)}"
+        f"{rule}, the best by gain − cost − the standby loss its GPUs cost the other "
+        f"deployments{credit}; its standby loss: {_standby_text(joint.standby)}"
     )
     if joint.passed_over is not None:
         plan_id, loss = joint.passed_over

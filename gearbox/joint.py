@@ -1,15 +1,15 @@
-"""What the GPUs a forced switch takes are worth to the other deployments sharing the cluster.
+"""What the GPUs a switch takes are worth to the other deployments sharing the cluster.
 
-A forced switch (its plan lost GPUs) usually picks among several plans that restore its SLOs.
-The GPUs they take beyond the deployment's own come out of the cluster's spare pool, and that
-pool is all another deployment has to fall back on when its own plan breaks in turn. So the
-choice charges each plan its **standby loss**: for every other deployment (a
-:class:`Neighbour`, at its current demand), the SLO goodput of the best plan it could restore
-on the spare GPUs the plan leaves, against the best on the spare pool with the forced
-deployment's own GPUs handed back and nothing else taken, over ``gain_horizon_s``. Utilities
-are the cost model's (:func:`gearbox.ranking.rank_candidates`) without the freed-GPU credit: a
-GPU nobody could use is worth nothing here, one another deployment would need is worth what it
-would restore there.
+A switch usually picks among several plans that restore its SLOs (a forced one: its plan lost
+GPUs; a voluntary one: several worthwhile plans do). The GPUs they take beyond the deployment's
+own come out of the cluster's spare pool, and that pool is all another deployment has to fall
+back on when its own plan breaks in turn. So the choice charges each plan its **standby loss**:
+for every other deployment (a :class:`Neighbour`, at its current demand), the SLO goodput of the
+best plan it could restore on the spare GPUs the plan leaves, against the best on the spare pool
+with the switching deployment's own GPUs handed back and nothing else taken, over
+``gain_horizon_s``. Utilities are the cost model's (:func:`gearbox.ranking.rank_candidates`)
+without the freed-GPU credit: a GPU nobody could use is worth nothing here, one another
+deployment would need is worth what it would restore there.
 
 Each neighbour is estimated as its own decisions would estimate it: the cost model's figures with
 its learned TTFT factors (:mod:`gearbox.correction`, from its :class:`gearbox.history.GearState`;
@@ -49,7 +49,7 @@ __all__ = ["Neighbour", "StandbyLoss", "standby_meter"]
 
 @dataclass(frozen=True, slots=True)
 class Neighbour:
-    """Another resident deployment sharing the cluster, as a forced switch weighs it."""
+    """Another resident deployment sharing the cluster, as a switch weighs it."""
 
     deployment: str  # its name
     model: ModelSpec  # the model it serves
@@ -148,9 +148,9 @@ def standby_meter(
 ) -> Callable[[frozenset[str]], StandbyLoss]:
     """A function: a GPU set (a candidate's GPUs) → what holding it costs ``neighbours``.
 
-    ``available`` is the forced deployment's :func:`gearbox.ranking.available_memory`: its own
+    ``available`` is the switching deployment's :func:`gearbox.ranking.available_memory`: its own
     GPUs count as free (it is moving off them), so the reference pool is everything spare.
-    Pure and lazy (a forced decision asks only for the sets that could change its choice): per
+    Pure and lazy (a decision asks only for the sets that could change its choice): per
     set asked for, a neighbour that restores all it is offered on a few blocks the set leaves
     loses nothing (:func:`_restores_all`); any other is ranked once on the whole pool, and again
     on what the set leaves only when the set takes GPUs of that best plan.

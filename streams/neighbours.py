@@ -1,4 +1,4 @@
-"""The other resident deployments a forced switch weighs (:class:`gearbox.joint.Neighbour`).
+"""The other resident deployments a switch weighs (:class:`gearbox.joint.Neighbour`).
 
 Built by the live decider and the replay alike from the plans and serving tables they hold,
 so both give :func:`streams.step.step` the same inputs.

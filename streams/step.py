@@ -168,7 +168,7 @@ class StepInput:
     # every on-demand deployment (streams.ondemand.on_demand_view); empty when none is
     on_demand: tuple[OnDemandModel, ...] = ()
     placement: PlacementConfig = DEFAULT_PLACEMENT_CONFIG  # the config's placement section
-    # the other resident deployments, whose standby a forced switch weighs (gearbox.joint;
+    # the other resident deployments, whose standby a switch weighs (gearbox.joint;
     # streams.neighbours.neighbours_view)
     neighbours: tuple[Neighbour, ...] = ()
 

@@ -212,7 +212,7 @@ def test_a_forced_switch_counts_its_outage(weight_load_gbps: float, slow_wins: b
     """Of two feasible targets, the one with the far longer transition but more steady utility
     wins while its gain outweighs the longer outage (5 GB/s loads: modelled transitions of 33 s
     against 18 s), and loses once the outage outweighs it (0.5 GB/s: 95 s against 49 s) — when
-    neither restores the SLOs with the margin (0.01: none does; gearbox.decide._forced_choice)."""
+    neither restores the SLOs with the margin (0.01: none does; gearbox.decide._joint_choice)."""
     result = _forced_onto_b(weight_load_gbps, margin=0.01)
     assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
     by_gpus = {c.num_gpus: c for c in result.candidates}
@@ -231,7 +231,7 @@ def test_a_forced_switch_counts_its_outage(weight_load_gbps: float, slow_wins: b
 @pytest.mark.unit
 def test_a_forced_switch_prefers_the_plan_that_restores_the_slos() -> None:
     """At the default 150 ms TBT SLO only TP8 restores the SLOs (TP4 ≈ 163 ms): it is taken
-    though TP4 scores more steady utility net of its cost (gearbox.decide._forced_choice)."""
+    though TP4 scores more steady utility net of its cost (gearbox.decide._joint_choice)."""
     result = _forced_onto_b(5.0)
     assert result.decision is not None
     by_gpus = {c.num_gpus: c for c in result.candidates}

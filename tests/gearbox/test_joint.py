@@ -137,6 +137,32 @@ def test_the_neighbour_is_priced_with_its_learned_factor() -> None:
     assert "chat could restore" in aware.explanation
 
 
+def test_a_voluntary_switch_leaves_a_neighbour_its_fallback() -> None:
+    # the 7B on one A100 (its host back), under pressure: its best plan by gain − cost alone
+    # keeps that A100 and adds two H100; a 70B at 8 rps could use the A100s in its fallback,
+    # so the joint choice serves the 7B on the two H100 alone
+    snapshot = with_gpus(LOST_HOST, B2, healthy=True)
+    one = tp_plan(B2[:1], MODEL_7B_MHA, block_id="B", domain_id="B", gpu_class="a100-80g")
+    busy = replace(CHAT_70B, load=make_load(8.0))
+    args = (deployment(one, name="assist"), snapshot, PRESSED_7B, _state(snapshot))
+
+    def choose(*neighbours: Neighbour) -> DecideResult:
+        result = decide(*args, DEFAULT_CONFIG, model=MODEL_7B_MHA, neighbours=neighbours)
+        assert result.reason is DecisionReason.SWITCH_GAIN and result.decision is not None
+        return result
+
+    alone, joint = choose(), choose(busy)
+    assert alone.decision is not None and joint.decision is not None
+    assert alone.decision.to_plan.gpu_uuids == frozenset({B2[0], *H6[:2]})
+    assert "Joint choice" not in alone.explanation  # nobody to weigh
+    assert joint.decision.to_plan.gpu_uuids == frozenset(H6[:2])
+    assert "Joint choice: among the worthwhile plans" in joint.explanation
+    assert f"{alone.decision.to_plan_id}, best by gain − cost alone" in joint.explanation
+    # a neighbour that needs none of them changes nothing
+    idle = choose(CHAT_70B).decision
+    assert idle is not None and idle.to_plan_id == alone.decision.to_plan_id
+
+
 def test_the_standby_loss_is_what_the_neighbour_could_no_longer_restore() -> None:
     blocks = build_blocks(LOST_HOST, DEFAULT_CONFIG)
     available = available_memory(LOST_HOST, frozenset(B2))
