@@ -149,7 +149,7 @@ class _Joint:
     """What a switch's target and the plan it passed over cost the other deployments."""
 
     standby: StandbyLoss  # the target's standby loss (gearbox.joint)
-    # the restoring plan best by gain − cost alone, when the standby loss passed it over
+    # the plan best by gain − cost alone, when the standby loss passed it over
     passed_over: tuple[str, StandbyLoss] | None = None
     forced: bool = True  # a forced switch's choice (no freed-GPU credit), else a voluntary one
 
@@ -638,8 +638,8 @@ def _joint_choice(tick: _Tick, scored: Sequence[_Scored], *, forced: bool) -> _S
     # restoring the SLOs at the lookback's peak would overrule the downshift guard's own test
     if not forced and not tick.neighbours:
         return scored[0]
-    restoring = [s for s in scored if _restores_slos(tick, s)] if forced else list(scored)
-    if not restoring:
+    weighed = [s for s in scored if _restores_slos(tick, s)] if forced else list(scored)
+    if not weighed:
         return scored[0]
     config = tick.config
     loss = standby_meter(tick.neighbours, tick.snapshot, tick.blocks, tick.available, config)
@@ -658,14 +658,14 @@ def _joint_choice(tick: _Tick, scored: Sequence[_Scored], *, forced: bool) -> _S
 
     # NOTE: a standby loss is >= 0, so once a plan's net before it cannot beat the best net
     # so far no later one can: the neighbours are ranked only for the sets that could win
-    best, best_key = restoring[0], (math.inf, math.inf, "")
-    for s in sorted(restoring, key=lambda s: order(s, before_loss(s))):
+    best, best_key = weighed[0], (math.inf, math.inf, "")
+    for s in sorted(weighed, key=lambda s: order(s, before_loss(s))):
         if order(s, before_loss(s)) > best_key:
             break
         key = order(s, before_loss(s) - loss(s.plan.gpu_uuids).tokens)
         if key < best_key:
             best, best_key = s, key
-    first = restoring[0]
+    first = weighed[0]
     passed = None
     if first is not best:
         passed = (first.summary.plan_id, loss(first.plan.gpu_uuids))
