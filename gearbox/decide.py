@@ -151,7 +151,6 @@ class _Joint:
     standby: StandbyLoss  # the target's standby loss (gearbox.joint)
     # the plan best by gain − cost alone, when the standby loss passed it over
     passed_over: tuple[str, StandbyLoss] | None = None
-    forced: bool = True  # a forced switch's choice (no freed-GPU credit), else a voluntary one
 
 
 @dataclass(frozen=True, slots=True)
@@ -669,7 +668,7 @@ def _joint_choice(tick: _Tick, scored: Sequence[_Scored], *, forced: bool) -> _S
     passed = None
     if first is not best:
         passed = (first.summary.plan_id, loss(first.plan.gpu_uuids))
-    return replace(best, joint=_Joint(loss(best.plan.gpu_uuids), passed, forced))
+    return replace(best, joint=_Joint(loss(best.plan.gpu_uuids), passed))
 
 
 def _restores_slos(tick: _Tick, scored: _Scored) -> bool:
@@ -763,9 +762,9 @@ def _standby_text(loss: StandbyLoss) -> str:
     )
 
 
-def _joint_line(joint: _Joint) -> str:
+def _joint_line(joint: _Joint, *, forced: bool) -> str:
     """The joint choice's rule and figures, as its explanation names them."""
-    if joint.forced:
+    if forced:
         rule = "Forced choice (joint): among the plans restoring the SLOs with the margin"
         credit = ", no freed-GPU credit"
     else:
@@ -815,7 +814,8 @@ def _explain(
                 f"forgone over the whole transition ≈ {cost.transition_s:.1f} s."
             )
         if chosen.joint is not None:
-            parts.append(_joint_line(chosen.joint))
+            forced = reason is DecisionReason.FORCED_INFEASIBLE
+            parts.append(_joint_line(chosen.joint, forced=forced))
     elif candidates:
         best = candidates[0]
         parts.append(

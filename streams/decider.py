@@ -565,7 +565,7 @@ class Decider:
                 e.deployments,
                 plans,
                 serving,
-                self._gears(plans),
+                e.load_gear,
                 e.load_window,
                 now_ms / 1000.0,
                 name,
@@ -615,12 +615,6 @@ class Decider:
             and (p := e.load(TableName.PLANS, d.name, PlanState)) is not None
         }
         return loaded | decided
-
-    def _gears(self, plans: dict[str, PlanState]) -> dict[str, GearState]:
-        """The gear states this worker can read of the deployments in ``plans`` (their learned
-        factors price their standby, :mod:`gearbox.joint`)."""
-        e = self.engine
-        return {n: g for n in plans if (g := e.load_gear(n)) is not None}
 
     def _serving(self) -> dict[str, ServingWindows]:
         """Every deployment's serving windows this worker can read: read once per step for both

@@ -6,7 +6,7 @@ so both give :func:`streams.step.step` the same inputs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from gearbox.correction import Corrections
 from gearbox.history import GearState
@@ -24,14 +24,15 @@ def neighbours_view(
     deployments: Sequence[Deployment],
     plans: Mapping[str, PlanView],
     serving: Mapping[str, ServingWindows],
-    gears: Mapping[str, GearState],
+    gear_of: Callable[[str], GearState | None],
     window: HoppingWindow,
     now_s: float,
     deciding: str,
 ) -> tuple[Neighbour, ...]:
     """Every resident deployment but ``deciding`` with a plan in ``plans``: its model, its load
     over the window (the nominal load while the window holds no reports), the GPUs its plans
-    hold and its learned TTFT factors (its entry in ``gears``; none when absent).
+    hold and its learned TTFT factors (``gear_of(name)``'s; none when it is None). Only the
+    neighbours' gear states are read.
 
     NOTE: on-demand deployments share GPUs by residency rounds, not gear plans: not included.
     """
@@ -46,7 +47,7 @@ def neighbours_view(
         aggregate = serving_aggregate(serving.get(dep.name, ServingWindows()), window, now_s)
         load, _ = build_load(aggregate, dep.nominal, dep.model, now_s)
         gpus = frozenset().union(*(p.gpu_uuids for p in held))
-        gear = gears.get(dep.name)
+        gear = gear_of(dep.name)
         learned = gear.corrections if gear is not None else Corrections()
         out.append(Neighbour(dep.name, dep.model, load, gpus, learned))
     return tuple(out)

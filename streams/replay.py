@@ -200,7 +200,7 @@ class Replayer:
                 self.deployments,
                 plans,
                 serving,
-                {n: t.gear for n, t in self.tables.items()},
+                lambda n: self.tables[n].gear,
                 self.load_window,
                 now_s,
                 name,

@@ -1,4 +1,4 @@
-"""The neighbours a forced switch weighs: built from the plans, serving and gear tables."""
+"""The neighbours a switch weighs: built from the plans, serving and gear tables."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_each_neighbour_carries_its_own_learned_factors() -> None:
     learned = Corrections(entries=(Correction(DEPLOYMENT_WIDE, 2.5, 100.0, 30),))
     gears = {"learned": GearState(corrections=learned), "deciding": GearState()}
     window = HoppingWindow(60.0, 15.0)
-    out = neighbours_view(deps, plans, {}, gears, window, T0_MS / 1000, "deciding")
+    out = neighbours_view(deps, plans, {}, gears.get, window, T0_MS / 1000, "deciding")
     by_name = {n.deployment: n for n in out}
     # the deciding deployment and one without a plan are no neighbours
     assert set(by_name) == {"learned", "fresh"}
