@@ -303,6 +303,12 @@ class RuntimeConfig(_Section):
     max_phase_retries: int = Field(2, ge=0, le=10)
     retry_backoff_s: float = Field(1.0, ge=0.0)
     drain_timeout_s: float = Field(60.0, gt=0.0)
+    handover_wait_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="runtime s a handover's prepare waits for the deployment it takes GPUs "
+        "from to move off them, then fails (retried, then rolled back)",
+    )
     short_sequence_tokens: int = Field(32, ge=0, description="finish on the old plan below this")
     max_handovers_per_tick: int = Field(64, ge=1)
     max_queue_per_replica: int = Field(1024, ge=1)
@@ -363,6 +369,15 @@ class RuntimeConfig(_Section):
             raise ValueError(
                 "drain_timeout_s must be below cleanup_timeout_s, or every slow drain turns "
                 "into a failed cleanup instead of a forced one"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _wait_inside_prepare(self) -> RuntimeConfig:
+        if self.handover_wait_s >= self.prepare_timeout_s:
+            raise ValueError(
+                "handover_wait_s must be below prepare_timeout_s: the wait is part of the "
+                "prepare phase, which must still load the weights"
             )
         return self
 

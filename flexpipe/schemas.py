@@ -323,6 +323,8 @@ class InFlight:
     seq: int  # the decision's sequence number, which is the runtime's transition_seq for it
     to_plan_id: str  # the decision's target plan
     since_ms: int  # event time of the trigger that emitted it
+    # a handover's: GPUs its target takes from another deployment, which must move off them
+    taken_gpus: tuple[str, ...] = ()
 
     def deadline_ms(self, timeout_s: float) -> int:
         """Event time from which the step decides again without waiting for the runtime."""

@@ -53,6 +53,10 @@ class GearboxConfig(Serialisable):
     failed_target_quarantine_s: float = 900.0  # a rolled-back target is not re-proposed sooner
     gain_horizon_s: float = 300.0  # how long a better plan is expected to pay off
     top_k_candidates: int = 5  # candidates listed in a decision
+    # A forced switch also weighs, per settled neighbour, up to this many plans that take some
+    # of its GPUs (a handover: it moves first, priced at what it loses; gearbox.joint.Yield);
+    # 0 never takes a neighbour's GPUs.
+    handover_candidates: int = 4
     # Downshift guard (see gearbox.decide): a voluntary downshift (fewer GPUs and less estimated
     # capacity) needs its estimated TTFT and TBT p95 at or below downshift_slo_margin × the
     # SLOs, since the estimates err low near saturation (a 2-GPU plan judged at 146 of 150 ms);
@@ -195,6 +199,7 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "failed_target_quarantine_s": (0.0, 86_400.0),
     "gain_horizon_s": (1.0, 86_400.0),
     "top_k_candidates": (1, 50),
+    "handover_candidates": (0, 50),
     "profile_step_tokens": (1, 4096),
     "downshift_guard": (0, 1),
     "downshift_slo_margin": (0.01, 1.0),

@@ -17,6 +17,12 @@ Small pure steps, in order of precedence:
    gain − cost − the standby loss its GPUs cost the other deployments sharing the cluster (what
    they could restore on the spare GPUs it leaves, :mod:`gearbox.joint`), with no blanket
    freed-GPU credit (:func:`_joint_choice`); when none restores them, the best by gain − cost.
+   Beside them it weighs **handovers** (:func:`_handovers`): plans taking GPUs a settled
+   neighbour holds, the neighbour moving first to its best plan on what is left; each is charged
+   what the neighbour loses and its switch cost, and its outage counts the neighbour's move
+   (:func:`gearbox.joint.yield_cost`). The decision names the neighbour and the GPUs
+   (``takes_from``, ``taken_gpus``): the stream forces the neighbour off them, the runtime's
+   prepare waits for them.
 4. Otherwise propose → clamp → debounce: gain = (utility − current utility) × horizon, discounted
    by the candidate's block stability; keep candidates with gain > cost × hysteresis; hold while
    the cooldown since the last switch runs (``reverse_cooldown_factor`` longer to switch straight
@@ -51,7 +57,7 @@ Every outcome carries a :class:`DecisionReason`; the new :class:`GearState` come
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gearbox.blocks import AtomicBlock, build_blocks
@@ -85,7 +91,7 @@ from gearbox.history import (
     record_demand,
     stability_factors,
 )
-from gearbox.joint import Neighbour, StandbyLoss, standby_meter
+from gearbox.joint import Neighbour, StandbyLoss, Yield, standby_meter, yield_cost
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.ranking import (
@@ -142,6 +148,8 @@ class _Scored:
     outage_tokens: float = 0.0  # in the summary's cost: a forced switch's gain forgone
     # a switch's joint choice, weighing the other deployments (_joint_choice)
     joint: _Joint | None = None
+    # a handover (forced only): the neighbour whose GPUs the plan takes, and what it loses
+    handover: Yield | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,14 +182,16 @@ def decide(
     trigger: Trigger = Trigger.TIMER,
     overrides: Overrides = NO_OVERRIDES,
     neighbours: Sequence[Neighbour] = (),
+    handed_over: frozenset[str] = frozenset(),
 ) -> DecideResult:
     """Decide whether ``deployment`` should shift gear now. Pure and deterministic.
 
     ``deployment`` defaults to ``current.deployment`` and is required when there is no current
     plan; ``model`` must be the model the current plan serves (``ValueError`` otherwise — these
     are caller bugs, not outcomes). ``neighbours``: the other deployments sharing the cluster,
-    whose standby a switch weighs (:mod:`gearbox.joint`). Pass the returned ``state`` to
-    the next call.
+    whose standby a switch weighs (:mod:`gearbox.joint`); ``handed_over``: GPUs of the current
+    plan another deployment's handover takes (they count as its own no longer, so the plan
+    must move off them). Pass the returned ``state`` to the next call.
     """
     name = deployment or (current.deployment if current is not None else None)
     if name is None:
@@ -195,7 +205,7 @@ def decide(
     load = with_prompt_tail(load, learned)
     blocks = build_blocks(snapshot, config, state.blocks)
     history = record_blocks(state.history, blocks, snapshot.now_s, config)
-    own = current.gpu_uuids if current is not None else frozenset()
+    own = current.gpu_uuids - handed_over if current is not None else frozenset()
     available = available_memory(snapshot, own)
     pressure = _pressure(current, available, model, load, config)
     if pressure:
@@ -255,7 +265,8 @@ def decide(
     untried = tuple(s for s in scored if s.plan.plan_id not in quarantined)
     if current is None or problems:
         # a forced switch retries a rolled-back target only when nothing else is feasible
-        return _take_best(tick, untried or scored, problems)
+        handovers = _handovers(tick, factors, _current_utility(tick, problems)) if current else ()
+        return _take_best(tick, untried or scored, problems, handovers)
     return _voluntary(tick, untried)
 
 
@@ -472,11 +483,14 @@ def _score(
     current: DeploymentEstimate | None,
     *,
     forced: bool,
+    handover: Yield | None = None,
 ) -> _Scored:
     config = tick.config
     cost = switch_cost(
         tick.current, candidate.plan, tick.snapshot, tick.model, tick.load, config, tick.available
     )
+    if handover is not None:
+        cost = replace(cost, handover_wait_s=handover.vacate_s)
     estimate = _at_service_rate(tick, candidate.plan, candidate.estimate)
     made = _corrected(tick, candidate.plan, estimate)
     gain_tok_s = made.corrected.utility_tok_s - base_utility
@@ -495,7 +509,7 @@ def _score(
         eligible=worthwhile and not blocked,
         blocked=blocked,
     )
-    return _Scored(candidate.plan, summary, cost, raw, worthwhile, outage)
+    return _Scored(candidate.plan, summary, cost, raw, worthwhile, outage, handover=handover)
 
 
 def _score_all(
@@ -552,6 +566,7 @@ def _result(
     state = tick.state
     decision = None
     if chosen is not None:
+        moved = chosen.handover
         decision = Decision(
             deployment=tick.deployment,
             now_s=tick.snapshot.now_s,
@@ -564,6 +579,8 @@ def _result(
             candidates=candidates,
             switch_cost=chosen.cost,
             explanation=explanation,
+            takes_from=moved.deployment if moved is not None else None,
+            taken_gpus=tuple(sorted(moved.taken)) if moved is not None else (),
         )
         state = replace(
             state,
@@ -600,8 +617,13 @@ def _override(tick: _Tick, plan: DeploymentPlan, reason: DecisionReason) -> Deci
     return _result(tick, reason, (chosen,), chosen=chosen, forced=True, problems=problems)
 
 
-def _take_best(tick: _Tick, scored: Sequence[_Scored], problems: Sequence[str]) -> DecideResult:
-    if not scored:
+def _take_best(
+    tick: _Tick,
+    scored: Sequence[_Scored],
+    problems: Sequence[str],
+    handovers: Sequence[_Scored] = (),
+) -> DecideResult:
+    if not scored and not handovers:
         return _result(tick, DecisionReason.NO_FEASIBLE_PLAN, scored, problems=problems)
     if tick.current is None:
         return _result(tick, DecisionReason.INITIAL_PLACEMENT, scored, chosen=scored[0])
@@ -609,19 +631,74 @@ def _take_best(tick: _Tick, scored: Sequence[_Scored], problems: Sequence[str]) 
         tick,
         DecisionReason.FORCED_INFEASIBLE,
         scored,
-        chosen=_joint_choice(tick, scored, forced=True),
+        chosen=_joint_choice(tick, scored, forced=True, handovers=handovers),
         forced=True,
         problems=problems,
     )
 
 
-def _joint_choice(tick: _Tick, scored: Sequence[_Scored], *, forced: bool) -> _Scored:
+def _handovers(
+    tick: _Tick, stability: Mapping[str, float], base_utility: float
+) -> tuple[_Scored, ...]:
+    """A forced switch's handover candidates: per settled neighbour, the best
+    ``handover_candidates`` plans (by the ranking's utility) that take some of its GPUs and
+    restore the SLOs with the margin (:func:`_restores_slos`), each scored with its outage
+    counting the neighbour's move off them first (:func:`gearbox.joint.yield_cost`).
+
+    NOTE: only neighbours with a settled plan are asked (one whose switch is in flight — e.g.
+    moving off GPUs a handover took — cannot be moved again), and a neighbour that has nowhere
+    left to serve is never moved.
+    """
+    limit = tick.config.handover_candidates
+    out: list[_Scored] = []
+    if limit <= 0:
+        return ()
+    live = {
+        g.uuid: g.total_memory_bytes for g in tick.snapshot.gpus if tick.snapshot.gpu_is_live(g)
+    }
+    for n in tick.neighbours:
+        if n.plan is None:
+            continue
+        pool = dict(tick.available) | {u: live[u] for u in n.gpu_uuids if u in live}
+        ranked = rank_candidates(
+            tick.snapshot,
+            tick.blocks,
+            tick.model,
+            tick.load,
+            tick.config,
+            deployment=tick.deployment,
+            current=tick.current,
+            stability=stability,
+            available=pool,
+        )
+        taking = [
+            c
+            for c in ranked
+            if c.plan.gpu_uuids & n.gpu_uuids and c.plan.plan_id not in tick.quarantined
+        ]
+        with_pool = replace(tick, available=pool)
+        for c in taking[:limit]:
+            moved = yield_cost(n, c.plan.gpu_uuids, tick.snapshot, tick.blocks, pool, tick.config)
+            if moved is None:
+                continue
+            s = _score(with_pool, c, base_utility, None, forced=True, handover=moved)
+            if _restores_slos(with_pool, s):
+                out.append(s)
+    return tuple(out)
+
+
+def _joint_choice(
+    tick: _Tick, scored: Sequence[_Scored], *, forced: bool, handovers: Sequence[_Scored] = ()
+) -> _Scored:
     """A switch's target: the best of ``scored`` (best gain − cost first) by gain − cost − the
     standby loss its GPUs cost the other deployments (:mod:`gearbox.joint`), then the shorter
     transition. A ``forced`` switch weighs only the plans whose estimate restores the SLOs with
     the margin (:func:`_restores_slos`; when none does, ``scored[0]``) and counts no freed-GPU
     credit; a voluntary one weighs every worthwhile plan and keeps the credit its gain was
-    judged with (a downshift's reason to be): only the standby loss is added.
+    judged with (a downshift's reason to be): only the standby loss is added. A forced switch
+    weighs its ``handovers`` (:func:`_handovers`) beside them, each also charged what the
+    neighbour it moves loses (:class:`gearbox.joint.Yield`); their standby loss counts the other
+    neighbours.
 
     NOTE: restoring plans serve the same demand within the SLOs, so what tells them apart is
     their outage (in the cost: the gain forgone over the whole transition, so the plan up
@@ -638,10 +715,24 @@ def _joint_choice(tick: _Tick, scored: Sequence[_Scored], *, forced: bool) -> _S
     if not forced and not tick.neighbours:
         return scored[0]
     weighed = [s for s in scored if _restores_slos(tick, s)] if forced else list(scored)
+    weighed += handovers
     if not weighed:
         return scored[0]
     config = tick.config
-    loss = standby_meter(tick.neighbours, tick.snapshot, tick.blocks, tick.available, config)
+    meters: dict[str | None, Callable[[frozenset[str]], StandbyLoss]] = {}
+
+    def loss_of(s: _Scored) -> StandbyLoss:
+        moved = s.handover.deployment if s.handover is not None else None
+        if moved not in meters:
+            others = [n for n in tick.neighbours if n.deployment != moved]
+            meters[moved] = standby_meter(
+                others, tick.snapshot, tick.blocks, tick.available, config
+            )
+        return meters[moved](s.plan.gpu_uuids)
+
+    def moved_loss(s: _Scored) -> float:
+        return s.handover.loss_tokens if s.handover is not None else 0.0
+
     # 0 under pressure, and for a voluntary switch
     credit_s = config.idle_gpu_value_tok_s * config.gain_horizon_s if forced else 0.0
 
@@ -650,7 +741,7 @@ def _joint_choice(tick: _Tick, scored: Sequence[_Scored], *, forced: bool) -> _S
         # current plan's, common to every candidate, cancels out of the comparison)
         discount = s.summary.stability if s.raw_gain_tokens > 0 else 1.0
         held = credit_s * s.summary.num_gpus * discount
-        return s.summary.gain_tokens + held - s.summary.cost_tokens
+        return s.summary.gain_tokens + held - s.summary.cost_tokens - moved_loss(s)
 
     def order(s: _Scored, net: float) -> tuple[float, float, str]:
         return (-net, s.cost.transition_s, s.summary.plan_id)
@@ -661,14 +752,14 @@ def _joint_choice(tick: _Tick, scored: Sequence[_Scored], *, forced: bool) -> _S
     for s in sorted(weighed, key=lambda s: order(s, before_loss(s))):
         if order(s, before_loss(s)) > best_key:
             break
-        key = order(s, before_loss(s) - loss(s.plan.gpu_uuids).tokens)
+        key = order(s, before_loss(s) - loss_of(s).tokens)
         if key < best_key:
             best, best_key = s, key
     first = weighed[0]
     passed = None
     if first is not best:
-        passed = (first.summary.plan_id, loss(first.plan.gpu_uuids))
-    return replace(best, joint=_Joint(loss(best.plan.gpu_uuids), passed))
+        passed = (first.summary.plan_id, loss_of(first))
+    return replace(best, joint=_Joint(loss_of(best), passed))
 
 
 def _restores_slos(tick: _Tick, scored: _Scored) -> bool:
@@ -780,6 +871,18 @@ def _joint_line(joint: _Joint, *, forced: bool) -> str:
     return text + "."
 
 
+def _handover_line(moved: Yield) -> str:
+    """A handover's neighbour, what it gives up and what it is charged."""
+    gpus = ", ".join(sorted(moved.taken))
+    return (
+        f"Handover: takes {len(moved.taken)} GPU(s) of {moved.deployment} ({gpus}); it moves "
+        f"first to {moved.to_plan.plan_id} on {len(moved.to_plan.gpu_uuids)} GPUs (SLO goodput "
+        f"est {moved.utility_now_tok_s:,.0f} → {moved.utility_after_tok_s:,.0f} tok/s, its "
+        f"transition ≈ {moved.vacate_s:.1f} s, waited for in the outage); charged "
+        f"{moved.loss_tokens:,.0f} tok."
+    )
+
+
 def _explain(
     tick: _Tick,
     reason: DecisionReason,
@@ -816,6 +919,8 @@ def _explain(
         if chosen.joint is not None:
             forced = reason is DecisionReason.FORCED_INFEASIBLE
             parts.append(_joint_line(chosen.joint, forced=forced))
+        if chosen.handover is not None:
+            parts.append(_handover_line(chosen.handover))
     elif candidates:
         best = candidates[0]
         parts.append(

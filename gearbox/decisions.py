@@ -111,10 +111,16 @@ class Decision(Serialisable):
     candidates: tuple[CandidateSummary, ...]  # top-k considered, chosen one included
     switch_cost: SwitchCost
     explanation: str  # one human-readable paragraph
+    # a handover: the deployment whose GPUs ``to_plan`` takes (it moves off them first) and
+    # those GPUs; the runtime's prepare waits for them (gearbox.joint.Yield)
+    takes_from: str | None = None
+    taken_gpus: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.to_plan_id != self.to_plan.plan_id:
             raise ValueError("to_plan_id: does not match to_plan's content hash")
+        if bool(self.takes_from) != bool(self.taken_gpus):
+            raise ValueError("taken_gpus: a handover names its neighbour and the GPUs it takes")
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,6 +94,8 @@ class SwitchCost(Serialisable):
     lost_tokens: float  # served tokens lost while switching, replay recompute included
     cold_start_tokens: float
     total_tokens: float  # lost + cold start
+    # a handover's wait: until the neighbour it takes GPUs from has moved off them
+    handover_wait_s: float = 0.0
 
     @classmethod
     def zero(cls) -> SwitchCost:
@@ -106,9 +108,11 @@ class SwitchCost(Serialisable):
 
         ``duration_s`` counts the weight load only where it blocks serving; here the shadow
         load counts too (the runtime loads weights before it switches), which is what the
-        deployment waits for when the plan it serves on is broken.
+        deployment waits for when the plan it serves on is broken; a handover first waits for the
+        neighbour it takes GPUs from to move off them.
         """
-        return self.duration_s - self.blocking_weights_s + self.weights_load_s
+        load_s = self.weights_load_s - self.blocking_weights_s
+        return self.duration_s + load_s + self.handover_wait_s
 
 
 def handover_link(

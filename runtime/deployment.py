@@ -17,6 +17,7 @@ from typing import Any
 
 from flexpipe.schemas import GearDecision, GearTransition, TransitionPhase
 from gearbox.config import DEFAULT_CONFIG, GearboxConfig
+from gearbox.decisions import DecisionReason
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan, ExecutionPlan
 from gearbox.presets import MODELS
@@ -66,6 +67,10 @@ class RuntimeSettings:
 
 
 EngineFactory = Callable[[ReplicaTiming, SimGpuPool, int | None], Engine]
+
+
+# reasons whose switch runs no canary (TransitionExecutor.note_decision)
+_URGENT = (DecisionReason.FORCED_INFEASIBLE, DecisionReason.EMERGENCY_DOWNSHIFT)
 
 
 def sim_engine(timing: ReplicaTiming, pool: SimGpuPool, max_batch: int | None) -> Engine:
@@ -152,6 +157,13 @@ class DeploymentRuntime:
             self._outbox.resolved.append(Resolved(ref, decision.seq, Outcome.REJECTED_INVALID))
             return
         event = DecisionIn(decision.seq, decision.decision_id, plan, now_s, ref)
+        assert decision.decision is not None, "a target plan comes from a decision"
+        self.executor.note_decision(
+            decision.seq,
+            urgent=decision.reason in _URGENT,
+            takes_from=decision.decision.takes_from,
+            now_s=now_s,
+        )
         self._handle(event, now_s)
 
     def _target_plan(self, decision: GearDecision) -> DeploymentPlan | None:

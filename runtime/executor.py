@@ -4,8 +4,13 @@ Replicas present in both plans (same content hash) are untouched; only added rep
 loaded and only removed ones drained. Each phase is a small job advanced by :meth:`poll(now_s)`:
 
 * prepare — re-check the target GPUs, reserve VMM and commit weights, load shards into the shadow
-  replicas, build their groups. Nothing is routable yet.
-* switch — canary (new replicas take ``canary_share`` of new requests for ``canary_s``), then
+  replicas, build their groups. Nothing is routable yet. A GPU handover's target GPUs
+  (:meth:`TransitionExecutor.note_decision`) may still be held by the deployment it takes them
+  from, which moves off them first: the prepare waits for them up to ``handover_wait_s``.
+  NOTE: only claims on this worker's inventory are seen; served by another worker, the other
+  deployment's memory is the engine's and VMM's to refuse (the attempt fails and is retried).
+* switch — canary (new replicas take ``canary_share`` of new requests for ``canary_s``; none for
+  an urgent decision: see :meth:`TransitionExecutor.note_decision`), then
   freeze the old replicas' entry, hand over their long sequences (gearbox picks migrate or replay
   per sequence, longest first; short ones finish where they are; those still prefilling at the
   freeze are handed over once they decode, before the swap; prompts not prefilled by then are
@@ -68,6 +73,7 @@ class ExecutorSettings:
     short_sequence_tokens: int = 32  # sequences this close to done finish on the old replica
     max_handovers_per_poll: int = 64  # cap per batch (KV-queue backlog pitfall)
     drain_timeout_s: float = 60.0  # graceful drain, then remaining sequences are replayed
+    handover_wait_s: float = 60.0  # a handover's prepare waits this long for its GPUs
     inter_domain_link: LinkClass = LINK_CLASSES["ethernet"]
     kv_policy: KvPolicy = KvPolicy.AUTO  # REPLAY_ONLY: never migrate KV (an ablation)
 
@@ -85,6 +91,14 @@ class _Job:
     tally: HandoverTally = field(default_factory=HandoverTally)
     paused: bool = False
     handed: set[str] = field(default_factory=set)  # sequences queued for hand-over so far
+    waiting: bool = False  # a handover's prepare, waiting for its GPUs to be handed over
+
+
+@dataclass(frozen=True, slots=True)
+class _Decided:
+    urgent: bool  # no canary
+    takes_from: str | None  # a GPU handover's neighbour
+    since_s: float  # when the decision came
 
 
 def replica_diff(
@@ -117,6 +131,25 @@ class TransitionExecutor:
         self._timing_for = timing_for
         self._inventory = inventory
         self._job: _Job | None = None
+        self._decided: dict[int, _Decided] = {}  # by transition seq: what its decision said
+
+    def note_decision(
+        self, seq: int, *, urgent: bool, takes_from: str | None, now_s: float
+    ) -> None:
+        """What transition ``seq``'s decision (arrived at ``now_s``) says beyond its plan.
+
+        ``urgent`` (a forced switch off an infeasible plan, an emergency downshift): its switch
+        runs no canary. NOTE: such a switch has no healthy plan to protect (the one it leaves
+        lost GPUs), or someone waits for it (a neighbour yielding GPUs to a handover, the
+        operator); the canary held either for ``canary_s`` (the whole switch phase of
+        bench.fragmented's forced 70B shifts, 2.0 s of 12.9). A pinned plan keeps its canary.
+
+        ``takes_from``: a GPU handover (:attr:`gearbox.decisions.Decision.takes_from`): its
+        prepare waits for the GPUs that deployment holds until ``handover_wait_s`` after
+        ``now_s`` instead of failing at once (retries included).
+        """
+        self._decided = {s: d for s, d in self._decided.items() if s >= seq}
+        self._decided[seq] = _Decided(urgent, takes_from, now_s)
 
     @property
     def paused(self) -> bool:
@@ -174,8 +207,19 @@ class TransitionExecutor:
             return self._failed(job, self._busy())
         gpus = [u for r in job.added for u in r.gpu_uuids]
         problems = self._inventory.problems(gpus, deployment)
+        decided = self._decided.get(job.effect.seq)
+        taking = decided.takes_from if decided is not None else None
+        held = taking is not None and self._inventory.held_only_by(gpus, deployment, (taking,))
+        job.waiting = (
+            decided is not None and held and now_s - decided.since_s < self.settings.handover_wait_s
+        )
+        if job.waiting:
+            return None
         if problems:
-            return self._failed(job, "target GPUs not free: " + "; ".join(problems))
+            detail = "target GPUs not free: " + "; ".join(problems)
+            if held:
+                detail += f" (not handed over within {self.settings.handover_wait_s:g} s)"
+            return self._failed(job, detail)
         self._inventory.claim(gpus, deployment)
         for replica in job.added:
             timing = self._timing_for(replica)
@@ -189,6 +233,8 @@ class TransitionExecutor:
         return None
 
     def _poll_prepare(self, job: _Job, now_s: float) -> Result:
+        if job.waiting:
+            return self._start_prepare(job, now_s)
         for replica in job.added:
             fault = self.core.health(replica.plan_id)
             if fault is not None:
@@ -219,8 +265,10 @@ class TransitionExecutor:
             return failed
         for replica in job.added:
             self.core.set_role(replica.plan_id, ReplicaRole.CANARY)
+        decided = self._decided.get(job.effect.seq)
         job.until_s = now_s + self.settings.canary_s
-        if self._evicting(job):  # NOTE: no canary: the entry closes now, new requests are held
+        # NOTE: no canary for an eviction either: the entry closes now, new requests are held
+        if (decided is not None and decided.urgent) or self._evicting(job):
             self._freeze(job)
         return None
 

@@ -94,6 +94,20 @@ class GpuInventory:
                 out.append(f"{uuid}: {', '.join(reasons)}")
         return tuple(out)
 
+    def held_only_by(self, gpu_uuids: Iterable[str], owner: str, holders: Iterable[str]) -> bool:
+        """Whether the GPUs are free for ``owner`` but for claims of ``holders`` (at least
+        one): a handover's target while the deployment it takes them from moves off."""
+        allowed = frozenset(holders)
+        held = False
+        for uuid in set(gpu_uuids):
+            if not self.is_available(uuid):
+                return False
+            others = self._claims.get(uuid, set()) - {owner}
+            if others - allowed:
+                return False
+            held = held or bool(others)
+        return held
+
     def is_available(self, gpu_uuid: str) -> bool:
         """True when nothing is known against the GPU (claims aside)."""
         return not self._why.get(gpu_uuid) and self._node_of.get(gpu_uuid) not in self._down_nodes

@@ -90,6 +90,7 @@ def runtime_settings(rc: RuntimeConfig) -> RuntimeSettings:
             short_sequence_tokens=rc.short_sequence_tokens,
             max_handovers_per_poll=rc.max_handovers_per_tick,
             drain_timeout_s=rc.drain_timeout_s,
+            handover_wait_s=rc.handover_wait_s,
             inter_domain_link=LINK_CLASSES[rc.inter_domain_link],
         ),
         serving=ServingSettings(

@@ -72,6 +72,7 @@ from streams.step import (
     plan_disturbed,
     reconcile,
     step,
+    taken_gpus,
     tick_due_ms,
     view_timeout_s,
 )
@@ -559,6 +560,7 @@ class Decider:
             topology=self._topology_at(now_ms),
             transition_timeout_s=e.cfg.streams.transition_timeout_s,
             claims=claimed_gpus(plans, name),
+            taken=taken_gpus(plans, name),
             on_demand=self._on_demand(plans, serving, now_ms),
             placement=e.cfg.placement,
             neighbours=neighbours_view(

@@ -110,5 +110,8 @@ def logged_marker(payload: GearDecision, trigger_time_ms: int) -> InFlight | Non
     """The decision in flight a logged decision left: itself when it is a switch, else the
     marker its context recorded."""
     if payload.to_plan_id is not None:
-        return InFlight(payload.decision_id, payload.seq, payload.to_plan_id, trigger_time_ms)
+        taken = payload.decision.taken_gpus if payload.decision is not None else ()
+        return InFlight(
+            payload.decision_id, payload.seq, payload.to_plan_id, trigger_time_ms, taken
+        )
     return payload.context.in_flight

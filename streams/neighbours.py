@@ -31,8 +31,9 @@ def neighbours_view(
 ) -> tuple[Neighbour, ...]:
     """Every resident deployment but ``deciding`` with a plan in ``plans``: its model, its load
     over the window (the nominal load while the window holds no reports), the GPUs its plans
-    hold and its learned TTFT factors (``gear_of(name)``'s; none when it is None). Only the
-    neighbours' gear states are read.
+    hold, its learned TTFT factors (``gear_of(name)``'s; none when it is None) and, when it is
+    settled (the runtime confirmed the plan the loop assumes, no switch in flight), that plan:
+    only then may a handover move it. Only the neighbours' gear states are read.
 
     NOTE: on-demand deployments share GPUs by residency rounds, not gear plans: not included.
     """
@@ -49,5 +50,11 @@ def neighbours_view(
         gpus = frozenset().union(*(p.gpu_uuids for p in held))
         gear = gear_of(dep.name)
         learned = gear.corrections if gear is not None else Corrections()
-        out.append(Neighbour(dep.name, dep.model, load, gpus, learned))
+        settled = (
+            plan.in_flight is None
+            and plan.current is not None
+            and (plan.confirmed is not None and plan.confirmed.plan_id == plan.current.plan_id)
+        )
+        movable = plan.current if settled else None
+        out.append(Neighbour(dep.name, dep.model, load, gpus, learned, movable))
     return tuple(out)

@@ -60,6 +60,7 @@ from streams.step import (
     make_input,
     reconcile,
     step,
+    taken_gpus,
     tick_due_ms,
     view_timeout_s,
 )
@@ -192,6 +193,7 @@ class Replayer:
             topology=topology,
             transition_timeout_s=self.cfg.streams.transition_timeout_s,
             claims=claimed_gpus(plans, name),
+            taken=taken_gpus(plans, name),
             on_demand=on_demand_view(
                 self.deployments, plans, serving, self.load_window, now_s, self.cfg.gearbox
             ),

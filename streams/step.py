@@ -80,6 +80,7 @@ __all__ = [
     "reconcile",
     "serving_plan_id",
     "step",
+    "taken_gpus",
     "tick_due_ms",
     "view_timeout_s",
 ]
@@ -171,6 +172,8 @@ class StepInput:
     # the other resident deployments, whose standby a switch weighs (gearbox.joint;
     # streams.neighbours.neighbours_view)
     neighbours: tuple[Neighbour, ...] = ()
+    # (GPU, taker) for GPUs other deployments' handovers take (see taken_gpus): full even if ours
+    taken: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,13 +218,15 @@ def make_input(
     on_demand: tuple[OnDemandModel, ...] = (),
     placement: PlacementConfig = DEFAULT_PLACEMENT_CONFIG,
     neighbours: tuple[Neighbour, ...] = (),
+    taken: tuple[tuple[str, str], ...] = (),
 ) -> StepInput:
     """Build snapshots at ``now_ms`` from the view and tables: the one place live and replay
     turn state into gearbox's inputs. ``topology``, when given, must be what
     :func:`build_topology` returns for the same view and time (a cache); ``claims`` are the GPUs
     other deployments' plans hold (:func:`claimed_gpus`); ``on_demand`` every on-demand
     deployment's view (:func:`streams.ondemand.on_demand_view`); ``neighbours`` the other
-    resident deployments (:func:`streams.neighbours.neighbours_view`)."""
+    resident deployments (:func:`streams.neighbours.neighbours_view`); ``taken`` the GPUs other
+    deployments' handovers in flight take (:func:`taken_gpus`)."""
     now_s = now_ms / 1000.0
     if topology is None:
         topology = build_topology(view[0], view[1], catalog, now_s, heartbeat_timeout_s)
@@ -245,6 +250,7 @@ def make_input(
         on_demand,
         placement,
         neighbours,
+        taken,
     )
 
 
@@ -258,6 +264,20 @@ def claimed_gpus(plans: Mapping[str, PlanState], deployment: str) -> frozenset[s
                 if p is not None:
                     held |= p.gpu_uuids
     return frozenset(held)
+
+
+def taken_gpus(plans: Mapping[str, PlanState], deployment: str) -> tuple[tuple[str, str], ...]:
+    """(GPU, the deployment taking it) for every GPU another deployment's handover in flight
+    takes (:attr:`gearbox.decisions.Decision.taken_gpus`), sorted; ``deployment``'s own among
+    them are full for it, so its plan moves off them."""
+    return tuple(
+        sorted(
+            (u, name)
+            for name, plan in plans.items()
+            if name != deployment and plan.in_flight is not None
+            for u in plan.in_flight.taken_gpus
+        )
+    )
 
 
 def _without_claims(topology: TopologySnapshot, claims: frozenset[str]) -> TopologySnapshot:
@@ -352,6 +372,19 @@ def _expire(plan: PlanState, inp: StepInput) -> tuple[PlanState, list[str]]:
     return plan, [note]
 
 
+def _handed_note(handed: Mapping[str, str], plan: PlanState) -> list[str]:
+    """Why a plan on GPUs a neighbour's handover takes is infeasible now."""
+    current = plan.current.gpu_uuids if plan.current is not None else frozenset()
+    by: dict[str, list[str]] = {}
+    for u, taker in sorted(handed.items()):
+        if u in current:
+            by.setdefault(taker, []).append(u)
+    return [
+        f"{', '.join(gpus)} handed over to {taker} (its handover in flight): moving off them"
+        for taker, gpus in sorted(by.items())
+    ]
+
+
 def _flight_note(marker: InFlight | None, result: DecideResult) -> list[str]:
     if marker is None:
         return []
@@ -366,13 +399,18 @@ def step(inp: StepInput) -> StepOutput | None:
     """Decide for one trigger; None when the trigger is not newer than the last one decided.
 
     While a switch is in flight a voluntary switch is held and a forced one supersedes it; no
-    decision targets the serving plan (:func:`streams.inflight.guard`).
+    decision targets the serving plan (:func:`streams.inflight.guard`). GPUs another
+    deployment's handover in flight takes (``inp.taken``) are full for this one even where its
+    plan holds them, so that plan is infeasible and a forced switch moves it off them (in the
+    same round: the neighbour is decided after the deployment taking them).
     """
     if not inp.cursor.admits(inp.trigger.kind, inp.trigger.time_ms):
         return None
     plan, notes = _expire(_with_hint(inp), inp)
     own = frozenset().union(*(p.gpu_uuids for p in (plan.current, plan.confirmed) if p))
-    topology = _without_claims(inp.topology, inp.claims - own)
+    handed = {u: by for u, by in inp.taken if u in own}
+    topology = _without_claims(inp.topology, inp.claims - (own - handed.keys()))
+    notes += _handed_note(handed, plan)
     if is_on_demand(inp.deployment):
         # NOTE: on-demand models share GPUs: the round takes what each holds off its GPUs
         # (gearbox.residency.room); only GPUs that other deployments' plans hold are full.
@@ -393,6 +431,7 @@ def step(inp: StepInput) -> StepOutput | None:
             trigger=inp.trigger.kind,
             overrides=overrides,
             neighbours=inp.neighbours,
+            handed_over=frozenset(handed),
         )
     marker = plan.in_flight
     result = guard(result, inp.gear, marker, serving_plan_id(plan), inp.transition_timeout_s)
@@ -444,7 +483,9 @@ def _publish(
             source=PlanSource.DECISION,
             decision_id=did,
             known=_remember(plan.known, decided.to_plan),
-            in_flight=InFlight(did, seq, decided.to_plan_id, inp.trigger.time_ms),
+            in_flight=InFlight(
+                did, seq, decided.to_plan_id, inp.trigger.time_ms, decided.taken_gpus
+            ),
         )
     extra = (
         f" Trigger: {inp.trigger.description or inp.trigger.kind.value}; load: {inp.load_source}."

@@ -284,3 +284,88 @@ def test_the_standby_shortcuts_agree_with_ranking_the_whole_pool(rps: float) -> 
     # the heaviest load loses what it needs once most blocks are taken: the check can fail
     if rps == 40.0:
         assert loss(gpus).tokens > 0.0
+
+
+# mixed-failures at its 2,400 s preemption, in small: the 70B's island X is lost; island H (4
+# H100, NVLink) has two spare GPUs and two a 7B serves on; four A100 over RDMA are spare. On
+# the spare GPUs alone the 70B's best restoring plan spans H's two and the A100s (a 70 GB shard
+# per H100: ≈ 15 s to load); TP4 on H is up sooner and faster, and the 7B loses nothing on the
+# A100s: a handover
+X4 = tuple(f"X-g{i:02d}" for i in range(4))
+H4 = tuple(f"H-g{i:02d}" for i in range(4))
+ISLAND = with_gpus(
+    make_cluster(
+        (
+            DomainSpec("X", "nvlink", ("h100-sxm",) * 4),
+            DomainSpec("H", "nvlink", ("h100-sxm",) * 4),
+            DomainSpec("B", "rdma", ("a100-80g",) * 4),
+        )
+    ),
+    X4,
+    healthy=False,
+)
+# the 7B's GPUs as the step hands the 70B the cluster: another deployment's GPUs are full
+ISLAND = replace(
+    ISLAND,
+    gpus=tuple(replace(g, free_memory_bytes=0) if g.uuid in H4[:2] else g for g in ISLAND.gpus),
+)
+ASSIST = Neighbour(
+    "assist",
+    MODEL_7B_MHA,
+    make_load(6.0, prompt_tokens=700, output_tokens=210),
+    frozenset(H4[:2]),
+    plan=deployment(tp_plan(H4[:2], MODEL_7B_MHA, block_id="H", domain_id="H"), name="assist"),
+)
+
+
+def _seventy_b_forced(
+    *neighbours: Neighbour, config: GearboxConfig = DEFAULT_CONFIG
+) -> DecideResult:
+    current = deployment(tp_plan(X4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
+    load = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=900.0)
+    result = decide(
+        current, ISLAND, load, _state(ISLAND), config, model=MODEL_70B_GQA, neighbours=neighbours
+    )
+    assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
+    return result
+
+
+def test_a_forced_switch_takes_a_settled_neighbours_gpus_when_it_loses_nothing() -> None:
+    alone = _seventy_b_forced().decision
+    assert alone is not None and alone.takes_from is None
+    assert alone.to_plan.gpu_uuids == frozenset(H4[2:]) | {f"B-g{i:02d}" for i in range(4)}
+    result = _seventy_b_forced(ASSIST)
+    chosen = result.decision
+    assert chosen is not None and chosen.to_plan.gpu_uuids == frozenset(H4)
+    assert chosen.takes_from == "assist" and chosen.taken_gpus == H4[:2]
+    # the outage counts the 7B's move off them; still sooner than the 15 s shard load
+    assert chosen.switch_cost.handover_wait_s > 0
+    assert chosen.switch_cost.transition_s < alone.switch_cost.transition_s
+    assert "Handover: takes 2 GPU(s) of assist (H-g00, H-g01); it moves first" in result.explanation
+    # its SLO goodput is the same after the move: it is charged its switch cost only
+    assert "SLO goodput est 5,472 → 5,472 tok/s" in result.explanation
+
+
+def test_no_handover_from_a_neighbour_mid_switch_or_when_switched_off() -> None:
+    moving = _seventy_b_forced(replace(ASSIST, plan=None)).decision
+    assert moving is not None and moving.takes_from is None
+    off = _seventy_b_forced(ASSIST, config=GearboxConfig(handover_candidates=0)).decision
+    assert off is not None and off.takes_from is None
+
+
+def test_no_handover_leaves_a_neighbour_nowhere_to_serve() -> None:
+    # the A100s out too: the 7B would have nowhere left to serve
+    crowded = with_gpus(ISLAND, tuple(f"B-g{i:02d}" for i in range(4)), healthy=False)
+    current = deployment(tp_plan(X4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
+    load = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=900.0)
+    result = decide(
+        current,
+        crowded,
+        load,
+        _state(crowded),
+        DEFAULT_CONFIG,
+        model=MODEL_70B_GQA,
+        neighbours=(ASSIST,),
+    )
+    assert result.decision is not None and result.decision.takes_from is None
+    assert result.decision.to_plan.gpu_uuids == frozenset(H4[2:])

@@ -93,13 +93,19 @@ def gearbox_decision(
 
 
 def make_decision(
-    seq: int, plan: DeploymentPlan, *, from_plan_id: str | None = None, deployment: str = DEPLOYMENT
+    seq: int,
+    plan: DeploymentPlan,
+    *,
+    from_plan_id: str | None = None,
+    deployment: str = DEPLOYMENT,
+    reason: DecisionReason | None = None,
 ) -> GearDecision:
     """A decision message as the streams publish it, carrying gearbox's Decision."""
     decision = gearbox_decision(
         DeploymentPlan(deployment, plan.model_name, plan.replicas),
         now_s=float(seq),
         from_plan_id=from_plan_id,
+        reason=reason,
     )
     return GearDecision(
         deployment=deployment,
@@ -107,7 +113,7 @@ def make_decision(
         seq=seq,
         trigger=decision.trigger,
         reason=decision.reason,
-        forced=False,
+        forced=decision.forced,
         from_plan_id=from_plan_id,
         to_plan_id=decision.to_plan_id,
         explanation=decision.explanation,

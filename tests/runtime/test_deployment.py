@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from flexpipe.schemas import GearTransition, PhaseStatus, TransitionPhase
+from gearbox.decisions import DecisionReason
 from runtime.deployment import DeploymentRuntime, RuntimeSettings
 from runtime.transition import Outcome
 from runtime.types import OwnershipKind, Reason, Request, ServingSettings
@@ -325,3 +326,28 @@ def test_a_sequence_that_ends_before_its_hand_over_starts_is_skipped() -> None:
     assert h.rt.state.serving_plan_id == make_plan(A1).plan_id, switch.detail
     assert switch.detail.endswith("left to finish on old 4"), switch.detail  # the short ones
     _finish_all(h, admitted)
+
+
+@pytest.mark.parametrize(
+    ("reason", "canary"),
+    [
+        (DecisionReason.SWITCH_GAIN, True),
+        (DecisionReason.PINNED, True),
+        (DecisionReason.FORCED_INFEASIBLE, False),
+        (DecisionReason.EMERGENCY_DOWNSHIFT, False),
+    ],
+)
+def test_only_an_urgent_switch_skips_the_canary(reason: DecisionReason, canary: bool) -> None:
+    slow_canary = replace(FAST_EXECUTOR, canary_s=20.0)
+    h = Harness(make_runtime(settings=RuntimeSettings(policy=FAST_POLICY, executor=slow_canary)))
+    on_a0 = make_plan(A0)
+    _placed(h, on_a0)
+    admitted = _load(h, 4, prompt=200, output=400)
+    h.deliver(make_decision(2, make_plan(A1), from_plan_id=on_a0.plan_id, reason=reason))
+    h.until(lambda: h.rt.state.active is None, 120)
+    switch = _switch_record(h, 2)
+    assert switch.duration_ms is not None
+    assert (switch.duration_ms >= 20_000) is canary, switch.duration_ms
+    assert h.rt.state.serving_plan_id == make_plan(A1).plan_id
+    _finish_all(h, admitted)
+    assert validate_log(h.outputs.records) == []

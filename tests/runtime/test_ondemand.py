@@ -4,11 +4,13 @@ on-demand models sharing one GPU under one watermark."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
-from flexpipe.schemas import TransitionPhase
+from flexpipe.schemas import PhaseStatus, TransitionPhase
 from gearbox.plans import DeploymentPlan
 from runtime.deployment import RuntimeSettings
 from runtime.host import RuntimeHost
@@ -172,3 +174,51 @@ def test_a_kv_floor_keeps_a_busy_neighbour_from_starving_a_quiet_model() -> None
         Reason.THROTTLED_WATERMARK
     )
     assert host.vmm.memory()["A0"].fill <= 0.85
+
+
+# ---- a handover: one deployment's prepare waits for GPUs another moves off ----------------
+
+
+def _handover(settings: RuntimeSettings) -> tuple[RuntimeHost, dict[str, Harness], DeploymentPlan]:
+    """ "small" serves on A0; "big" is decided onto A0 + A1, taking A0 from "small"."""
+    host = RuntimeHost(("small", "big"), settings)
+    hs = {d: Harness(rt) for d, rt in host.runtimes.items()}
+    on_a0 = make_plan(make_replica(["A0"]), deployment="small")
+    hs["small"].deliver(make_decision(1, on_a0, deployment="small"))
+    _step_all(hs, lambda: hs["small"].rt.state.serving == on_a0, 60)
+    wide = make_plan(make_replica(["A0", "A1"]), deployment="big")
+    taking = make_decision(1, wide, deployment="big")
+    assert taking.decision is not None
+    decision = replace(taking.decision, takes_from="small", taken_gpus=("A0",))
+    hs["big"].deliver(replace(taking, decision=decision))
+    return host, hs, on_a0
+
+
+def test_a_handovers_prepare_waits_for_the_gpus_it_takes() -> None:
+    settings = RuntimeSettings(policy=FAST_POLICY, executor=FAST_EXECUTOR)
+    _, hs, on_a0 = _handover(settings)
+    _step_all(hs, lambda: hs["small"].now_s >= 20.0, 30)
+    # still waiting: no failed attempt, nothing loaded on A1 yet
+    big = hs["big"].outputs.records
+    assert not any(r.status is PhaseStatus.FAILED for r in big)
+    assert hs["big"].rt.state.serving is None and hs["big"].rt.state.active is not None
+    moved = make_plan(make_replica(["A2"]), deployment="small")
+    hs["small"].deliver(make_decision(2, moved, from_plan_id=on_a0.plan_id, deployment="small"))
+    _step_all(hs, lambda: hs["big"].rt.state.active is None, 60)
+    assert hs["small"].rt.state.serving == moved
+    assert hs["big"].rt.state.serving is not None
+    assert hs["big"].rt.state.serving.gpu_uuids == {"A0", "A1"}
+
+
+def test_a_handover_not_made_fails_after_the_wait_and_rolls_back() -> None:
+    executor = dataclasses.replace(FAST_EXECUTOR, handover_wait_s=10.0)
+    _, hs, on_a0 = _handover(RuntimeSettings(policy=FAST_POLICY, executor=executor))
+    _step_all(hs, lambda: hs["big"].rt.state.active is None, 60)
+    assert hs["big"].rt.state.serving is None
+    failed = [r for r in hs["big"].outputs.records if r.status is PhaseStatus.FAILED]
+    assert failed and "A0: claimed by small" in failed[0].detail
+    assert "not handed over within 10 s" in failed[0].detail
+    # the first failure came at the wait's end, not at once; the retries did not wait again
+    assert failed[0].duration_ms is not None and failed[0].duration_ms >= 9_000
+    assert all(r.duration_ms is not None and r.duration_ms < 1_000 for r in failed[1:])
+    assert hs["small"].rt.state.serving == on_a0

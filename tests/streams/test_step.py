@@ -11,6 +11,7 @@ from flexpipe.schemas import (
     ControlAction,
     ControlCommand,
     GearTransition,
+    InFlight,
     PhaseStatus,
     TransitionPhase,
 )
@@ -37,6 +38,7 @@ from streams.step import (
     make_input,
     reconcile,
     step,
+    taken_gpus,
     tick_due_ms,
 )
 from streams.windows import HoppingWindow
@@ -60,6 +62,7 @@ def decide(
     kind: Trigger = Trigger.TIMER,
     view: View | None = None,
     claims: frozenset[str] = frozenset(),
+    taken: tuple[tuple[str, str], ...] = (),
 ) -> StepOutput | None:
     gpus, nodes = view if view is not None else folded()
     inp = make_input(
@@ -75,6 +78,7 @@ def decide(
         DEFAULT_CONFIG,
         "w",
         claims=claims,
+        taken=taken,
     )
     return step(inp)
 
@@ -149,6 +153,29 @@ def test_a_forced_switch_never_targets_gpus_another_deployments_plan_holds() -> 
     assert boxed is not None and boxed.decision.forced
     assert boxed.plan.current is not None and boxed.plan.current.gpu_uuids.isdisjoint(held)
     assert boxed.plan.current.gpu_uuids.isdisjoint(taken)
+
+
+def test_gpus_a_neighbours_handover_takes_force_the_plan_off_them() -> None:
+    out = decide(FRESH, T0_MS)
+    assert out is not None and out.plan.current is not None
+    tables = after(FRESH, out)
+    mine = sorted(out.plan.current.gpu_uuids)
+    # "assist" decided a handover onto two of our GPUs; its switch is in flight
+    handed = tuple(mine[:2])
+    target = DeploymentPlan("assist", out.plan.current.model_name, out.plan.current.replicas)
+    marker = InFlight("assist:4", 4, target.plan_id, T0_MS, handed)
+    plans = {CHAT.name: tables.plan, "assist": PlanState(current=target, in_flight=marker)}
+    taken = taken_gpus(plans, CHAT.name)
+    assert taken == tuple((u, "assist") for u in handed)
+    assert taken_gpus(plans, "assist") == ()
+    claims = claimed_gpus(plans, CHAT.name)
+    moved = decide(tables, T0_MS + 1000, Trigger.TOPOLOGY_CHANGE, None, claims, taken)
+    assert moved is not None and moved.decision.forced
+    assert moved.plan.current is not None and moved.plan.current.gpu_uuids.isdisjoint(handed)
+    assert f"{', '.join(handed)} handed over to assist" in moved.decision.explanation
+    # once the handover settled (no marker), nothing is taken: the GPUs are a plain claim
+    settled = {**plans, "assist": PlanState(current=target)}
+    assert taken_gpus(settled, CHAT.name) == ()
 
 
 def test_claims_are_other_deployments_assumed_and_confirmed_plans() -> None:
