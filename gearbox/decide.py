@@ -40,7 +40,11 @@ at this window's demand and at the highest demand of the last ``downshift_lookba
 just served only earns its freed GPUs' credit until that load returns, then pays a second
 switch and the SLO misses before it; see its note in :mod:`gearbox.config`);
 every downshift is blocked while the deployment is under observed pressure
-(:func:`gearbox.scoring.observed_pressure`). A candidate with fewer GPUs but more capacity (say
+(:func:`gearbox.scoring.observed_pressure`), and so is one back to a plan a voluntary switch left
+under observed pressure within the lookback (:func:`gearbox.history.record_pressured`: what was
+observed beats what is estimated — in sim/scenarios/mixed-failures.yaml the 7B, moved onto two
+A100s by a handover, was observed at 268 ms TBT p95 there against 65 estimated, scaled out, and
+went straight back at the next dip, twice an hour). A candidate with fewer GPUs but more capacity (say
 TP4 on NVLink instead of a PP/PD plan over slow links) is an upgrade, not a downshift: blocking
 it kept a 14-GPU plan at 6–8 s observed TTFT p95 in the fragmented benchmark. Under that
 pressure freed GPUs also earn no ``idle_gpu_value_tok_s`` credit, in any step: the estimates
@@ -86,9 +90,11 @@ from gearbox.decisions import (
 from gearbox.history import (
     GearState,
     peak_demand_rps,
+    pressured_since,
     quarantined_plan_ids,
     record_blocks,
     record_demand,
+    record_pressured,
     stability_factors,
 )
 from gearbox.joint import Neighbour, StandbyLoss, Yield, standby_meter, yield_cost
@@ -394,6 +400,12 @@ def _downshift_block(
     over = _over_margin(estimate, tick.config)
     if over:
         return f"{gpus}: {'; '.join(over)}"
+    left_s = pressured_since(tick.state, plan.plan_id, tick.snapshot.now_s, tick.config)
+    if left_s is not None:
+        return (
+            f"{gpus}: left at t={left_s:,.0f} s while observed over its SLOs, within the "
+            f"last {tick.config.downshift_lookback_s:,.0f} s"
+        )
     if tick.peak_load is None:
         return ""
     # NOTE: the same estimate at the lookback's peak demand (config downshift_lookback_s)
@@ -588,6 +600,8 @@ def _result(
             last_from_plan_id=decision.from_plan_id,
             last_to_plan_id=decision.to_plan_id,
         )
+        if tick.pressure and not forced and tick.current is not None:
+            state = record_pressured(state, tick.current.plan_id, tick.snapshot.now_s, tick.config)
     return DecideResult(
         decision,
         reason,

@@ -85,6 +85,14 @@ class DemandSample(Serialisable):
 
 
 @dataclass(frozen=True, slots=True)
+class PressuredPlan(Serialisable):
+    """A plan a voluntary switch left while it was observed over its SLOs, and when."""
+
+    plan_id: str
+    t_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class GearState(Serialisable):
     """What ``decide`` carries from one tick to the next for one deployment."""
 
@@ -97,6 +105,9 @@ class GearState(Serialisable):
     corrections: Corrections = field(default_factory=Corrections)  # gearbox.correction
     # the lookback's running maximum of demand (record_demand): the downshift guard's peak
     demand: tuple[DemandSample, ...] = ()
+    # plans left under observed pressure within the lookback (record_pressured): the downshift
+    # guard does not return to them
+    pressured: tuple[PressuredPlan, ...] = ()
 
 
 def record_failed_target(
@@ -118,6 +129,27 @@ def quarantined_plan_ids(state: GearState, now_s: float, config: GearboxConfig) 
     """Plan ids whose rollback is more recent than ``failed_target_quarantine_s``."""
     horizon = now_s - config.failed_target_quarantine_s
     return frozenset(f.plan_id for f in state.failed if f.t_s > horizon)
+
+
+def record_pressured(
+    state: GearState, plan_id: str, now_s: float, config: GearboxConfig
+) -> GearState:
+    """Remember that a voluntary switch left ``plan_id`` at ``now_s`` while it was observed
+    over its SLOs; entries older than ``downshift_lookback_s`` are dropped, one per plan id."""
+    horizon = now_s - config.downshift_lookback_s
+    kept = [p for p in state.pressured if p.plan_id != plan_id and p.t_s > horizon]
+    entries = sorted([*kept, PressuredPlan(plan_id, now_s)], key=lambda p: (p.t_s, p.plan_id))
+    return replace(state, pressured=tuple(entries))
+
+
+def pressured_since(
+    state: GearState, plan_id: str, now_s: float, config: GearboxConfig
+) -> float | None:
+    """When a voluntary switch last left ``plan_id`` under observed pressure, within the last
+    ``downshift_lookback_s`` (None: not within it)."""
+    horizon = now_s - config.downshift_lookback_s
+    times = [p.t_s for p in state.pressured if p.plan_id == plan_id and p.t_s > horizon]
+    return max(times) if times else None
 
 
 def record_demand(

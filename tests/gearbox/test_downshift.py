@@ -17,7 +17,7 @@ from gearbox import (
     TopologySnapshot,
     decide,
 )
-from gearbox.history import DemandSample, peak_demand_rps, record_demand
+from gearbox.history import DemandSample, PressuredPlan, peak_demand_rps, record_demand
 from gearbox.scoring import observed_pressure
 from tests.gearbox.builders import (
     NOW_S,
@@ -227,3 +227,31 @@ def test_record_demand_keeps_a_running_maximum() -> None:
     assert peak_demand_rps(()) == 0.0
     with pytest.raises(ValueError, match="downshift_lookback_s"):
         GearboxConfig(downshift_lookback_s=-1.0)
+
+
+def test_a_switch_under_pressure_remembers_the_plan_it_left() -> None:
+    pressed = _decide(make_load(0.5, active_sequences=5, queue_len=2_000), VALUED)
+    assert pressed.reason is DecisionReason.SWITCH_GAIN and pressed.decision is not None
+    assert pressed.state.pressured == (PressuredPlan(_tp8().plan_id, NOW_S),)
+    calm = _decide(make_load(0.5, active_sequences=5), VALUED)
+    assert calm.reason is DecisionReason.SWITCH_GAIN and calm.state.pressured == ()
+
+
+def test_no_downshift_back_to_a_plan_left_under_pressure_within_the_lookback() -> None:
+    low = make_load(0.5, active_sequences=5)
+    taken = _decide(low, VALUED).decision
+    assert taken is not None and taken.to_plan.num_gpus < 8
+    snapshot = article_cluster()
+    for ago_s, blocked in ((600.0, True), (REMEMBERING.downshift_lookback_s + 1.0, False)):
+        left = PressuredPlan(taken.to_plan_id, NOW_S - ago_s)
+        state = replace(_state(snapshot), pressured=(left,))
+        result = decide(_tp8(), snapshot, low, state, REMEMBERING, model=MODEL_70B_GQA)
+        chosen = result.decision.to_plan_id if result.decision is not None else None
+        assert (chosen != taken.to_plan_id) is blocked
+        if blocked:
+            summary = next(c for c in result.candidates if c.plan_id == taken.to_plan_id)
+            assert "while observed over its SLOs, within the last 3,600 s" in summary.blocked
+    # without a lookback nothing is remembered
+    state = replace(_state(snapshot), pressured=(PressuredPlan(taken.to_plan_id, NOW_S - 60),))
+    off = decide(_tp8(), snapshot, low, state, FORGETFUL, model=MODEL_70B_GQA)
+    assert off.decision is not None and off.decision.to_plan_id == taken.to_plan_id
