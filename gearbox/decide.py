@@ -44,9 +44,10 @@ every downshift is blocked while the deployment is under observed pressure
 under observed pressure within the lookback (:func:`gearbox.history.record_pressured`: what was
 observed beats what is estimated — in sim/scenarios/mixed-failures.yaml the 7B, moved onto two
 A100s by a handover, was observed at 268 ms TBT p95 there against 65 estimated, scaled out, and
-went straight back at the next dip, twice an hour). A candidate with fewer GPUs but more capacity (say
-TP4 on NVLink instead of a PP/PD plan over slow links) is an upgrade, not a downshift: blocking
-it kept a 14-GPU plan at 6–8 s observed TTFT p95 in the fragmented benchmark. Under that
+went straight back at the next dip, twice an hour). A candidate with fewer GPUs but more
+capacity (say TP4 on NVLink instead of a PP/PD plan over slow links) is an upgrade, not a
+downshift: blocking it kept a 14-GPU plan at 6–8 s observed TTFT p95 in the fragmented
+benchmark. Under that
 pressure freed GPUs also earn no ``idle_gpu_value_tok_s`` credit, in any step: the estimates
 have just been shown too optimistic to trade capacity for GPUs handed back. A worthwhile switch
 held only by the guard reports ``DOWNSHIFT_BLOCKED``; each blocked candidate says why.
@@ -97,7 +98,14 @@ from gearbox.history import (
     record_pressured,
     stability_factors,
 )
-from gearbox.joint import Neighbour, StandbyLoss, Yield, standby_meter, yield_cost
+from gearbox.joint import (
+    Neighbour,
+    StandbyLoss,
+    Yield,
+    handover_blocks,
+    standby_meter,
+    yield_cost,
+)
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.ranking import (
@@ -163,6 +171,7 @@ class _Joint:
     """What a switch's target and the plan it passed over cost the other deployments."""
 
     standby: StandbyLoss  # the target's standby loss (gearbox.joint)
+    net_tokens: float  # gain − cost − standby loss (and a handover's neighbour's loss)
     # the plan best by gain − cost alone, when the standby loss passed it over
     passed_over: tuple[str, StandbyLoss] | None = None
 
@@ -271,7 +280,13 @@ def decide(
     untried = tuple(s for s in scored if s.plan.plan_id not in quarantined)
     if current is None or problems:
         # a forced switch retries a rolled-back target only when nothing else is feasible
-        handovers = _handovers(tick, factors, _current_utility(tick, problems)) if current else ()
+        base = _current_utility(tick, problems)
+        handovers = None
+        if current is not None and tick.neighbours:
+
+            def handovers(bound: float) -> tuple[_Scored, ...]:
+                return _handovers(tick, factors, base, bound)
+
         return _take_best(tick, untried or scored, problems, handovers)
     return _voluntary(tick, untried)
 
@@ -635,33 +650,47 @@ def _take_best(
     tick: _Tick,
     scored: Sequence[_Scored],
     problems: Sequence[str],
-    handovers: Sequence[_Scored] = (),
+    handovers: Callable[[float], Sequence[_Scored]] | None = None,
 ) -> DecideResult:
-    if not scored and not handovers:
+    """First placement or a forced switch; ``handovers``: the forced switch's handover
+    candidates whose net could beat a bound (:func:`_handovers`)."""
+    if not scored and handovers is None:
         return _result(tick, DecisionReason.NO_FEASIBLE_PLAN, scored, problems=problems)
     if tick.current is None:
         return _result(tick, DecisionReason.INITIAL_PLACEMENT, scored, chosen=scored[0])
+    chosen = _joint_choice(tick, scored, forced=True) if scored else None
+    if handovers is not None:
+        bound = chosen.joint.net_tokens if chosen is not None and chosen.joint else -math.inf
+        found = handovers(bound)
+        if found:
+            chosen = _joint_choice(tick, scored, forced=True, handovers=found)
+    if chosen is None:
+        return _result(tick, DecisionReason.NO_FEASIBLE_PLAN, scored, problems=problems)
     return _result(
         tick,
         DecisionReason.FORCED_INFEASIBLE,
         scored,
-        chosen=_joint_choice(tick, scored, forced=True, handovers=handovers),
+        chosen=chosen,
         forced=True,
         problems=problems,
     )
 
 
 def _handovers(
-    tick: _Tick, stability: Mapping[str, float], base_utility: float
+    tick: _Tick, stability: Mapping[str, float], base_utility: float, bound: float
 ) -> tuple[_Scored, ...]:
     """A forced switch's handover candidates: per settled neighbour, the best
     ``handover_candidates`` plans (by the ranking's utility) that take some of its GPUs and
     restore the SLOs with the margin (:func:`_restores_slos`), each scored with its outage
-    counting the neighbour's move off them first (:func:`gearbox.joint.yield_cost`).
+    counting the neighbour's move off them first (:func:`gearbox.joint.yield_cost`). Only plans
+    whose net before the neighbour's loss and wait (:func:`_net_before_loss`) beats ``bound``
+    (the net of the plan chosen without handovers) are priced: the rest cannot win.
 
     NOTE: only neighbours with a settled plan are asked (one whose switch is in flight — e.g.
     moving off GPUs a handover took — cannot be moved again), and a neighbour that has nowhere
-    left to serve is never moved.
+    left to serve is never moved. Plans are enumerated on the neighbour's blocks and the
+    :data:`gearbox.joint.PROBE_BLOCKS` roomiest others only: a forced decision waits for this
+    (the whole pool is 10–30 ms per ranking on 1,000 GPUs, per neighbour).
     """
     limit = tick.config.handover_candidates
     out: list[_Scored] = []
@@ -676,7 +705,7 @@ def _handovers(
         pool = dict(tick.available) | {u: live[u] for u in n.gpu_uuids if u in live}
         ranked = rank_candidates(
             tick.snapshot,
-            tick.blocks,
+            handover_blocks(tick.blocks, n, pool),
             tick.model,
             tick.load,
             tick.config,
@@ -692,13 +721,28 @@ def _handovers(
         ]
         with_pool = replace(tick, available=pool)
         for c in taking[:limit]:
-            moved = yield_cost(n, c.plan.gpu_uuids, tick.snapshot, tick.blocks, pool, tick.config)
-            if moved is None:
+            best_case = _score(with_pool, c, base_utility, None, forced=True)
+            if _net_before_loss(tick, best_case) <= bound:
                 continue
-            s = _score(with_pool, c, base_utility, None, forced=True, handover=moved)
-            if _restores_slos(with_pool, s):
-                out.append(s)
+            if not _restores_slos(with_pool, best_case):
+                continue
+            moved = yield_cost(n, c.plan.gpu_uuids, tick.snapshot, tick.blocks, pool, tick.config)
+            if moved is not None:
+                out.append(_score(with_pool, c, base_utility, None, forced=True, handover=moved))
     return tuple(out)
+
+
+def _net_before_loss(tick: _Tick, s: _Scored) -> float:
+    """A forced switch's gain − cost (a handover's neighbour's loss included) without the
+    freed-GPU credit, before the standby loss (:func:`_joint_choice`)."""
+    config = tick.config
+    # NOTE: the credit the gain holds for GPUs handed back is taken out again (the current
+    # plan's, common to every candidate, cancels out of the comparison); 0 under pressure
+    credit_s = config.idle_gpu_value_tok_s * config.gain_horizon_s
+    discount = s.summary.stability if s.raw_gain_tokens > 0 else 1.0
+    held = credit_s * s.summary.num_gpus * discount
+    moved = s.handover.loss_tokens if s.handover is not None else 0.0
+    return s.summary.gain_tokens + held - s.summary.cost_tokens - moved
 
 
 def _joint_choice(
@@ -744,18 +788,11 @@ def _joint_choice(
             )
         return meters[moved](s.plan.gpu_uuids)
 
-    def moved_loss(s: _Scored) -> float:
-        return s.handover.loss_tokens if s.handover is not None else 0.0
-
-    # 0 under pressure, and for a voluntary switch
-    credit_s = config.idle_gpu_value_tok_s * config.gain_horizon_s if forced else 0.0
-
     def before_loss(s: _Scored) -> float:
-        # NOTE: the credit the gain holds for GPUs handed back is taken out again (the
-        # current plan's, common to every candidate, cancels out of the comparison)
-        discount = s.summary.stability if s.raw_gain_tokens > 0 else 1.0
-        held = credit_s * s.summary.num_gpus * discount
-        return s.summary.gain_tokens + held - s.summary.cost_tokens - moved_loss(s)
+        if forced:
+            return _net_before_loss(tick, s)
+        # a voluntary switch keeps the credit its gain was judged with
+        return s.summary.gain_tokens - s.summary.cost_tokens
 
     def order(s: _Scored, net: float) -> tuple[float, float, str]:
         return (-net, s.cost.transition_s, s.summary.plan_id)
@@ -773,7 +810,7 @@ def _joint_choice(
     passed = None
     if first is not best:
         passed = (first.summary.plan_id, loss_of(first))
-    return replace(best, joint=_Joint(loss_of(best), passed))
+    return replace(best, joint=_Joint(loss_of(best), -best_key[0], passed))
 
 
 def _restores_slos(tick: _Tick, scored: _Scored) -> bool:

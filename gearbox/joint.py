@@ -57,7 +57,14 @@ from gearbox.scoring import DeploymentEstimate, demand_rps, request_profile
 from gearbox.switch import switch_cost
 from gearbox.types import LoadSnapshot, TopologySnapshot
 
-__all__ = ["Neighbour", "StandbyLoss", "Yield", "standby_meter", "yield_cost"]
+__all__ = [
+    "Neighbour",
+    "StandbyLoss",
+    "Yield",
+    "handover_blocks",
+    "standby_meter",
+    "yield_cost",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +170,32 @@ def _standby(
     return utility, plan.gpu_uuids if plan is not None else frozenset()
 
 
+def _roomiest(
+    blocks: Sequence[AtomicBlock], pool: Mapping[str, int], skip: frozenset[str], k: int
+) -> list[AtomicBlock]:
+    """The ``k`` blocks with the most GPUs of ``pool`` not in ``skip`` (then bytes, then id)."""
+    room: list[tuple[int, int, str, AtomicBlock]] = []
+    for block in blocks:
+        usable = [pool[u] for u in block.gpu_uuids if u in pool and u not in skip]
+        if usable:
+            room.append((-len(usable), -sum(usable), block.block_id, block))
+    return [r[3] for r in sorted(room, key=lambda r: r[:3])[:k]]
+
+
+def handover_blocks(
+    blocks: Sequence[AtomicBlock], neighbour: Neighbour, pool: Mapping[str, int]
+) -> tuple[AtomicBlock, ...]:
+    """The blocks a handover from ``neighbour`` is enumerated on, in ``blocks``' order: those
+    holding its GPUs and the :data:`PROBE_BLOCKS` others with the most GPUs of ``pool``
+    (where a prefill/decode or pipeline plan's other part would go)."""
+    own = [b for b in blocks if neighbour.gpu_uuids.intersection(b.gpu_uuids)]
+    rest = [b for b in blocks if b not in own]
+    chosen = {b.block_id for b in own} | {
+        b.block_id for b in _roomiest(rest, pool, frozenset(), PROBE_BLOCKS)
+    }
+    return tuple(b for b in blocks if b.block_id in chosen)
+
+
 def _restores_all(
     neighbour: Neighbour,
     snapshot: TopologySnapshot,
@@ -177,18 +210,18 @@ def _restores_all(
     offered (served <= demand, the SLO discount <= 1), so no plan on the whole pool beats one
     that reaches them, and the plan found here is still there on the whole of ``pool``.
     """
-    offered = demand_rps(neighbour.load, config) * sum(request_profile(neighbour.load, config))
-    room: list[tuple[int, int, str, AtomicBlock]] = []
-    for block in blocks:
-        usable = [pool[u] for u in block.gpu_uuids if u in pool and u not in neighbour.gpu_uuids]
-        if usable:
-            room.append((-len(usable), -sum(usable), block.block_id, block))
-    roomiest = [r[3] for r in sorted(room, key=lambda r: r[:3])[:PROBE_BLOCKS]]
+    offered = _offered(neighbour, config)
+    roomiest = _roomiest(blocks, pool, neighbour.gpu_uuids, PROBE_BLOCKS)
     if not roomiest:
         return offered <= 0
     probe = {u: pool[u] for b in roomiest for u in b.gpu_uuids if u in pool}
     best, _ = _standby(neighbour, snapshot, roomiest, probe, config)
     return best >= offered * (1 - _ROUNDING)
+
+
+def _offered(neighbour: Neighbour, config: GearboxConfig) -> float:
+    """The tokens/s ``neighbour`` is offered (its demand × tokens per request)."""
+    return demand_rps(neighbour.load, config) * sum(request_profile(neighbour.load, config))
 
 
 def standby_meter(
@@ -263,7 +296,12 @@ def yield_cost(
     mover = Neighbour(
         neighbour.deployment, neighbour.model, neighbour.load, frozenset(), neighbour.corrections
     )
-    after, target = _best_plan(mover, snapshot, blocks, left, plain)
+    # NOTE: as the standby: a plan on a few roomy blocks that serves all it is offered is as
+    # good as any on the whole pool (only its transition may differ); rank the pool otherwise
+    probe = _roomiest(blocks, left, frozenset(), PROBE_BLOCKS)
+    after, target = _best_plan(mover, snapshot, probe, left, plain)
+    if after < _offered(neighbour, plain) * (1 - _ROUNDING):
+        after, target = _best_plan(mover, snapshot, blocks, left, plain)
     if target is None:
         return None
     now = _learned(
