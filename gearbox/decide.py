@@ -103,6 +103,7 @@ from gearbox.joint import (
     StandbyLoss,
     Yield,
     handover_blocks,
+    has_spare_twin,
     standby_meter,
     yield_cost,
 )
@@ -687,8 +688,9 @@ def _handovers(
     (the net of the plan chosen without handovers) are priced: the rest cannot win.
 
     NOTE: only neighbours with a settled plan are asked (one whose switch is in flight — e.g.
-    moving off GPUs a handover took — cannot be moved again), and a neighbour that has nowhere
-    left to serve is never moved. Plans are enumerated on the neighbour's blocks and the
+    moving off GPUs a handover took — cannot be moved again), and not one whose blocks all
+    have spare twins (:func:`gearbox.joint.has_spare_twin`); a neighbour that has nowhere left
+    to serve is never moved. Plans are enumerated on the neighbour's blocks and the
     :data:`gearbox.joint.PROBE_BLOCKS` roomiest others only: a forced decision waits for this
     (the whole pool is 10–30 ms per ranking on 1,000 GPUs, per neighbour).
     """
@@ -700,7 +702,7 @@ def _handovers(
         g.uuid: g.total_memory_bytes for g in tick.snapshot.gpus if tick.snapshot.gpu_is_live(g)
     }
     for n in tick.neighbours:
-        if n.plan is None:
+        if n.plan is None or has_spare_twin(tick.blocks, n, tick.snapshot, tick.available):
             continue
         pool = dict(tick.available) | {u: live[u] for u in n.gpu_uuids if u in live}
         ranked = rank_candidates(

@@ -44,6 +44,7 @@ loses nothing whatever the whole pool holds: the whole ranking runs only where r
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +63,7 @@ __all__ = [
     "StandbyLoss",
     "Yield",
     "handover_blocks",
+    "has_spare_twin",
     "standby_meter",
     "yield_cost",
 ]
@@ -194,6 +196,54 @@ def handover_blocks(
         b.block_id for b in _roomiest(rest, pool, frozenset(), PROBE_BLOCKS)
     }
     return tuple(b for b in blocks if b.block_id in chosen)
+
+
+def has_spare_twin(
+    blocks: Sequence[AtomicBlock],
+    neighbour: Neighbour,
+    snapshot: TopologySnapshot,
+    pool: Mapping[str, int],
+) -> bool:
+    """Whether every block holding ``neighbour``'s GPUs has its own twin wholly in ``pool``: a
+    block of the same link with at least as many wholly free GPUs of each class as a handover
+    could use there (the neighbour's and ``pool``'s). Then any plan a handover from it could
+    make has a counterpart on spare GPUs with no neighbour to wait for, and the handover
+    cannot win (a pipeline or prefill/decode plan's link to another block aside).
+
+    NOTE: bench.pipeline's four deployments each hold one of 125 8-GPU nodes: without this,
+    every forced decision ranked handovers from three neighbours none of which could win.
+    """
+    by_uuid = {g.uuid: g for g in snapshot.gpus}
+
+    def free_whole(u: str) -> bool:
+        g = by_uuid.get(u)
+        return g is not None and pool.get(u, 0) >= g.total_memory_bytes
+
+    taken: set[str] = set()
+    for block in blocks:
+        if not neighbour.gpu_uuids.intersection(block.gpu_uuids):
+            continue
+        need = Counter(
+            by_uuid[u].gpu_class.name
+            for u in block.gpu_uuids
+            if u in by_uuid and (u in neighbour.gpu_uuids or pool.get(u, 0) > 0)
+        )
+        twin = next(
+            (
+                b
+                for b in blocks
+                if b.block_id not in taken
+                and b.link == block.link
+                and not neighbour.gpu_uuids.intersection(b.gpu_uuids)
+                and not need
+                - Counter(by_uuid[u].gpu_class.name for u in b.gpu_uuids if free_whole(u))
+            ),
+            None,
+        )
+        if twin is None:
+            return False
+        taken.add(twin.block_id)
+    return True
 
 
 def _restores_all(

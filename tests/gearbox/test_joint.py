@@ -20,7 +20,7 @@ from gearbox import (
 )
 from gearbox.correction import DEPLOYMENT_WIDE, Correction, Corrections
 from gearbox.history import DemandSample
-from gearbox.joint import Neighbour, standby_meter
+from gearbox.joint import Neighbour, has_spare_twin, standby_meter
 from gearbox.ranking import available_memory, rank_candidates
 from tests.gearbox.builders import (
     NOW_S,
@@ -369,3 +369,35 @@ def test_no_handover_leaves_a_neighbour_nowhere_to_serve() -> None:
     )
     assert result.decision is not None and result.decision.takes_from is None
     assert result.decision.to_plan.gpu_uuids == frozenset(H4[2:])
+
+
+def test_no_handover_is_priced_where_the_neighbours_blocks_have_spare_twins() -> None:
+    blocks = build_blocks(ISLAND, DEFAULT_CONFIG)
+    pool = available_memory(ISLAND, frozenset(X4))
+    assert not has_spare_twin(blocks, ASSIST, ISLAND, pool)
+    # a wholly free 4-H100 NVLink island beside: anything a handover of H could make has its
+    # counterpart there, with no neighbour to wait for
+    twin = make_cluster(
+        (
+            DomainSpec("X", "nvlink", ("h100-sxm",) * 4),
+            DomainSpec("H", "nvlink", ("h100-sxm",) * 4),
+            DomainSpec("B", "rdma", ("a100-80g",) * 4),
+            DomainSpec("Y", "nvlink", ("h100-sxm",) * 4),
+        )
+    )
+    held = tuple(replace(g, free_memory_bytes=0) if g.uuid in H4[:2] else g for g in twin.gpus)
+    twin = with_gpus(replace(twin, gpus=held), X4, healthy=False)
+    assert has_spare_twin(
+        build_blocks(twin, DEFAULT_CONFIG), ASSIST, twin, available_memory(twin, frozenset(X4))
+    )
+    # two GPUs of Y held elsewhere: no longer a twin
+    half = replace(
+        twin,
+        gpus=tuple(
+            replace(g, free_memory_bytes=0) if g.uuid in ("Y-g00", "Y-g01") else g
+            for g in twin.gpus
+        ),
+    )
+    assert not has_spare_twin(
+        build_blocks(half, DEFAULT_CONFIG), ASSIST, half, available_memory(half, frozenset(X4))
+    )
