@@ -47,10 +47,10 @@ A100s by a handover, was observed at 268 ms TBT p95 there against 65 estimated, 
 went straight back at the next dip, twice an hour). A candidate with fewer GPUs but more
 capacity (say TP4 on NVLink instead of a PP/PD plan over slow links) is an upgrade, not a
 downshift: blocking it kept a 14-GPU plan at 6–8 s observed TTFT p95 in the fragmented
-benchmark. Under that
-pressure freed GPUs also earn no ``idle_gpu_value_tok_s`` credit, in any step: the estimates
-have just been shown too optimistic to trade capacity for GPUs handed back. A worthwhile switch
-held only by the guard reports ``DOWNSHIFT_BLOCKED``; each blocked candidate says why.
+benchmark. Under that pressure freed GPUs also earn no ``idle_gpu_value_tok_s`` credit, in any
+step: the estimates have just been shown too optimistic to trade capacity for GPUs handed back.
+A worthwhile switch held only by the guard reports ``DOWNSHIFT_BLOCKED``; each blocked
+candidate says why.
 
 Targets whose transition rolled back within ``failed_target_quarantine_s`` (the caller records
 them with :func:`gearbox.history.record_failed_target`) are not proposed in step 4, and in step 3
@@ -276,7 +276,16 @@ def decide(
     problems = (
         plan_problems(current, blocks, tick.available, model, load, config) if current else ()
     )
-    forced = current is not None and bool(problems)
+    # NOTE: a plan infeasible only for GPUs a handover takes still serves until its switch:
+    # moving off them costs no outage (charged one, the 7B yielding two hoppers to the 70B in
+    # the 8-hour seed scenario took eight A100s, the fastest to load, over two)
+    yielding = bool(handed_over) and not (
+        current is not None
+        and plan_problems(
+            current, blocks, available_memory(snapshot, current.gpu_uuids), model, load, config
+        )
+    )
+    forced = current is not None and bool(problems) and not yielding
     scored = _score_all(tick, ranked, _current_utility(tick, problems), forced=forced)
     untried = tuple(s for s in scored if s.plan.plan_id not in quarantined)
     if current is None or problems:

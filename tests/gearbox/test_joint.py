@@ -401,3 +401,21 @@ def test_no_handover_is_priced_where_the_neighbours_blocks_have_spare_twins() ->
     assert not has_spare_twin(
         build_blocks(half, DEFAULT_CONFIG), ASSIST, half, available_memory(half, frozenset(X4))
     )
+
+
+def test_a_neighbour_moving_off_handed_over_gpus_is_charged_no_outage() -> None:
+    # the 7B of ASSIST, its two H100s taken by a handover: its plan still serves until its
+    # switch, so no candidate is charged an outage; lost to a failure, every one is
+    assert ASSIST.plan is not None
+    # as the step hands it the cluster: the taken GPUs are full (another deployment's)
+    seven_b = ISLAND
+    args = (seven_b, ASSIST.load, _state(seven_b), DEFAULT_CONFIG)
+    handed = decide(ASSIST.plan, *args, model=MODEL_7B_MHA, handed_over=frozenset(H4[:2]))
+    assert handed.reason is DecisionReason.FORCED_INFEASIBLE and handed.decision is not None
+    assert handed.decision.to_plan.gpu_uuids.isdisjoint(H4[:2])
+    assert "of outage" not in handed.explanation
+    lost = with_gpus(seven_b, H4[:2], healthy=False)
+    broken = decide(
+        ASSIST.plan, lost, ASSIST.load, _state(lost), DEFAULT_CONFIG, model=MODEL_7B_MHA
+    )
+    assert broken.reason is DecisionReason.FORCED_INFEASIBLE and "of outage" in broken.explanation
