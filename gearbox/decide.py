@@ -277,8 +277,8 @@ def decide(
         plan_problems(current, blocks, tick.available, model, load, config) if current else ()
     )
     # NOTE: a plan infeasible only for GPUs a handover takes still serves until its switch:
-    # moving off them costs no outage (charged one, the 7B yielding two hoppers to the 70B in
-    # the 8-hour seed scenario took eight A100s, the fastest to load, over two)
+    # moving off them costs no outage, so none is charged (it would favour the plans fastest
+    # to load over the ones that leave the most to others)
     yielding = bool(handed_over) and not (
         current is not None
         and plan_problems(
