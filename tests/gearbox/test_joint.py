@@ -291,7 +291,7 @@ def test_the_standby_shortcuts_agree_with_ranking_the_whole_pool(rps: float) -> 
 # the spare GPUs alone the 70B's best restoring plan spans H's two and the A100s (a 70 GB shard
 # per H100: ≈ 15 s to load); TP4 on H is up sooner and faster, and the 7B loses nothing on the
 # A100s: a handover
-X4 = tuple(f"X-g{i:02d}" for i in range(4))
+LOST4 = tuple(f"X-g{i:02d}" for i in range(4))
 H4 = tuple(f"H-g{i:02d}" for i in range(4))
 ISLAND = with_gpus(
     make_cluster(
@@ -301,7 +301,7 @@ ISLAND = with_gpus(
             DomainSpec("B", "rdma", ("a100-80g",) * 4),
         )
     ),
-    X4,
+    LOST4,
     healthy=False,
 )
 # the 7B's GPUs as the step hands the 70B the cluster: another deployment's GPUs are full
@@ -321,7 +321,7 @@ ASSIST = Neighbour(
 def _seventy_b_forced(
     *neighbours: Neighbour, config: GearboxConfig = DEFAULT_CONFIG
 ) -> DecideResult:
-    current = deployment(tp_plan(X4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
+    current = deployment(tp_plan(LOST4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
     load = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=900.0)
     result = decide(
         current, ISLAND, load, _state(ISLAND), config, model=MODEL_70B_GQA, neighbours=neighbours
@@ -356,7 +356,7 @@ def test_no_handover_from_a_neighbour_mid_switch_or_when_switched_off() -> None:
 def test_no_handover_leaves_a_neighbour_nowhere_to_serve() -> None:
     # the A100s out too: the 7B would have nowhere left to serve
     crowded = with_gpus(ISLAND, tuple(f"B-g{i:02d}" for i in range(4)), healthy=False)
-    current = deployment(tp_plan(X4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
+    current = deployment(tp_plan(LOST4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
     load = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=900.0)
     result = decide(
         current,
@@ -373,7 +373,7 @@ def test_no_handover_leaves_a_neighbour_nowhere_to_serve() -> None:
 
 def test_no_handover_is_priced_where_the_neighbours_blocks_have_spare_twins() -> None:
     blocks = build_blocks(ISLAND, DEFAULT_CONFIG)
-    pool = available_memory(ISLAND, frozenset(X4))
+    pool = available_memory(ISLAND, frozenset(LOST4))
     assert not has_spare_twin(blocks, ASSIST, ISLAND, pool)
     # a wholly free 4-H100 NVLink island beside: anything a handover of H could make has its
     # counterpart there, with no neighbour to wait for
@@ -386,9 +386,9 @@ def test_no_handover_is_priced_where_the_neighbours_blocks_have_spare_twins() ->
         )
     )
     held = tuple(replace(g, free_memory_bytes=0) if g.uuid in H4[:2] else g for g in twin.gpus)
-    twin = with_gpus(replace(twin, gpus=held), X4, healthy=False)
+    twin = with_gpus(replace(twin, gpus=held), LOST4, healthy=False)
     assert has_spare_twin(
-        build_blocks(twin, DEFAULT_CONFIG), ASSIST, twin, available_memory(twin, frozenset(X4))
+        build_blocks(twin, DEFAULT_CONFIG), ASSIST, twin, available_memory(twin, frozenset(LOST4))
     )
     # two GPUs of Y held elsewhere: no longer a twin
     half = replace(
@@ -399,7 +399,7 @@ def test_no_handover_is_priced_where_the_neighbours_blocks_have_spare_twins() ->
         ),
     )
     assert not has_spare_twin(
-        build_blocks(half, DEFAULT_CONFIG), ASSIST, half, available_memory(half, frozenset(X4))
+        build_blocks(half, DEFAULT_CONFIG), ASSIST, half, available_memory(half, frozenset(LOST4))
     )
 
 
