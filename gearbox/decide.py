@@ -707,13 +707,12 @@ def _handovers(
     out: list[_Scored] = []
     if limit <= 0:
         return ()
-    live = {
-        g.uuid: g.total_memory_bytes for g in tick.snapshot.gpus if tick.snapshot.gpu_is_live(g)
-    }
     for n in tick.neighbours:
         if n.plan is None or has_spare_twin(tick.blocks, n, tick.snapshot, tick.available):
             continue
-        pool = dict(tick.available) | {u: live[u] for u in n.gpu_uuids if u in live}
+        # the neighbour's GPUs at their whole memory, as a plan counts its own
+        theirs = available_memory(tick.snapshot, n.gpu_uuids)
+        pool = dict(tick.available) | {u: theirs[u] for u in n.gpu_uuids if u in theirs}
         ranked = rank_candidates(
             tick.snapshot,
             handover_blocks(tick.blocks, n, pool),
