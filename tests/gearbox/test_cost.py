@@ -169,8 +169,10 @@ def test_the_long_prompts_or_the_queue_set_the_ttft_p95_never_both() -> None:
         args = (shape, MODEL_7B_MHA, 800, 200, rate, DEFAULT_CONFIG)
         return estimate_replica(*args, tail_prompt_tokens=tail, prompt_scv=prompt_scv).ttft_p95_ms
 
-    # Light load: the p95 prompt's own prefill, no wait on top
-    assert at(0.03, 4000, 1.5) == pytest.approx(longest * 1e3)
+    # Light load: the p95 prompt's own prefill, no queue wait on top (only the iterations
+    # around it, the same at any prompt length)
+    iterations = at(0.03, None, 1.0) - cap.prefill_latency_s * 1e3
+    assert at(0.03, 4000, 1.5) == pytest.approx(longest * 1e3 + iterations)
     # Near saturation the queue sets it: a mean prompt's prefill plus the wait, as without
     # a tail at the same spread — not that wait on top of the p95 prompt's prefill
     queued = at(0.95, None, scv)
@@ -255,4 +257,25 @@ def test_a_lightly_loaded_replica_has_its_unloaded_ttft() -> None:
     slots = cap.max_batch  # its decode slots, 9 % busy, rarely all taken
     assert cost._erlang_c(slots, slots * rate / cap.capacity_rps) < 0.05
     light = estimate_replica(shape, MODEL_7B_MHA, 800, 200, rate, DEFAULT_CONFIG)
-    assert light.ttft_p95_ms == pytest.approx(cap.prefill_latency_s * 1e3)
+    # no queue wait: the prefill and the decode iterations around it (one sequence decoding)
+    decoding = rate * 200 * cap.unloaded_tbt_s
+    iterations = cost._iteration_wait_p95_s(decoding, cap.unloaded_tbt_s, shape)
+    assert light.ttft_p95_ms == pytest.approx((cap.prefill_latency_s + iterations) * 1e3)
+
+
+@pytest.mark.unit
+def test_a_prompt_waits_on_the_decode_iterations_around_its_prefill() -> None:
+    """The engine starts a prefill at the end of the iteration in progress; on a unified replica
+    the iteration carrying it also decodes the batch (runtime.engine.sim)."""
+    unified = _unified(_stage(1, 32, A100))
+    split = dataclasses.replace(unified, decode=(_stage(1, 32, A100),), handoff_link=NVLINK)
+    cycle = 0.020
+    # nothing decoding (or the batch empty 95 % of the time): no iteration to wait on
+    assert cost._iteration_wait_p95_s(0.0, cycle, unified) == 0.0
+    assert cost._iteration_wait_p95_s(0.05, cycle, unified) == 0.0
+    # always busy: the p95 residual of a uniform step is 0.95 of it, plus one decode step
+    assert cost._iteration_wait_p95_s(50.0, cycle, split) == pytest.approx(0.95 * cycle)
+    assert cost._iteration_wait_p95_s(50.0, cycle, unified) == pytest.approx(1.95 * cycle)
+    # half the time busy: P(residual > t) = 0.5 × (1 − t / cycle) = 5 % at t = 0.9 × cycle
+    half = math.log(2.0)
+    assert cost._iteration_wait_p95_s(half, cycle, split) == pytest.approx(0.9 * cycle)
