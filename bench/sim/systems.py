@@ -9,7 +9,8 @@ in what is listed here:
 * ``static_rr`` — static replicas over all blocks (:func:`bench.sim.baselines.static_layout`),
   requests routed round-robin; same restart rule.
 * ``flexpipe`` — the product's decision loop with its defaults (hysteresis 1.4, cooldown 120 s).
-* ``no_hysteresis`` — (d): switch whenever gain > cost, no cooldown (see :func:`permissive`).
+* ``no_hysteresis`` — (d): switch whenever gain > cost: no hysteresis margin, no cooldown, no
+  downshift guard (see :func:`permissive`).
 * ``replay_only`` — (e): hand-overs re-prefill, never migrate KV.
 * ``no_pd_split`` — (f): no prefill/decode-disaggregated candidates (``max_pd_prefill_blocks=0``).
 """
@@ -23,15 +24,20 @@ from gearbox import DEFAULT_CONFIG, GearboxConfig
 
 
 def permissive(config: GearboxConfig) -> GearboxConfig:
-    """``config`` with hysteresis 1.0 and no cooldown — FOR THE ABLATION ONLY.
+    """``config`` without any of gearbox's damping — FOR THE ABLATION ONLY: hysteresis 1.0, no
+    cooldown and no downshift guard (its SLO margin, its lookback to the recent peak demand and
+    its memory of plans left under pressure: each holds a switch the bare gain would take).
 
     NOTE: ``GearboxConfig`` validates hysteresis to the article's 1.3–1.5 on purpose, so "no
-    hysteresis" cannot be configured; this copies the validated config and overwrites the two
+    hysteresis" cannot be configured; this copies the validated config and overwrites the
     decision knobs without re-validating. The cost model is untouched, so decisions differ from
-    FlexPipe's only in ``gain > cost × 1.0`` and a zero cooldown.
+    FlexPipe's only in ``gain > cost × 1.0``, a zero cooldown and the guard. (Until 2026-12-03
+    the ablation kept the guard, whose lookback and pressure memory had become FlexPipe's main
+    damping: it then flapped no more than FlexPipe, so it measured nothing.)
     """
     made = dataclasses.replace(config, cooldown_s=0.0, reverse_cooldown_factor=1.0)
     object.__setattr__(made, "hysteresis", 1.0)
+    object.__setattr__(made, "downshift_guard", False)
     return made
 
 

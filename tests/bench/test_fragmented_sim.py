@@ -53,9 +53,10 @@ def run(key: str) -> RunResult:
     return simulate(key)[1]
 
 
-def test_permissive_config_only_drops_hysteresis_and_cooldown() -> None:
+def test_permissive_config_only_drops_the_damping() -> None:
     config = permissive(DEFAULT_CONFIG)
     assert (config.hysteresis, config.cooldown_s) == (1.0, 0.0)
+    assert DEFAULT_CONFIG.downshift_guard and not config.downshift_guard
     assert config.mfu_prefill == DEFAULT_CONFIG.mfu_prefill
     assert config.gain_horizon_s == DEFAULT_CONFIG.gain_horizon_s
 
