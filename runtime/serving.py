@@ -438,7 +438,9 @@ class ServingCore:
             self.router.mark_running(seq_id)
 
     def _absorb(self, rid: str, out: StepOutput) -> None:
-        self.window.on_step(out.prefill_tokens, out.decode_tokens, out.decode_step_s)
+        self.window.on_step(
+            out.prefill_tokens, out.decode_tokens, out.decode_step_s, out.decode_step_runs
+        )
         if out.preempted:
             self.preemptions += len(out.preempted)
             self.window.on_preempted(len(out.preempted))

@@ -24,6 +24,19 @@ def p95(samples: list[float]) -> float | None:
     return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
+def weighted_p95(samples: list[float], weights: list[int]) -> float | None:
+    """The 95th percentile by nearest rank of ``samples``, each counted ``weights`` times."""
+    if not samples:
+        return None
+    pairs = sorted(zip(samples, weights, strict=True))
+    rank, seen = 0.95 * sum(weights), 0
+    for value, count in pairs:
+        seen += count
+        if seen >= rank:
+            return value
+    return pairs[-1][0]
+
+
 @dataclass
 class ServingWindow:
     """Accumulates one window of serving activity."""
@@ -41,6 +54,7 @@ class ServingWindow:
     rejections: dict[Reason, int] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)
     tbt_ms: list[float] = field(default_factory=list)
+    tbt_runs: list[int] = field(default_factory=list)  # iterations each tbt_ms entry stands for
     prompt_lengths: list[int] = field(default_factory=list)  # tokens, for the length histogram
 
     def on_arrival(self, request: Request, reason: Reason) -> None:
@@ -67,13 +81,22 @@ class ServingWindow:
             self.ttft_ms.append(done.ttft_s * 1000.0)
 
     def on_step(
-        self, prefill_tokens: int, decode_tokens: int, decode_step_s: tuple[float, ...]
+        self,
+        prefill_tokens: int,
+        decode_tokens: int,
+        decode_step_s: tuple[float, ...],
+        decode_step_runs: tuple[int, ...] = (),
     ) -> None:
-        """Count engine work and decode-step durations (time between tokens)."""
+        """Count engine work and decode-step durations (time between tokens), each standing
+        for ``decode_step_runs`` identical iterations (one each when empty)."""
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += decode_tokens
         room = MAX_SAMPLES - len(self.tbt_ms)
-        self.tbt_ms.extend(s * 1000.0 for s in decode_step_s[:room])
+        steps = decode_step_s[:room]
+        self.tbt_ms.extend(s * 1000.0 for s in steps)
+        # NOTE: a run of identical iterations is one entry but as many gaps between tokens; a
+        # p95 over entries would count a prefill-stalled iteration like a run of hundreds
+        self.tbt_runs.extend(decode_step_runs[:room] if decode_step_runs else [1] * len(steps))
 
     def on_preempted(self, count: int) -> None:
         """Count running sequences an engine preempted for KV pages."""
@@ -105,7 +128,7 @@ class ServingWindow:
             mean_prompt_tokens=self.prompt_tokens / self.arrivals if self.arrivals else 0.0,
             mean_output_tokens=self.output_tokens / self.completions if self.completions else 0.0,
             ttft_p95_ms=p95(self.ttft_ms),
-            tbt_p95_ms=p95(self.tbt_ms),
+            tbt_p95_ms=weighted_p95(self.tbt_ms, self.tbt_runs),
             kv_bytes=kv_bytes,
             rejected=self.rejected,
             capacity_refusals=self.capacity_refusals,

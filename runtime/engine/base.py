@@ -146,6 +146,9 @@ class StepOutput:
     # running sequences preempted for KV pages (runtime.engine.paging): still held, waiting
     # first in line to be prefilled again with their generated tokens
     preempted: tuple[str, ...] = ()
+    # how many identical iterations each decode_step_s entry stands for (an engine that
+    # advances runs of them at once, runtime.engine.sim); empty: one each
+    decode_step_runs: tuple[int, ...] = ()
 
 
 class Engine(Protocol):

@@ -316,6 +316,7 @@ class StepAcc:
     failed: list[Failed] = field(default_factory=list)
     decode_step_s: list[float] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    decode_step_runs: list[int] = field(default_factory=list)
 
     def output(self) -> StepOutput:
         """The accumulated output (the shared empty one when nothing happened)."""
@@ -330,4 +331,5 @@ class StepAcc:
             tuple(self.failed),
             tuple(self.decode_step_s),
             tuple(self.preempted),
+            tuple(self.decode_step_runs),
         )

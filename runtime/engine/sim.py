@@ -633,6 +633,7 @@ class SimEngine:
             )
             self.stats.model_flops += seg.runs * n * per_token
             acc.decode_step_s.append(seg.step_s)
+            acc.decode_step_runs.append(seg.runs)
             if self._observer is not None:
                 self._observer.on_decode(clock, seg.step_s, seg.runs * n)
         self._count_busy(clock - start_s, done, acc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -35,6 +36,7 @@ class Outcome:
     first: dict[str, float] = field(default_factory=dict)
     finished: dict[str, tuple[float, int]] = field(default_factory=dict)
     kv_bytes: list[int] = field(default_factory=list)
+    tbt: Counter[float] = field(default_factory=Counter)  # decode iterations by duration
 
 
 def make_timing(model: ModelSpec, gpus: int, gpu_class: str) -> ReplicaTiming:
@@ -93,6 +95,9 @@ def drive(engine: Engine, requests: list[tuple[float, SeqSpec]], seed: int) -> O
         out.first.update({f.seq_id: f.t_s for f in step.first_tokens})
         out.finished.update({f.seq_id: (f.t_s, f.output_tokens) for f in step.finished})
         out.kv_bytes.append(engine.kv_bytes())
+        runs = step.decode_step_runs or (1,) * len(step.decode_step_s)
+        for step_s, count in zip(step.decode_step_s, runs, strict=True):
+            out.tbt[round(step_s, 9)] += count
     return out
 
 
@@ -116,6 +121,8 @@ def test_event_engine_matches_sim_engine(
         assert fast.finished[sid][0] == pytest.approx(t_s, abs=1e-6)
         assert fast.finished[sid][1] == tokens
     assert fast.kv_bytes == reference.kv_bytes
+    # every decode iteration is reported, a run of them as one entry standing for its length
+    assert fast.tbt == reference.tbt
 
 
 def test_event_engine_matches_sim_engine_on_a_split_replica() -> None:

@@ -58,3 +58,23 @@ def test_report_counts_capacity_refusals_apart_from_bad_requests() -> None:
     )
     assert report.rejected == 8
     assert report.capacity_refusals == 4  # watermark ×2, OOM risk, queue full
+
+
+def test_tbt_p95_counts_each_iteration_a_run_stands_for() -> None:
+    """An engine reporting a run of identical decode iterations as one entry (SimEngine) gives
+    the same TBT p95 as one reporting each iteration: one stalled step among 200 is no p95."""
+    runs = ServingWindow(start_s=0.0)
+    runs.on_step(0, 1_000, (0.010, 0.300, 0.010), (100, 1, 99))
+    each = ServingWindow(start_s=0.0)
+    each.on_step(0, 1_000, (0.010,) * 100 + (0.300,) + (0.010,) * 99)
+
+    def tbt_p95(window: ServingWindow) -> float | None:
+        report = window.report(
+            "chat", "m", 5.0, queue_len=0, active_sequences=0, kv_bytes=0, plan_id=None
+        )
+        return report.tbt_p95_ms
+
+    assert tbt_p95(runs) == tbt_p95(each) == 10.0
+    stalled = ServingWindow(start_s=0.0)
+    stalled.on_step(0, 1_000, (0.010, 0.300), (10, 1))
+    assert tbt_p95(stalled) == 300.0  # 1 in 11 iterations
