@@ -156,6 +156,7 @@ class GearboxConfig(Serialisable):
     # and flaps unchanged; but one seed of each of three scenarios took 2 more flaps, and
     # steady-noisy's worst seed fell to 0.998x fixed (target >= 1.0): a target lost, none won.
     ttft_prompt_tail: bool = False  # TTFT p95 from the smoothed prompt tail, M/G/1 (gearbox.cost)
+    correction_tbt: bool = True  # learn a TBT factor like the TTFT one (gearbox.correction)
     # --- switch cost (see gearbox.switch for sources) ---
     weight_load_gbps: float = 5.0  # per-GPU weight load rate from local NVMe/page cache
     kv_transfer_efficiency: float = 0.8  # achieved share of the path's bandwidth for KV
@@ -244,6 +245,7 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "correction_settle_s": (0.0, 86_400.0),
     "correction_service_ratio": (0.0, 1.0),
     "ttft_prompt_tail": (0, 1),
+    "correction_tbt": (0, 1),
     "weight_load_gbps": (0.01, 10_000.0),
     "kv_transfer_efficiency": (0.01, 1.0),
     "comm_setup_s": (0.0, 600.0),

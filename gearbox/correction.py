@@ -43,7 +43,14 @@ factor's own model figure) uses them; a window without lengths leaves the load a
 Applied (:func:`factor_for`): a plan whose shape has a factor gets it; any other plan gets the
 deployment-wide factor — a plan never observed is assumed to err like the deployment's plans
 so far, which keeps the comparison with the serving plan neutral instead of favouring the
-unobserved. The TTFT factor changes only TTFT; TBT keeps the model's figure.
+unobserved. The TTFT factor changes only TTFT.
+
+TBT (when ``correction_tbt`` is on): the same fold, keys and decay on the ratio of the observed
+TBT p95 (the highest of the runtime reports' p95s over every decode iteration) to the model's
+(:func:`observe_tbt`, :func:`tbt_factor_for`). The model's TBT is a roofline decode step plus
+one mean prefill stall; the world's decode runs at its own efficiency and stalls on the long
+prompts. A downshift judged on the model's TBT alone passed the guard's margin where the
+world's step was twice the model's.
 
 Service rate (when ``correction_service_ratio`` is above 0; off by default — see its note in
 :mod:`gearbox.config`): near saturation the modelled TTFT is
@@ -95,10 +102,12 @@ __all__ = [
     "observe",
     "observe_prompts",
     "observe_service",
+    "observe_tbt",
     "plan_shape",
     "prompt_tail",
     "service_factor_for",
     "solve_service_factor",
+    "tbt_factor_for",
     "teaches_service_rate",
     "with_prompt_tail",
 ]
@@ -138,6 +147,7 @@ class Corrections(Serialisable):
     entries: tuple[Correction, ...] = ()  # TTFT factors
     prompt_lengths: PromptLengths | None = None
     service: tuple[Correction, ...] = ()  # service-rate factors of the queueing term
+    tbt: tuple[Correction, ...] = ()  # TBT factors (observed / modelled TBT p95)
 
     def get(self, shape: str) -> Correction | None:
         """The TTFT entry for ``shape`` (None when never observed)."""
@@ -177,6 +187,16 @@ def factor_for(corrections: Corrections, shape: str, now_s: float, config: Gearb
     """The factor for a plan of ``shape`` at ``now_s``: its own, else the deployment-wide one,
     else 1 — decayed toward 1 since its last observation."""
     return _factor(corrections.entries, shape, now_s, config)
+
+
+def tbt_factor_for(
+    corrections: Corrections, shape: str, now_s: float, config: GearboxConfig
+) -> float:
+    """The TBT factor for a plan of ``shape`` at ``now_s``, found like :func:`factor_for` (1
+    when nothing was learned or ``correction_tbt`` is off)."""
+    if not config.correction_tbt:
+        return 1.0
+    return _factor(corrections.tbt, shape, now_s, config)
 
 
 def service_factor_for(
@@ -232,6 +252,31 @@ def observe(
     bound = _AT_LEAST if censored else _EXACT
     entries = _folded(corrections.entries, shape, target, now_s, config, bound=bound)
     return replace(corrections, entries=entries)
+
+
+def observe_tbt(
+    corrections: Corrections,
+    shape: str,
+    model_tbt_p95_ms: float,
+    observed_tbt_p95_ms: float,
+    num_samples: int,
+    now_s: float,
+    last_switch_s: float | None,
+    config: GearboxConfig,
+) -> Corrections:
+    """Fold one tick's observed TBT p95 of the serving plan (of ``shape``) into the TBT
+    factors, as :func:`observe` does the TTFT's (unchanged when ``correction_tbt`` is off or the
+    tick is ignored)."""
+    if (
+        not config.correction_tbt
+        or _ignored(num_samples, now_s, last_switch_s, config)
+        or model_tbt_p95_ms <= 0
+        or observed_tbt_p95_ms <= 0
+        or model_tbt_p95_ms >= config.max_latency_ms
+    ):
+        return corrections
+    target = math.log(observed_tbt_p95_ms / model_tbt_p95_ms)
+    return replace(corrections, tbt=_folded(corrections.tbt, shape, target, now_s, config))
 
 
 def observe_service(
@@ -401,13 +446,15 @@ def with_prompt_tail(load: LoadSnapshot, corrections: Corrections) -> LoadSnapsh
 
 
 def apply_correction(
-    estimate: DeploymentEstimate, factor: float, config: GearboxConfig
+    estimate: DeploymentEstimate, factor: float, config: GearboxConfig, tbt_factor: float = 1.0
 ) -> DeploymentEstimate:
-    """``estimate`` with its TTFT p95 × ``factor`` (capped at ``max_latency_ms``) and its
-    utility recomputed from it; infeasible estimates and a factor of 1 pass unchanged."""
-    if not estimate.feasible or factor == 1.0:
+    """``estimate`` with its TTFT p95 × ``factor`` and its TBT p95 × ``tbt_factor`` (capped at
+    ``max_latency_ms``) and its utility recomputed from them; infeasible estimates and factors
+    of 1 pass unchanged."""
+    if not estimate.feasible or factor == tbt_factor == 1.0:
         return estimate
     ttft = min(config.max_latency_ms, estimate.ttft_p95_ms * factor)
+    tbt = min(config.max_latency_ms, estimate.tbt_p95_ms * tbt_factor)
     served, gpus = estimate.served_tok_s, estimate.num_gpus
-    utility = utility_tok_s(served, ttft, estimate.tbt_p95_ms, gpus, config)
-    return replace(estimate, ttft_p95_ms=ttft, utility_tok_s=utility)
+    utility = utility_tok_s(served, ttft, tbt, gpus, config)
+    return replace(estimate, ttft_p95_ms=ttft, tbt_p95_ms=tbt, utility_tok_s=utility)

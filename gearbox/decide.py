@@ -74,9 +74,11 @@ from gearbox.correction import (
     observe,
     observe_prompts,
     observe_service,
+    observe_tbt,
     plan_shape,
     service_factor_for,
     solve_service_factor,
+    tbt_factor_for,
     teaches_service_rate,
     with_prompt_tail,
 )
@@ -184,6 +186,8 @@ class _Estimate:
     corrected: DeploymentEstimate
     model_ttft_p95_ms: float  # the cost model's own figure
     factor: float  # the learned factor applied to it
+    model_tbt_p95_ms: float  # the same for TBT
+    tbt_factor: float
 
 
 def decide(
@@ -361,6 +365,8 @@ def _learn(
     if learned is None:
         model_ms = modelled.ttft_p95_ms
         learned = observe(corrections, shape, model_ms, observed, *args, censored=censored)
+    if load.tbt_p95_ms > 0:
+        learned = observe_tbt(learned, shape, modelled.tbt_p95_ms, load.tbt_p95_ms, *args)
     learned_speed = service_factor_for(learned, shape, now_s, config)
     if learned_speed != speed:
         modelled = estimate_plan(
@@ -389,8 +395,11 @@ def _at_service_rate(
 def _corrected(tick: _Tick, plan: DeploymentPlan, estimate: DeploymentEstimate) -> _Estimate:
     """``estimate`` of ``plan`` (at its learned service rate) with the learned TTFT factor
     applied (gearbox.correction)."""
-    factor = factor_for(tick.state.corrections, plan_shape(plan), tick.snapshot.now_s, tick.config)
-    return _Estimate(apply_correction(estimate, factor, tick.config), estimate.ttft_p95_ms, factor)
+    learned, shape, now_s = tick.state.corrections, plan_shape(plan), tick.snapshot.now_s
+    factor = factor_for(learned, shape, now_s, tick.config)
+    tbt = tbt_factor_for(learned, shape, now_s, tick.config)
+    corrected = apply_correction(estimate, factor, tick.config, tbt)
+    return _Estimate(corrected, estimate.ttft_p95_ms, factor, estimate.tbt_p95_ms, tbt)
 
 
 def _estimate(tick: _Tick, plan: DeploymentPlan) -> _Estimate:
@@ -498,6 +507,8 @@ def _summary(plan_id: str, strategy: str, made: _Estimate, stability: float) -> 
         eligible=False,
         model_ttft_p95_ms=made.model_ttft_p95_ms,
         ttft_correction=made.factor,
+        model_tbt_p95_ms=made.model_tbt_p95_ms,
+        tbt_correction=made.tbt_factor,
     )
 
 
@@ -881,8 +892,14 @@ def _describe(summary: CandidateSummary) -> str:
         f"(capacity {summary.est_capacity_tok_s:,.0f}), "
         f"TTFT p95 est {summary.est_ttft_p95_ms:,.0f} ms "
         f"(model {summary.model_ttft_p95_ms:,.0f} ms × correction {summary.ttft_correction:.2f}), "
-        f"TBT p95 {summary.est_tbt_p95_ms:,.1f} ms"
+        f"TBT p95 {summary.est_tbt_p95_ms:,.1f} ms{_tbt_model(summary)}"
     )
+
+
+def _tbt_model(summary: CandidateSummary) -> str:
+    if summary.tbt_correction == 1.0:
+        return ""
+    return f" (model {summary.model_tbt_p95_ms:,.1f} ms × correction {summary.tbt_correction:.2f})"
 
 
 def _observed(load: LoadSnapshot) -> str:

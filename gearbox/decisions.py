@@ -94,6 +94,8 @@ class CandidateSummary(Serialisable):
     blocked: str = ""  # why a voluntary downshift to it may not be taken ("" = not blocked)
     model_ttft_p95_ms: float = 0.0  # the cost model's TTFT p95, before the correction
     ttft_correction: float = 1.0  # learned factor applied to it (gearbox.correction)
+    model_tbt_p95_ms: float = 0.0  # the cost model's TBT p95, before the correction
+    tbt_correction: float = 1.0  # learned factor applied to it (gearbox.correction)
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,13 @@ from dataclasses import dataclass, field
 
 from gearbox.blocks import AtomicBlock
 from gearbox.config import GearboxConfig, without_gpu_credit
-from gearbox.correction import Corrections, apply_correction, factor_for, plan_shape
+from gearbox.correction import (
+    Corrections,
+    apply_correction,
+    factor_for,
+    plan_shape,
+    tbt_factor_for,
+)
 from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.ranking import estimate_plan, rank_candidates
@@ -151,12 +157,14 @@ def _learned(
     snapshot: TopologySnapshot,
     config: GearboxConfig,
 ) -> float:
-    """``estimate``'s SLO goodput (tok/s) with ``neighbour``'s learned TTFT factor for
+    """``estimate``'s SLO goodput (tok/s) with ``neighbour``'s learned TTFT and TBT factors for
     ``plan``'s shape."""
     learned = neighbour.corrections
-    if learned.entries:
-        factor = factor_for(learned, plan_shape(plan), snapshot.now_s, config)
-        estimate = apply_correction(estimate, factor, config)
+    if learned.entries or learned.tbt:
+        shape, now_s = plan_shape(plan), snapshot.now_s
+        factor = factor_for(learned, shape, now_s, config)
+        tbt = tbt_factor_for(learned, shape, now_s, config)
+        estimate = apply_correction(estimate, factor, config, tbt)
     return estimate.utility_tok_s
 
 

@@ -16,8 +16,10 @@ from gearbox.correction import (
     factor_for,
     observe,
     observe_prompts,
+    observe_tbt,
     plan_shape,
     prompt_tail,
+    tbt_factor_for,
     with_prompt_tail,
 )
 from gearbox.ranking import available_memory, estimate_plan
@@ -248,6 +250,61 @@ def test_corrected_ttft_can_block_a_downshift() -> None:
     assert slow.decision is None
     smaller = [c for c in slow.candidates if c.num_gpus < current.num_gpus]
     assert smaller and all("est TTFT p95" in c.blocked for c in smaller)
+
+
+def test_decide_learns_the_tbt_factor_and_explains_it() -> None:
+    current = deployment(tp_plan(A8, MODEL_70B_GQA))
+    available = available_memory(article_cluster(), current.gpu_uuids)
+    modelled = estimate_plan(current, available, MODEL_70B_GQA, make_load(3.0), CONFIG)
+
+    def run(config: GearboxConfig) -> tuple[GearState, str, float, float]:
+        state, explanation = GearState(), ""
+        for i in range(30):  # TTFT as modelled, every decode step twice the model's
+            at = article_cluster(now_s=NOW_S + 15.0 * i)
+            seen = replace(
+                _observed_load(modelled.ttft_p95_ms, 1.0),
+                now_s=at.now_s,
+                tbt_p95_ms=2.0 * modelled.tbt_p95_ms,
+            )
+            result = decide(current, at, seen, state, config, model=MODEL_70B_GQA)
+            state, explanation = result.state, result.explanation
+        assert result.current is not None
+        return state, explanation, result.current.est_tbt_p95_ms, result.current.tbt_correction
+
+    state, explanation, est_tbt, factor = run(CONFIG)
+    learned = tbt_factor_for(state.corrections, plan_shape(current), NOW_S + 15.0 * 29, CONFIG)
+    assert learned == pytest.approx(2.0, rel=0.05) and factor == learned
+    assert est_tbt == pytest.approx(modelled.tbt_p95_ms * learned)
+    assert f"(model {modelled.tbt_p95_ms:,.1f} ms × correction {learned:.2f})" in explanation
+    # the TTFT factor learned only TTFT's ratio (1), not TBT's
+    assert factor_for(state.corrections, plan_shape(current), NOW_S, CONFIG) == pytest.approx(1.0)
+    assert GearState.from_dict(state.to_dict()) == state
+    # switched off: nothing learned, the model's figure
+    off = replace(CONFIG, correction_tbt=False)
+    state, explanation, est_tbt, factor = run(off)
+    assert state.corrections.tbt == () and factor == 1.0
+    assert est_tbt == pytest.approx(modelled.tbt_p95_ms)
+
+
+def test_corrected_tbt_can_block_a_downshift() -> None:
+    current = deployment(tp_plan(A8, MODEL_70B_GQA))
+    snapshot = article_cluster()
+    load = make_load(0.2)
+    # freed GPUs pay well and the TBT SLO is tight: a downshift is wanted on the model's figures
+    config = GearboxConfig(idle_gpu_value_tok_s=500.0, tbt_slo_ms=40.0)
+    free = decide(current, snapshot, load, GearState(), config, model=MODEL_70B_GQA)
+    assert free.decision is not None and free.decision.to_plan.num_gpus < current.num_gpus
+    # the same tick after learning that this deployment's decode steps run at 4× the model
+    learned = Corrections()
+    for i in range(40):
+        t = NOW_S - 600.0 + 15.0 * i
+        learned = observe_tbt(learned, plan_shape(current), 30.0, 120.0, 200, t, None, config)
+    slow = decide(
+        current, snapshot, load, GearState(corrections=learned), config, model=MODEL_70B_GQA
+    )
+    assert slow.decision is None
+    smaller = [c for c in slow.candidates if c.num_gpus < current.num_gpus]
+    assert smaller and all("est TBT p95" in c.blocked for c in smaller)
 
 
 TAIL = replace(CONFIG, ttft_prompt_tail=True)
