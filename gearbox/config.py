@@ -156,7 +156,13 @@ class GearboxConfig(Serialisable):
     # and flaps unchanged; but one seed of each of three scenarios took 2 more flaps, and
     # steady-noisy's worst seed fell to 0.998x fixed (target >= 1.0): a target lost, none won.
     ttft_prompt_tail: bool = False  # TTFT p95 from the smoothed prompt tail, M/G/1 (gearbox.cost)
-    correction_tbt: bool = True  # learn a TBT factor like the TTFT one (gearbox.correction)
+    # NOTE: off by default. In mixed-failures (5 seeds, 606a139) it moved seed 9's 7B at 4,200 s
+    # onto a 4-GPU plan whose decode the model put at 8.8 ms (the 2-GPU plan's factor, 3.2,
+    # applied to a shape never seen), then onto a prefill/decode plan whose TTFT factor sat at
+    # the 4x clamp while 2-5 s were observed: nothing beat it, and the 7B served 0.858 of its
+    # offered tokens within SLO (0.996 off). steady-noisy / steady-boundary: goodput as off,
+    # estimator p95 0.287 / 0.216.
+    correction_tbt: bool = False  # learn a TBT factor like the TTFT one (gearbox.correction)
     # --- switch cost (see gearbox.switch for sources) ---
     weight_load_gbps: float = 5.0  # per-GPU weight load rate from local NVMe/page cache
     kv_transfer_efficiency: float = 0.8  # achieved share of the path's bandwidth for KV

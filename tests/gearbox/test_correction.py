@@ -271,17 +271,17 @@ def test_decide_learns_the_tbt_factor_and_explains_it() -> None:
         assert result.current is not None
         return state, explanation, result.current.est_tbt_p95_ms, result.current.tbt_correction
 
-    state, explanation, est_tbt, factor = run(CONFIG)
-    learned = tbt_factor_for(state.corrections, plan_shape(current), NOW_S + 15.0 * 29, CONFIG)
+    on = replace(CONFIG, correction_tbt=True)
+    state, explanation, est_tbt, factor = run(on)
+    learned = tbt_factor_for(state.corrections, plan_shape(current), NOW_S + 15.0 * 29, on)
     assert learned == pytest.approx(2.0, rel=0.05) and factor == learned
     assert est_tbt == pytest.approx(modelled.tbt_p95_ms * learned)
     assert f"(model {modelled.tbt_p95_ms:,.1f} ms × correction {learned:.2f})" in explanation
     # the TTFT factor learned only TTFT's ratio (1), not TBT's
     assert factor_for(state.corrections, plan_shape(current), NOW_S, CONFIG) == pytest.approx(1.0)
     assert GearState.from_dict(state.to_dict()) == state
-    # switched off: nothing learned, the model's figure
-    off = replace(CONFIG, correction_tbt=False)
-    state, explanation, est_tbt, factor = run(off)
+    # off (the default): nothing learned, the model's figure
+    state, explanation, est_tbt, factor = run(CONFIG)
     assert state.corrections.tbt == () and factor == 1.0
     assert est_tbt == pytest.approx(modelled.tbt_p95_ms)
 
@@ -291,7 +291,7 @@ def test_corrected_tbt_can_block_a_downshift() -> None:
     snapshot = article_cluster()
     load = make_load(0.2)
     # freed GPUs pay well and the TBT SLO is tight: a downshift is wanted on the model's figures
-    config = GearboxConfig(idle_gpu_value_tok_s=500.0, tbt_slo_ms=40.0)
+    config = GearboxConfig(idle_gpu_value_tok_s=500.0, tbt_slo_ms=40.0, correction_tbt=True)
     free = decide(current, snapshot, load, GearState(), config, model=MODEL_70B_GQA)
     assert free.decision is not None and free.decision.to_plan.num_gpus < current.num_gpus
     # the same tick after learning that this deployment's decode steps run at 4× the model
