@@ -393,8 +393,8 @@ def _at_service_rate(
 
 
 def _corrected(tick: _Tick, plan: DeploymentPlan, estimate: DeploymentEstimate) -> _Estimate:
-    """``estimate`` of ``plan`` (at its learned service rate) with the learned TTFT factor
-    applied (gearbox.correction)."""
+    """``estimate`` of ``plan`` (at its learned service rate) with the learned TTFT and TBT
+    factors applied (gearbox.correction; the TBT factor is 1 unless ``correction_tbt``)."""
     learned, shape, now_s = tick.state.corrections, plan_shape(plan), tick.snapshot.now_s
     factor = factor_for(learned, shape, now_s, tick.config)
     tbt = tbt_factor_for(learned, shape, now_s, tick.config)
