@@ -6,7 +6,6 @@ into a :class:`flexpipe.schemas.ServingLoad` and starts a new window. Pure; time
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from flexpipe.latency import histogram
@@ -18,10 +17,7 @@ MAX_SAMPLES = 4096  # latency samples kept per window (the oldest are dropped be
 
 def p95(samples: list[float]) -> float | None:
     """The 95th percentile by nearest rank, ``None`` without samples."""
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+    return weighted_p95(samples, [1] * len(samples))
 
 
 def weighted_p95(samples: list[float], weights: list[int]) -> float | None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -232,24 +234,36 @@ def test_decide_reads_a_censored_window_as_a_lower_bound_and_says_so() -> None:
     )
 
 
-def test_corrected_ttft_can_block_a_downshift() -> None:
+@pytest.mark.parametrize(
+    ("slo", "learn", "modelled_ms", "blocked"),
+    [
+        # the TTFT SLO is tight and TTFT runs at 4× the model
+        ({"ttft_slo_ms": 400.0}, observe, 100.0, "est TTFT p95"),
+        # the TBT SLO is tight and the decode steps run at 4× the model
+        ({"tbt_slo_ms": 40.0, "correction_tbt": True}, observe_tbt, 30.0, "est TBT p95"),
+    ],
+)
+def test_a_corrected_estimate_can_block_a_downshift(
+    slo: dict[str, Any], learn: Callable[..., Corrections], modelled_ms: float, blocked: str
+) -> None:
     current = deployment(tp_plan(A8, MODEL_70B_GQA))
     snapshot = article_cluster()
     load = make_load(0.2)
     # freed GPUs pay well and the SLO is tight: a downshift is wanted on the model's figures
-    config = GearboxConfig(idle_gpu_value_tok_s=500.0, ttft_slo_ms=400.0)
+    config = GearboxConfig(idle_gpu_value_tok_s=500.0, **slo)
     free = decide(current, snapshot, load, GearState(), config, model=MODEL_70B_GQA)
     assert free.decision is not None and free.decision.to_plan.num_gpus < current.num_gpus
-    # the same tick after learning that this deployment's TTFT runs at 4× the model
+    # the same tick after learning that this deployment runs at 4× the model
     learned = Corrections()
     for i in range(40):
         t = NOW_S - 600.0 + 15.0 * i
-        learned = observe(learned, plan_shape(current), 100.0, 400.0, 200, t, None, config)
+        shape = plan_shape(current)
+        learned = learn(learned, shape, modelled_ms, 4 * modelled_ms, 200, t, None, config)
     state = GearState(corrections=learned)
     slow = decide(current, snapshot, load, state, config, model=MODEL_70B_GQA)
     assert slow.decision is None
     smaller = [c for c in slow.candidates if c.num_gpus < current.num_gpus]
-    assert smaller and all("est TTFT p95" in c.blocked for c in smaller)
+    assert smaller and all(blocked in c.blocked for c in smaller)
 
 
 def test_decide_learns_the_tbt_factor_and_explains_it() -> None:
@@ -284,27 +298,6 @@ def test_decide_learns_the_tbt_factor_and_explains_it() -> None:
     state, explanation, est_tbt, factor = run(CONFIG)
     assert state.corrections.tbt == () and factor == 1.0
     assert est_tbt == pytest.approx(modelled.tbt_p95_ms)
-
-
-def test_corrected_tbt_can_block_a_downshift() -> None:
-    current = deployment(tp_plan(A8, MODEL_70B_GQA))
-    snapshot = article_cluster()
-    load = make_load(0.2)
-    # freed GPUs pay well and the TBT SLO is tight: a downshift is wanted on the model's figures
-    config = GearboxConfig(idle_gpu_value_tok_s=500.0, tbt_slo_ms=40.0, correction_tbt=True)
-    free = decide(current, snapshot, load, GearState(), config, model=MODEL_70B_GQA)
-    assert free.decision is not None and free.decision.to_plan.num_gpus < current.num_gpus
-    # the same tick after learning that this deployment's decode steps run at 4× the model
-    learned = Corrections()
-    for i in range(40):
-        t = NOW_S - 600.0 + 15.0 * i
-        learned = observe_tbt(learned, plan_shape(current), 30.0, 120.0, 200, t, None, config)
-    slow = decide(
-        current, snapshot, load, GearState(corrections=learned), config, model=MODEL_70B_GQA
-    )
-    assert slow.decision is None
-    smaller = [c for c in slow.candidates if c.num_gpus < current.num_gpus]
-    assert smaller and all("est TBT p95" in c.blocked for c in smaller)
 
 
 TAIL = replace(CONFIG, ttft_prompt_tail=True)
