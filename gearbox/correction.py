@@ -354,7 +354,11 @@ def teaches_service_rate(
 
 
 def solve_service_factor(
-    ttft_ms_at: Callable[[float], float], observed_ttft_p95_ms: float, config: GearboxConfig
+    ttft_ms_at: Callable[[float], float],
+    observed_ttft_p95_ms: float,
+    config: GearboxConfig,
+    *,
+    steps: int = _SOLVE_STEPS,
 ) -> float:
     """The service-rate factor within the correction's bounds at which ``ttft_ms_at`` — the
     corrected model's TTFT p95 of the serving plan as a function of that factor, falling as it
@@ -365,7 +369,7 @@ def solve_service_factor(
         return math.exp(hi)  # slower than observed even at the fastest: as fast as allowed
     if ttft_ms_at(math.exp(lo)) <= observed_ttft_p95_ms:
         return math.exp(lo)
-    for _ in range(_SOLVE_STEPS):
+    for _ in range(steps):
         mid = (lo + hi) / 2
         if ttft_ms_at(math.exp(mid)) > observed_ttft_p95_ms:
             lo = mid

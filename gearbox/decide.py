@@ -38,7 +38,10 @@ blocked unless its estimated TTFT and TBT p95 are at most ``downshift_slo_margin
 at this window's demand and at the highest demand of the last ``downshift_lookback_s``
 (:func:`gearbox.history.record_demand`: a plan the planner would itself undo at a load it has
 just served only earns its freed GPUs' credit until that load returns, then pays a second
-switch and the SLO misses before it; see its note in :mod:`gearbox.config`);
+switch and the SLO misses before it; see its note in :mod:`gearbox.config`) — and again with
+the current plan's learned TTFT factor, when above 1, read as a slower service instead
+(:func:`_risk_speed`): both readings fit the plan it was learned on, but a downshift runs its
+replicas hotter, where a slower service costs far more than a latency factor says;
 every downshift is blocked while the deployment is under observed pressure
 (:func:`gearbox.scoring.observed_pressure`), and so is one back to a plan a voluntary switch left
 under observed pressure within the lookback (:func:`gearbox.history.record_pressured`: what was
@@ -131,6 +134,8 @@ from gearbox.types import LoadSnapshot, TopologySnapshot
 __all__ = ["NO_OVERRIDES", "decide"]
 
 NO_OVERRIDES = Overrides()
+# bisection steps of the risk reading's service rate: 2⁻¹² of the bounds' log-width (0.03 %)
+_RISK_SOLVE_STEPS = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +158,9 @@ class _Tick:
     peak_load: LoadSnapshot | None = None
     # the other deployments sharing the cluster: a switch charges their standby loss
     neighbours: tuple[Neighbour, ...] = ()
+    # the service-rate factor that would explain the current plan's learned TTFT error as a
+    # slower service (1: none to explain); a downshift to a shape never observed must hold at it
+    risk_speed: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +268,7 @@ def decide(
         modelled,
         _peak_load(load, peak_demand_rps(demand), config),
         tuple(neighbours),
+        _risk_speed(current, available, model, load, corrections, modelled, config),
     )
     if overrides.emergency_downshift and overrides.baseline_plan is not None:
         return _override(tick, overrides.baseline_plan, DecisionReason.EMERGENCY_DOWNSHIFT)
@@ -375,6 +384,47 @@ def _learn(
     return learned, modelled
 
 
+def _risk_speed(
+    current: DeploymentPlan | None,
+    available: Mapping[str, int],
+    model: ModelSpec,
+    load: LoadSnapshot,
+    corrections: Corrections,
+    modelled: DeploymentEstimate | None,
+    config: GearboxConfig,
+) -> float:
+    """The service-rate factor at which the cost model, uncorrected, meets the current plan's
+    corrected TTFT p95: its learned error read as a slower service instead of a latency
+    factor. 1 when there is nothing to read: no guard, no current plan, a shape never observed
+    itself, a factor of at most 1, or one no service rate within the correction's bounds
+    explains.
+
+    NOTE: both readings fit the current plan; they part on a plan that runs its replicas
+    hotter. A latency factor scales the smaller plan's p95 by the same ×2; a slower service
+    moves it up the queueing curve. In sim/scenarios/mixed-failures.yaml (seed 7) the 7B's
+    2-GPU plan was observed at 1.98× its model; its 1-GPU plan, estimated at 449 ms with that
+    factor, was observed at 750-1,050 ms and undone 120 s later.
+    """
+    if not config.downshift_guard or current is None or modelled is None:
+        return 1.0
+    shape = plan_shape(current)
+    if corrections.get(shape) is None or not modelled.feasible:
+        return 1.0
+    factor = factor_for(corrections, shape, load.now_s, config)
+    if factor <= 1.0:
+        return 1.0
+    speed = service_factor_for(corrections, shape, load.now_s, config)
+    target_ms = factor * modelled.ttft_p95_ms
+
+    def ttft_ms_at(slower: float) -> float:
+        at = estimate_plan(current, available, model, load, config, service_factor=speed * slower)
+        return at.ttft_p95_ms
+
+    if ttft_ms_at(config.correction_min_factor) < target_ms:
+        return 1.0  # no plausible service rate explains it: a latency error, not a slow queue
+    return min(1.0, solve_service_factor(ttft_ms_at, target_ms, config, steps=_RISK_SOLVE_STEPS))
+
+
 def _service_factor(tick: _Tick, plan: DeploymentPlan) -> float:
     """The learned service-rate factor for ``plan``'s queues (gearbox.correction)."""
     shape = plan_shape(plan)
@@ -440,20 +490,44 @@ def _downshift_block(
             f"{gpus}: left at t={left_s:,.0f} s while observed over its SLOs, within the "
             f"last {tick.config.downshift_lookback_s:,.0f} s"
         )
+    unobserved = _unobserved_risk(tick, plan, tick.load)
+    if unobserved:
+        return f"{gpus}: {unobserved}"
     if tick.peak_load is None:
         return ""
     # NOTE: the same estimate at the lookback's peak demand (config downshift_lookback_s)
     args = (tick.available, tick.model, tick.peak_load, tick.config)
     at_peak = estimate_plan(plan, *args, service_factor=_service_factor(tick, plan))
     over = _over_margin(_corrected(tick, plan, at_peak).corrected, tick.config)
-    if not over:
-        return ""
     peak = (
         f"at the peak demand of the last {tick.config.downshift_lookback_s:,.0f} s "
         f"({tick.peak_load.arrival_rate_rps:.2f} rps, now "
         f"{demand_rps(tick.load, tick.config):.2f})"
     )
-    return f"{gpus} {peak}: {'; '.join(over)}"
+    if over:
+        return f"{gpus} {peak}: {'; '.join(over)}"
+    unobserved = _unobserved_risk(tick, plan, tick.peak_load)
+    return f"{gpus} {peak}: {unobserved}" if unobserved else ""
+
+
+def _unobserved_risk(tick: _Tick, plan: DeploymentPlan, load: LoadSnapshot) -> str:
+    """Why a downshift to ``plan`` at ``load`` fails the guard's margin with the current plan's
+    learned TTFT error read as a slower service (``_Tick.risk_speed``; "" when it holds, or
+    there is nothing to read). Read so, the error grows with the load a replica carries, and a
+    downshift runs fewer replicas hotter."""
+    if tick.risk_speed >= 1.0:
+        return ""
+    speed = _service_factor(tick, plan) * tick.risk_speed
+    estimate = estimate_plan(
+        plan, tick.available, tick.model, load, tick.config, service_factor=speed
+    )
+    over = _over_margin(estimate, tick.config)
+    if not over:
+        return ""
+    return (
+        f"if the current plan's learned TTFT error is a slower service "
+        f"(service rate × {tick.risk_speed:.2f}): {'; '.join(over)}"
+    )
 
 
 def _over_margin(estimate: DeploymentEstimate, config: GearboxConfig) -> list[str]:

@@ -13,10 +13,12 @@ from gearbox import (
     DecisionReason,
     DeploymentPlan,
     GearboxConfig,
+    GearState,
     LoadSnapshot,
     TopologySnapshot,
     decide,
 )
+from gearbox.correction import Correction, Corrections, plan_shape
 from gearbox.history import DemandSample, PressuredPlan, peak_demand_rps, record_demand
 from gearbox.scoring import observed_pressure
 from tests.gearbox.builders import (
@@ -255,3 +257,40 @@ def test_no_downshift_back_to_a_plan_left_under_pressure_within_the_lookback() -
     state = replace(_state(snapshot), pressured=(PressuredPlan(taken.to_plan_id, NOW_S - 60),))
     off = decide(_tp8(), snapshot, low, state, FORGETFUL, model=MODEL_70B_GQA)
     assert off.decision is not None and off.decision.to_plan_id == taken.to_plan_id
+
+
+def _learned(factor: float) -> GearState:
+    """State whose TP8 plan was observed at ``factor`` × its modelled TTFT p95."""
+    state = _state(article_cluster())
+    entry = Correction(plan_shape(_tp8()), factor, NOW_S, 50)
+    return replace(state, corrections=Corrections(entries=(entry,)))
+
+
+def _decide_learned(load: LoadSnapshot, factor: float) -> DecideResult:
+    snapshot = article_cluster()
+    return decide(_tp8(), snapshot, load, _learned(factor), VALUED, model=MODEL_70B_GQA)
+
+
+def test_a_learned_error_read_as_a_slower_service_blocks_a_downshift() -> None:
+    # the TP8 plan's TTFT observed at 3× its model: a TTFT factor, or half the service rate.
+    # The 4-GPU plan carries twice the load per GPU, where half the service rate queues
+    # for seconds; the factor (learned on another shape) says nothing about it.
+    load = make_load(4.0, active_sequences=5)
+    plain = _decide_learned(load, 1.0)
+    assert plain.reason is DecisionReason.SWITCH_GAIN and plain.decision is not None
+    assert plain.decision.to_plan.num_gpus == 4
+    result = _decide_learned(load, 3.0)
+    assert result.decision is None and result.reason is DecisionReason.DOWNSHIFT_BLOCKED
+    (four,) = [c for c in result.candidates if c.plan_id == plain.decision.to_plan_id]
+    assert four.blocked.startswith("downshift blocked (8 → 4 GPUs): if the current plan's")
+    assert "slower service (service rate × 0.50): est TTFT p95" in four.blocked
+    assert four.est_ttft_p95_ms <= VALUED.downshift_slo_margin * VALUED.ttft_slo_ms
+
+
+def test_an_error_no_service_rate_explains_is_no_risk() -> None:
+    # at this load the TP8 plan barely queues: no service rate within the correction's bounds
+    # (down to 0.25×) brings its model to 3× the figure, so the error reads as latency only
+    load = make_load(0.5, active_sequences=5)
+    result = _decide_learned(load, 3.0)
+    assert result.reason is DecisionReason.SWITCH_GAIN and result.decision is not None
+    assert result.decision.to_plan.num_gpus < 8
