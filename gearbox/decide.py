@@ -159,7 +159,7 @@ class _Tick:
     # the other deployments sharing the cluster: a switch charges their standby loss
     neighbours: tuple[Neighbour, ...] = ()
     # the service-rate factor that would explain the current plan's learned TTFT error as a
-    # slower service (1: none to explain); a downshift to a shape never observed must hold at it
+    # slower service (1: none to explain); a voluntary downshift must hold at it too
     risk_speed: float = 1.0
 
 
@@ -395,12 +395,12 @@ def _risk_speed(
 ) -> float:
     """The service-rate factor at which the cost model, uncorrected, meets the current plan's
     corrected TTFT p95: its learned error read as a slower service instead of a latency
-    factor. 1 when there is nothing to read: no guard, no current plan, a shape never observed
-    itself, a factor of at most 1, or one no service rate within the correction's bounds
-    explains.
+    factor. 1 when there is nothing to read: no guard, no current plan, no factor learned on
+    the current plan's own shape, a factor of at most 1, or one no service rate within the
+    correction's bounds explains.
 
     NOTE: both readings fit the current plan; they part on a plan that runs its replicas
-    hotter. A latency factor scales the smaller plan's p95 by the same ×2; a slower service
+    hotter. A latency factor scales the smaller plan's p95 by the same ×1.98; a slower service
     moves it up the queueing curve. In sim/scenarios/mixed-failures.yaml (seed 7) the 7B's
     2-GPU plan was observed at 1.98× its model; its 1-GPU plan, estimated at 449 ms with that
     factor, was observed at 750-1,050 ms and undone 120 s later.
@@ -490,9 +490,9 @@ def _downshift_block(
             f"{gpus}: left at t={left_s:,.0f} s while observed over its SLOs, within the "
             f"last {tick.config.downshift_lookback_s:,.0f} s"
         )
-    unobserved = _unobserved_risk(tick, plan, tick.load)
-    if unobserved:
-        return f"{gpus}: {unobserved}"
+    slow = _slow_service_block(tick, plan, tick.load)
+    if slow:
+        return f"{gpus}: {slow}"
     if tick.peak_load is None:
         return ""
     # NOTE: the same estimate at the lookback's peak demand (config downshift_lookback_s)
@@ -506,11 +506,11 @@ def _downshift_block(
     )
     if over:
         return f"{gpus} {peak}: {'; '.join(over)}"
-    unobserved = _unobserved_risk(tick, plan, tick.peak_load)
-    return f"{gpus} {peak}: {unobserved}" if unobserved else ""
+    slow = _slow_service_block(tick, plan, tick.peak_load)
+    return f"{gpus} {peak}: {slow}" if slow else ""
 
 
-def _unobserved_risk(tick: _Tick, plan: DeploymentPlan, load: LoadSnapshot) -> str:
+def _slow_service_block(tick: _Tick, plan: DeploymentPlan, load: LoadSnapshot) -> str:
     """Why a downshift to ``plan`` at ``load`` fails the guard's margin with the current plan's
     learned TTFT error read as a slower service (``_Tick.risk_speed``; "" when it holds, or
     there is nothing to read). Read so, the error grows with the load a replica carries, and a
