@@ -64,9 +64,10 @@ Every outcome carries a :class:`DecisionReason`; the new :class:`GearState` come
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from gearbox.blocks import AtomicBlock, build_blocks
 from gearbox.config import GearboxConfig, without_gpu_credit
@@ -154,30 +155,15 @@ class _Tick:
     pressure: tuple[str, ...]  # observed pressure (empty = none): no GPU credit, no downshift
     # the cost model's figures for the current plan, at its learned service rate
     current_model: DeploymentEstimate | None
+    # the service-rate factor that would explain the current plan's learned TTFT error as a
+    # slower service (1: none to explain); a voluntary downshift must hold at it too. Cached on
+    # first call: its bisection is about half a decision's CPU time (mixed-failures: 4.4 of
+    # 9 ms), and most ticks weigh no downshift that reaches it.
+    risk_speed: Callable[[], float]
     # the load at the lookback's peak demand, when above this window's (the downshift guard)
     peak_load: LoadSnapshot | None = None
     # the other deployments sharing the cluster: a switch charges their standby loss
     neighbours: tuple[Neighbour, ...] = ()
-    # the service-rate factor that would explain the current plan's learned TTFT error as a
-    # slower service (1: none to explain); a voluntary downshift must hold at it too
-    risk_speed: _Lazy = field(default_factory=lambda: _Lazy(lambda: 1.0))
-
-
-@dataclass(slots=True)
-class _Lazy:
-    """A figure computed on first use, then kept.
-
-    NOTE: the risk reading's bisection is about half a decision's CPU time (mixed-failures: 4.4
-    of 9 ms), and most ticks weigh no downshift that reaches it."""
-
-    compute: Callable[[], float]
-    value: float | None = None
-
-    def get(self) -> float:
-        """The figure, computed the first time."""
-        if self.value is None:
-            self.value = self.compute()
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,9 +269,11 @@ def decide(
         quarantined,
         pressure,
         modelled,
+        functools.cache(
+            lambda: _risk_speed(current, available, model, load, corrections, modelled, config)
+        ),
         _peak_load(load, peak_demand_rps(demand), config),
         tuple(neighbours),
-        _Lazy(lambda: _risk_speed(current, available, model, load, corrections, modelled, config)),
     )
     if overrides.emergency_downshift and overrides.baseline_plan is not None:
         return _override(tick, overrides.baseline_plan, DecisionReason.EMERGENCY_DOWNSHIFT)
@@ -532,7 +520,7 @@ def _slow_service_block(tick: _Tick, plan: DeploymentPlan, load: LoadSnapshot) -
     learned TTFT error read as a slower service (``_Tick.risk_speed``; "" when it holds, or
     there is nothing to read). Read so, the error grows with the load a replica carries, and a
     downshift runs fewer replicas hotter."""
-    risk_speed = tick.risk_speed.get()
+    risk_speed = tick.risk_speed()
     if risk_speed >= 1.0:
         return ""
     speed = _service_factor(tick, plan) * risk_speed

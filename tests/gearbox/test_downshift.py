@@ -13,7 +13,6 @@ from gearbox import (
     DecisionReason,
     DeploymentPlan,
     GearboxConfig,
-    GearState,
     LoadSnapshot,
     TopologySnapshot,
     decide,
@@ -259,16 +258,12 @@ def test_no_downshift_back_to_a_plan_left_under_pressure_within_the_lookback() -
     assert off.decision is not None and off.decision.to_plan_id == taken.to_plan_id
 
 
-def _learned(factor: float) -> GearState:
-    """State whose TP8 plan was observed at ``factor`` × its modelled TTFT p95."""
-    state = _state(article_cluster())
-    entry = Correction(plan_shape(_tp8()), factor, NOW_S, 50)
-    return replace(state, corrections=Corrections(entries=(entry,)))
-
-
 def _decide_learned(load: LoadSnapshot, factor: float) -> DecideResult:
+    """Decide for the TP8 plan after it was observed at ``factor`` × its modelled TTFT p95."""
     snapshot = article_cluster()
-    return decide(_tp8(), snapshot, load, _learned(factor), VALUED, model=MODEL_70B_GQA)
+    entry = Correction(plan_shape(_tp8()), factor, NOW_S, 50)
+    state = replace(_state(snapshot), corrections=Corrections(entries=(entry,)))
+    return decide(_tp8(), snapshot, load, state, VALUED, model=MODEL_70B_GQA)
 
 
 def test_a_learned_error_read_as_a_slower_service_blocks_a_downshift() -> None:
