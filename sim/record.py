@@ -65,6 +65,7 @@ class Shift:
     start_s: float
     end_s: float
     kv_detail: str  # the switch's hand-over: migrated / replayed sequences
+    failure: str = ""  # the last failed attempt's reason, as the runtime gave it ("": none)
 
 
 @dataclass
@@ -155,7 +156,7 @@ def plan_shape(plan: DeploymentPlan | None) -> str:
 
 def _shift(recs: list[tuple[float, GearTransition]]) -> Shift:
     phases: dict[str, float] = {}
-    kv = ""
+    kv = failure = ""
     for _, rec in recs:
         if rec.status is not PhaseStatus.STARTED and rec.duration_ms is not None:
             key = (
@@ -166,6 +167,8 @@ def _shift(recs: list[tuple[float, GearTransition]]) -> Shift:
             phases[key] = phases.get(key, 0.0) + rec.duration_ms
         if rec.phase is TransitionPhase.SWITCH and rec.status is PhaseStatus.COMPLETED:
             kv = rec.detail
+        if rec.status is PhaseStatus.FAILED:
+            failure = f"{rec.phase.value} attempt {rec.attempt}: {rec.detail}"
     terminal = [
         r.phase for _, r in recs if r.phase in (TransitionPhase.DONE, TransitionPhase.ROLLED_BACK)
     ]
@@ -183,6 +186,7 @@ def _shift(recs: list[tuple[float, GearTransition]]) -> Shift:
         start_s=recs[0][0],
         end_s=recs[-1][0],
         kv_detail=kv,
+        failure=failure,
     )
 
 

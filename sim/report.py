@@ -101,6 +101,9 @@ def shift_story(record: RunRecord, shift: Shift, shapes: dict[str, str]) -> list
     retries = f", {shift.attempts} attempts" if shift.attempts > 1 else ""
     plans = f"{shapes.get(shift.from_plan or '', 'nothing')} → {shift.to_shape}"
     body = [f"    {plans}: {shift.outcome}{took}{retries} — {_phases(shift)}"]
+    if shift.failure:
+        # NOTE: a retry or a rollback is only auditable with the runtime's reason beside it
+        body.append(f"    last failure: {shift.failure}")
     seen = record.decision_of(shift)
     if seen is None:
         return [f"{head} at {hms(shift.start_s)}: the starting plan, loaded at start-up", *body]

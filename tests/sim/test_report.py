@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,20 @@ def test_a_shift_is_told_from_its_cause_to_its_phases(tmp_path: Path) -> None:
     assert "TTFT p95 200 ms in the 2 min before, 200 ms in the 2 min after" in lines
     md, png = write_report(tl.record, ["chat"], 600.0, tmp_path, "test")
     assert "forced_infeasible" in md.read_text() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_rolled_back_shift_names_the_runtimes_reason() -> None:
+    tl = timeline(now_s=481.0)
+    tl.on_message(raw(decision(4, "evict_cold", PLAN), 480.0))
+    P, failed = TransitionPhase.PREPARE, PhaseStatus.FAILED
+    why = "not evicted: 1 requests active or queued, 0 held for it"
+    recs = [record(4, P, PhaseStatus.STARTED), record(4, P, failed, 0.0, why)]
+    recs += [replace(record(4, P, failed, 0.0, why), attempt=3)]
+    recs += [record(4, TransitionPhase.ROLLED_BACK, PhaseStatus.COMPLETED, 4500.0)]
+    for i, rec in enumerate(recs):
+        tl.record.transitions.append((481.0 + i, rec))
+    (shift,) = tl.record.shifts()
+    assert shift.outcome == "rolled_back" and shift.attempts == 3
+    lines = "\n".join(summary_lines(tl.record, ["chat"], 600.0))
+    assert "rolled_back in 4.5 s, 3 attempts" in lines
+    assert f"last failure: prepare attempt 3: {why}" in lines
