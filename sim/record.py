@@ -65,7 +65,7 @@ class Shift:
     start_s: float
     end_s: float
     kv_detail: str  # the switch's hand-over: migrated / replayed sequences
-    failure: str = ""  # the last failed attempt's reason, as the runtime gave it ("": none)
+    failure: str  # the last failed attempt's reason, as the runtime gave it ("": none)
 
 
 @dataclass
