@@ -565,7 +565,6 @@ def _housekeeping(
     view_inputs = frozenset(topic_name(cfg, t) for t in (Topic.GPU, Topic.NODE, Topic.CLUSTER))
     paused = InputWatch(grace_s=PAUSED_GRACE_S)
 
-    @app.timer(interval=CLOCK_POLL_S, name="streams.tick")
     async def _tick() -> None:
         if not app.writable.is_set():
             return
@@ -578,6 +577,15 @@ def _housekeeping(
             ended = failures.succeeded()
             if ended:
                 log.warning("tick recovered after %d failures in a row", ended)
+
+    @app.task
+    async def _ticks() -> None:
+        # NOTE: a loop, not app.timer: a round of decisions may outlast the poll (many
+        # deployments on a busy host; flexpipe_streams_decision_processing_seconds times it),
+        # which faust's timer logs as an overlap warning on every such round
+        while True:
+            await asyncio.sleep(CLOCK_POLL_S)
+            await _tick()
 
     def caught_up() -> None:
         engine.view_caught_up = True
