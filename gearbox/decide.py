@@ -421,6 +421,8 @@ def _risk_speed(
     speed = service_factor_for(corrections, shape, load.now_s, config)
     target_ms = factor * modelled.ttft_p95_ms
 
+    # NOTE: cached: the solver evaluates the slowest bound again after the check below
+    @functools.cache
     def ttft_ms_at(slower: float) -> float:
         at = estimate_plan(current, available, model, load, config, service_factor=speed * slower)
         return at.ttft_p95_ms
