@@ -170,8 +170,14 @@ class ServingCore:
             self.vmm.unreserve_replica(ledger)
             return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=self._vmm_detail())
         if self.kv_floor_tokens is not None:
-            kv = timing.kv_bytes_per_token_per_gpu
-            floor = {u: b + kv[u] * self.kv_floor_tokens for u, b in weights.items()}
+            kv, cap = timing.kv_bytes_per_token_per_gpu, self.settings.watermark
+            # NOTE: at most the watermark's share of the GPU: placement cuts the batch of a
+            # model that nearly fills its card (gearbox.residency), and a floor past the
+            # watermark would refuse every request of the replica it guarantees
+            floor = {
+                u: min(b + kv[u] * self.kv_floor_tokens, int(cap * mem[u]))
+                for u, b in weights.items()
+            }
             self.vmm.set_floor(ledger, floor)
         engine = self._factory(timing)
         pager = None

@@ -64,6 +64,23 @@ class CommitFailure:
     error: CommitError | None
 
 
+def floored_memory(
+    total_bytes: int,
+    used: Mapping[str, int],
+    floors: Mapping[str, int],
+    replica_id: str,
+    need_bytes: int,
+) -> GpuMemory:
+    """One GPU as an admission of ``need_bytes`` for ``replica_id`` sees it when replicas there
+    have floors (``used``: per replica, the bytes it has committed): every other replica holds
+    at least its floor, and the replica's own floor already covers what it commits below it.
+    """
+    held = {**dict.fromkeys(floors, 0), **used}
+    others = sum(max(c, floors.get(r, 0)) for r, c in held.items() if r != replica_id)
+    mine = max(held.get(replica_id, 0) + need_bytes, floors.get(replica_id, 0))
+    return GpuMemory(total_bytes, others + mine - need_bytes)
+
+
 class ReservationManager:
     """Per-GPU VMM backends behind one ledger (no policy: callers decide what to reserve)."""
 
@@ -299,12 +316,9 @@ class ReservationManager:
         memory = self.memory_of(need)
         for uuid, mem in memory.items():
             floors = self._floors.get(uuid)
-            if not floors:
-                continue
-            used = {**dict.fromkeys(floors, 0), **self._by_gpu.get(uuid, {})}
-            others = sum(max(c, floors.get(r, 0)) for r, c in used.items() if r != replica_id)
-            mine = max(used.get(replica_id, 0) + need[uuid], floors.get(replica_id, 0))
-            memory[uuid] = GpuMemory(mem.total_bytes, others + mine - need[uuid])
+            if floors:
+                used = self._by_gpu.get(uuid, {})
+                memory[uuid] = floored_memory(mem.total_bytes, used, floors, replica_id, need[uuid])
         return memory
 
     def unreserve_replica(self, replica_id: str) -> None:

@@ -176,6 +176,18 @@ def test_a_kv_floor_keeps_a_busy_neighbour_from_starving_a_quiet_model() -> None
     assert host.vmm.memory()["A0"].fill <= 0.85
 
 
+def test_a_floor_past_the_watermark_is_cut_to_it_and_still_admits() -> None:
+    # 200,000 tokens of a 7B's KV (~98 GiB) cannot fit the card: uncut, the replica's own floor
+    # would put every request of it past the watermark and refuse it
+    settings = RuntimeSettings(policy=FAST_POLICY, executor=FAST_EXECUTOR)
+    host = RuntimeHost(("a",), settings, hold_s={"a": HOLD_S}, kv_floor_tokens={"a": 200_000})
+    h = Harness(host.runtimes["a"])
+    h.deliver(make_decision(1, make_plan(make_replica(["A0"]), deployment="a"), deployment="a"))
+    _step_all({"a": h}, lambda: h.rt.state.serving is not None, 60)
+    assert h.submit(make_request(1, prompt=1000, output=16, prefix="a")).admitted
+    assert host.vmm.memory()["A0"].fill <= settings.serving.watermark
+
+
 # ---- a handover: one deployment's prepare waits for GPUs another moves off ----------------
 
 
