@@ -7,7 +7,10 @@ state, demand and the GPUs they hold) and acts only for itself:
 * **Room.** Several models share a GPU. What a GPU offers is its free memory as telemetry shows
   it, at most its total minus the footprint (weights + the runtime's overhead + ``memory_k`` ×
   batch × seq_len × KV bytes per token) of every model resident, loading or being evicted there
-  (:func:`room`): the decided plans count before telemetry shows the memory.
+  (:func:`room`): the decided plans count before telemetry shows the memory. A footprint whose
+  whole batch fits no GPU the model may use under ``oom_watermark`` has its batch cut to what
+  fits the largest (at least one sequence; the explanation says so): the batch is a floor for
+  KV, and a model whose weights nearly fill its card still serves with what is left.
 * **Round.** Cold models with requests (queued or held at the front end) are served in order —
   largest footprint first (big models need the big GPUs), then most requests waiting, then
   name. Each is placed by :func:`gearbox.placement.place_model` (memory filter, the
@@ -53,6 +56,7 @@ from enum import StrEnum
 
 from gearbox.config import PlacementConfig
 from gearbox.decisions import DecisionReason
+from gearbox.model import ModelSpec
 from gearbox.placement import (
     Backlog,
     EvictionRule,
@@ -76,6 +80,8 @@ __all__ = [
     "held_bytes",
     "kv_floor_tokens",
     "needs",
+    "replica_footprint",
+    "residency_round",
     "room",
 ]
 
@@ -85,11 +91,23 @@ __all__ = [
 FOOTPRINT_BATCH = 8
 
 
-def kv_floor_tokens(seq_len_tokens: float, config: PlacementConfig) -> int:
+def kv_floor_tokens(
+    seq_len_tokens: float, config: PlacementConfig, batch: int = FOOTPRINT_BATCH
+) -> int:
     """The KV tokens an on-demand model's footprint counts at its nominal sequence length
-    (``memory_k`` × ``FOOTPRINT_BATCH`` × seq_len): what the runtime guarantees it on a shared
-    GPU."""
-    return math.ceil(config.memory_k * FOOTPRINT_BATCH * max(1, round(seq_len_tokens)))
+    (``memory_k`` × ``batch`` × seq_len): what the runtime guarantees it on a shared GPU."""
+    return math.ceil(config.memory_k * batch * max(1, round(seq_len_tokens)))
+
+
+def replica_footprint(
+    spec: ModelSpec, seq_len_tokens: float, overhead_bytes: int, batch: int = FOOTPRINT_BATCH
+) -> ModelFootprint:
+    """The placement footprint of one on-demand replica of ``spec``: its weights, the runtime's
+    overhead beside them (which every model on a shared GPU holds once), and ``batch``
+    sequences of its nominal length ``seq_len_tokens`` (prompt + output)."""
+    return ModelFootprint.from_spec(
+        spec, batch, max(1, round(seq_len_tokens)), overhead_bytes=overhead_bytes
+    )
 
 
 class Residency(StrEnum):
@@ -363,6 +381,34 @@ def _promise(
     return free, residents
 
 
+def _fitted(
+    model: OnDemandModel, snapshot: TopologySnapshot, config: PlacementConfig
+) -> OnDemandModel:
+    """``model`` with its footprint's batch cut to the most sequences that fit the largest GPU
+    it may use under ``oom_watermark`` (at least one), when its whole batch fits none.
+
+    NOTE: the footprint's batch is a floor for KV, not a limit: a model whose weights nearly
+    fill the largest card (a 70B in FP8 on 80 GB) would otherwise never be placed, though it
+    serves with what is left (the runtime's admission throttles it).
+    """
+    fp = model.footprint
+    totals = [
+        g.total_memory_bytes
+        for g in snapshot.gpus
+        if model.pin_domain is None or g.domain == model.pin_domain
+    ]
+    if not totals:
+        return model
+    cap = config.oom_watermark * max(totals)
+    if fp.estimated_bytes(config.memory_k) <= cap:
+        return model
+    per_seq = config.memory_k * fp.seq_len_tokens * fp.kv_bytes_per_token
+    batch = int((cap - fp.model_bytes - fp.overhead_bytes) // per_seq) if per_seq > 0 else 0
+    if batch < 1:
+        return model  # its weights alone fill the largest card: place_model says so
+    return replace(model, footprint=replace(fp, batch_size=batch))
+
+
 def _round(
     models: Sequence[OnDemandModel], snapshot: TopologySnapshot, config: PlacementConfig
 ) -> _Round:
@@ -375,6 +421,8 @@ def _round(
     scale-out is promised the same way, and its evictions likewise. Cold models come first: a
     model with no replica waits longer than one with one.
     """
+    asked = {m.name: m.footprint.batch_size for m in models}
+    models = [_fitted(m, snapshot, config) for m in models]
     free = room(snapshot, models, config)
     residents = [_resident(m, u, snapshot.now_s, config) for m in models for u in m.gpu_uuids]
     victims: dict[str, tuple[str, PlacementDecision]] = {}
@@ -386,6 +434,9 @@ def _round(
     now_s = snapshot.now_s
     for model in waiting:
         decision, note = _place(model, models, free, residents, config)
+        if (cut := model.footprint.batch_size) < asked[model.name]:
+            fits = f"batch cut to {cut} of {asked[model.name]} sequences to fit under the watermark"
+            note = "; ".join(n for n in (note, fits) if n)
         placements[model.name] = (decision, note)
         need = held_bytes(model, config)
         free, residents = _promise(model.name, decision, need, free, residents, victims, now_s)
@@ -419,8 +470,31 @@ def decide_residency(
     Deterministic; see the module docstring."""
     mine = next(m for m in models if m.name == me)
     if mine.state in (Residency.LOADING, Residency.EVICTING):
-        return _hold(DecisionReason.TRANSITION_IN_FLIGHT, f"{me}: {mine.state.value}.")
+        return _in_flight(mine)
+    return _verdict(mine, _round(models, snapshot, config), snapshot.now_s)
+
+
+def residency_round(
+    models: Sequence[OnDemandModel], snapshot: TopologySnapshot, config: PlacementConfig
+) -> dict[str, ResidencyVerdict]:
+    """Every model's :func:`decide_residency` from one round: what each deployment decides
+    for itself, computed once for all of them (the benchmark acts for every model at once)."""
     decided = _round(models, snapshot, config)
+    return {
+        m.name: _in_flight(m)
+        if m.state in (Residency.LOADING, Residency.EVICTING)
+        else _verdict(m, decided, snapshot.now_s)
+        for m in models
+    }
+
+
+def _in_flight(mine: OnDemandModel) -> ResidencyVerdict:
+    return _hold(DecisionReason.TRANSITION_IN_FLIGHT, f"{mine.name}: {mine.state.value}.")
+
+
+def _verdict(mine: OnDemandModel, decided: _Round, now_s: float) -> ResidencyVerdict:
+    """A cold or resident model's decision from the round."""
+    me = mine.name
     placements = decided.placements
     if mine.state is Residency.COLD:
         if me not in placements:
@@ -447,7 +521,7 @@ def decide_residency(
             ResidencyAction.HOLD, DecisionReason.WAITING_FOR_ROOM, (), None, decision, text
         )
     if me in decided.victims:
-        return _evicted(mine, decided.victims[me], snapshot.now_s)
+        return _evicted(mine, decided.victims[me], now_s)
     return _scaled(mine, decided.scales.get(me))
 
 

@@ -29,6 +29,7 @@ from gearbox.residency import (
     Residency,
     ResidencyAction,
     decide_residency,
+    replica_footprint,
 )
 from gearbox.starting import unified_stage
 from gearbox.switch import SwitchCost
@@ -100,13 +101,10 @@ def residency_of(
 
 
 def footprint(dep: Deployment, gearbox: GearboxConfig) -> ModelFootprint:
-    """The placement footprint of ``dep``'s replica: weights, the runtime's overhead beside them
-    (which every model on a shared GPU holds once), and ``FOOTPRINT_BATCH`` sequences of its
-    nominal length."""
-    seq = round(dep.nominal.prompt_tokens + dep.nominal.output_tokens)
-    return ModelFootprint.from_spec(
-        dep.model, FOOTPRINT_BATCH, max(1, seq), overhead_bytes=gearbox.runtime_overhead_bytes
-    )
+    """The placement footprint of ``dep``'s replica (:func:`gearbox.residency.replica_footprint`
+    at its nominal prompt + output)."""
+    seq = dep.nominal.prompt_tokens + dep.nominal.output_tokens
+    return replica_footprint(dep.model, seq, gearbox.runtime_overhead_bytes)
 
 
 def _model(

@@ -17,6 +17,7 @@ from gearbox.residency import (
     ResidencyAction,
     decide_residency,
     held_bytes,
+    residency_round,
     room,
 )
 from gearbox.types import TopologySnapshot
@@ -381,3 +382,36 @@ def test_an_extra_replica_makes_room_for_a_cold_model_before_any_last_replica() 
     assert m.action is ResidencyAction.SCALE_IN and m.for_model == "w"
     assert len(m.gpu_uuids) == 1  # one replica stays
     assert decide_residency("solo", models, snap, capped).action is ResidencyAction.HOLD
+
+
+@pytest.mark.unit
+def test_a_model_whose_whole_batch_fits_no_card_loads_with_its_batch_cut() -> None:
+    # 36 GiB of weights on an L40S (48 GiB, watermark 40.8 GiB): 8 sequences of 4,096 tokens at
+    # k = 1.3 need 41.2 GiB in all; 7 fit, so it loads, saying so. Weights past the watermark
+    # never do: that card can hold none of its KV.
+    wide = ModelFootprint("wide", 36 * GIB, 128 * 1024, batch_size=8, seq_len_tokens=4096)
+    config = PlacementConfig()
+    assert wide.estimated_bytes(config.memory_k) > config.oom_watermark * 48 * GIB
+    one = (("g0", "n0", "l40s"),)
+    verdict = decide_residency("m", [_model("m", wide, queued=1)], _snapshot(*one), config)
+    assert verdict.action is ResidencyAction.LOAD and verdict.gpu_uuids == ("g0",)
+    assert "batch cut to 7 of 8 sequences" in verdict.explanation
+    heavy = replace(wide, model_bytes=42 * GIB)
+    verdict = decide_residency("m", [_model("m", heavy, queued=1)], _snapshot(*one), config)
+    assert verdict.reason is DecisionReason.WAITING_FOR_ROOM
+
+
+@pytest.mark.unit
+def test_the_round_gives_every_model_the_verdict_it_decides_for_itself() -> None:
+    # one path: the benchmark's round for all models is each deployment's own decision
+    models = [
+        _model("m", queued=2),
+        _resident("idle", "g0", idle_s=600.0),
+        _resident("busy", "g1", idle_s=1.0, active=1),
+        _model("loading", state=Residency.LOADING, gpu="g1"),
+        _model("nobody"),
+    ]
+    snapshot = _snapshot(*TWO_GPUS)
+    verdicts = residency_round(models, snapshot, CONFIG)
+    assert verdicts == {m.name: decide_residency(m.name, models, snapshot, CONFIG) for m in models}
+    assert verdicts["idle"].action is ResidencyAction.EVICT
