@@ -10,8 +10,9 @@ catalogue does not fit statically, under Zipf popularity that shifts every 15 mi
 load around the cluster's capacity. Every system replays the same requests on the same simulator
 (:mod:`bench.mm.core`): one engine (paged KV that grows with generated tokens, or prompt + the
 client's ``max_tokens`` with ``--admission max_tokens``; youngest-first preemption; no rule reads a
-request's actual output length), built from the product's own code — ``gearbox.place_model`` and
-``gearbox.dead_memory``, the runtime's ``check_watermark`` and ``ReservationManager`` (VMM), its
+request's actual output length), built from the product's own code — the live stream's
+residency round (``gearbox.residency``) and ``gearbox.dead_memory``, the runtime's
+``check_watermark`` and ``ReservationManager`` (VMM), its
 ``ReplicaTiming`` for step and load times and its ``SimGpuPool`` for physical memory. Systems
 (:mod:`bench.mm.systems`): the article's naive round-robin, model-aware round-robin, a per-GPU
 vLLM-like static deployment, and ours.

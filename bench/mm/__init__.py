@@ -9,7 +9,7 @@
   instances, queues, service times from the runtime's :class:`runtime.timing.ReplicaTiming`
   (gearbox's cost model), physical memory in the runtime's :class:`SimGpuPool`.
 * :mod:`bench.mm.systems` — the four systems: naive and model-aware round-robin, vLLM-like
-  static, and ours (``gearbox.place_model`` + the runtime's watermark throttle and VMM
-  reservation manager).
+  static, and ours (the live stream's residency round, ``gearbox.residency``, + the runtime's
+  watermark throttle, VMM floors and reservation manager).
 * :mod:`bench.mm.metrics` — counters and the time-integrated figures reported.
 """

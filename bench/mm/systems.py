@@ -20,28 +20,32 @@ the GPU's memory under that cap, split by nominal KV demand) and admits and pree
 No loads after start, no evictions, no 429s: requests queue (and time out) at the model's
 instances, spread round-robin.
 
-**Ours**: placement is ``gearbox.place_model`` (memory estimate with k = 1.3, pre-OOM watermark,
-concurrency cap, affinity/free-memory/utilisation score, anti-affinity); a queued decision's
-eviction proposals are applied, and only those (gearbox never proposes a model with running or
-queued requests): cold models, else — the requests pending at the front end for the model as
-its backlog — idle ones whose expected loss that backlog outweighs (gearbox's queue rule).
-Admission mirrors :meth:`runtime.serving.ServingCore.submit` without knowing any output length:
-candidates least loaded first, the engine's context limit on prompt + stated ``max_tokens``, the
-queue cap, then the runtime's ``check_watermark`` on the GPU's memory with the KV the request is
-admitted with (its prompt's blocks under incremental admission) — ready replicas least loaded
-first, the first passing takes it, else a 429 naming the rule; those rules are the runtime's own
-(:mod:`runtime.admission`). A watermark refusal that is only transient (the model's weights and
-the request's KV would pass on some candidate's GPU) waits at the front end for memory instead,
-while it can still get its first token within ``memory_wait_s`` (half the TTFT SLO) of its
-first refusal, without holding the model's later requests back (``wait_blocks``); then it is refused
-``throttled_watermark``. It counts among the model's waiting requests meanwhile, and once in the
-scale window's arrivals and refusals. Weights are reserved through the
-runtime's ``ReservationManager`` (VMM). Every tick each resident model's replicas are scaled by
-``gearbox.scaling.scale_replicas`` (the live residency round's rule) on its arrivals, capacity
-429s and waiting requests over the last ``SCALE_WINDOW_S``: one more replica when its demand is
-unmet (the evictions gearbox proposes for it applied: idle extra replicas, cold models, idle
-ones its unmet demand outweighs), an idle extra one given back; never below the catalogue's
-replica count. The baselines keep the catalogue's counts.
+**Ours** runs the live loop's own rules. Residency is ``gearbox.residency.residency_round`` —
+the round each on-demand deployment of the live stream decides by (:mod:`streams.ondemand`) —
+on the models as the stream's view shows them (state, GPUs, active and queued requests, last
+demand, routed requests and capacity 429s over ``SCALE_WINDOW_S``) and the GPUs' physical free
+memory, every tick and whenever a request waits for a model short of replicas; every verdict is
+carried out: a cold model with requests loads as one replica (at start the live models count as
+requested), resident ones scale out or in by one, cold or idle ones are evicted for a waiting
+model (gearbox never proposes one with running or queued requests) — an eviction here is
+instant, so the round runs once more for the model it made room for. Each model's footprint is
+the live one (:func:`gearbox.residency.replica_footprint`: weights, overhead and
+``FOOTPRINT_BATCH`` sequences of its mean prompt + output), and each replica gets the VMM floor
+the runtime's serving core gives an on-demand replica (weights + that KV, at most the
+watermark's share of the GPU). Admission mirrors :meth:`runtime.serving.ServingCore.submit`
+without knowing any output length: candidates least loaded first, the engine's context limit on
+prompt + stated ``max_tokens``, the queue cap, then the runtime's ``check_watermark`` on the GPU
+as the VMM ledger shows it with floors (:func:`runtime.vmm.manager.floored_memory`) and the KV
+the request is admitted with (its prompt's blocks under incremental admission) — ready replicas
+least loaded first, the first passing takes it, else a 429 naming the rule; those rules are the
+runtime's own (:mod:`runtime.admission`). A watermark refusal that is only transient (the
+model's weights and the request's KV would pass on some candidate's GPU) waits at the front end
+for memory instead, while it can still get its first token within ``memory_wait_s`` (half the
+TTFT SLO) of its first refusal, without holding the model's later requests back
+(``wait_blocks``); then it is refused ``throttled_watermark``. It counts among the model's
+waiting requests meanwhile, and once in the window's routed requests and refusals. Weights are
+reserved through the runtime's ``ReservationManager`` (VMM). The baselines keep the
+catalogue's replica counts; ours does not read them.
 """
 
 from __future__ import annotations
@@ -52,14 +56,16 @@ from collections.abc import Callable, Sequence
 
 from bench.mm.core import Instance, Simulator, Wait, footprint_of
 from bench.mm.scenario import ModelProfile, SimRequest
-from gearbox.placement import (
-    Backlog,
-    PlacementDecision,
-    PlacementStatus,
-    ResidentModel,
-    place_model,
+from gearbox.decisions import DecisionReason
+from gearbox.residency import (
+    OnDemandModel,
+    Residency,
+    ResidencyAction,
+    ResidencyVerdict,
+    kv_floor_tokens,
+    replica_footprint,
+    residency_round,
 )
-from gearbox.scaling import ReplicaDemand, ScaleAction, ScaleDecision, scale_replicas
 from runtime.admission import (
     default_memory_wait_s,
     first_token_s,
@@ -70,7 +76,7 @@ from runtime.admission import (
 )
 from runtime.throttle import DEFAULT_WATERMARK, GpuMemory
 from runtime.types import Reason
-from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager
+from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager, floored_memory
 
 __all__ = ["GearboxSystem", "ModelAwareRoundRobin", "NaiveRoundRobin", "VllmLikeSystem"]
 
@@ -286,7 +292,7 @@ class VllmLikeSystem:
 
 
 class GearboxSystem:
-    """``place_model`` + the runtime's watermark throttle (see the module docstring)."""
+    """The live residency round + the runtime's admission (see the module docstring)."""
 
     name = "gearbox"
 
@@ -309,64 +315,105 @@ class GearboxSystem:
         self.wait_blocks = wait_blocks  # a waiting request holds its model's later ones back
         self._first_refused_s: dict[str, float] = {}  # request id → its first watermark refusal
         self.vmm = ReservationManager()  # host backend: real address-space reservations
-        self.decisions: list[PlacementDecision] = []
-        self.scale_decisions: list[ScaleDecision] = []  # every OUT, IN and NO_ROOM
+        self.verdicts: list[ResidencyVerdict] = []  # every verdict that acted (not a hold)
         # per model: (time, refused for capacity) of each request routed, over SCALE_WINDOW_S
         self._routed: dict[str, deque[tuple[float, bool]]] = {}
         self._refused: dict[str, int] = {}  # per model: the capacity refusals in _routed
         self._changed_s: dict[str, float] = {}  # per model: its replica set last changed
+        self._last_demand_s: dict[str, float] = {}  # per model: the last round it had demand
+        self._floors: dict[str, int] = {}  # instance id → bytes its VMM floor guarantees it
 
-    # ---- placement ----------------------------------------------------------------------------
+    # ---- residency ----------------------------------------------------------------------------
 
     def deploy(self, models: Sequence[ModelProfile]) -> None:
-        """Place the live models, largest first."""
-        _deploy_live(self.place, self.sim, models)
+        """At start the catalogue's live models are wanted: one round loads them (largest
+        footprint first, the round's own order)."""
+        self._decide(frozenset(m.name for m in models if m.traffic.active_from_s <= 0.0))
 
     def place(self, profile: ModelProfile, count: int) -> None:
-        """Place ``count`` replicas; when queued, apply the proposed evictions and try once more."""
-        decision = self._placement(profile, count)
-        if decision.status is PlacementStatus.QUEUED and decision.evictions:
-            for proposal in decision.evictions:
-                victim = self.sim.instance(proposal.model_name, proposal.gpu_uuid)
-                if victim is not None:
-                    self.sim.evict(victim)
-            decision = self._placement(profile, count)
-        if decision.status is PlacementStatus.QUEUED:
-            self.sim.metrics.placement_queued += 1
-            return
-        for uuid in decision.gpu_uuids:
-            self.sim.load(profile, uuid)
+        """A request waits for a model short of replicas: the round decides for every model."""
+        self._decide()
 
-    def _residents(self) -> list[ResidentModel]:
-        """Every instance as placement sees it (a loading one is in transition)."""
-        sim = self.sim
-        return [
-            ResidentModel(
-                i.profile.name,
-                i.gpu_uuid,
-                i.weight_bytes + i.kv_bytes,
-                len(i.running),
-                i.last_request_s,
-                sim.mean_gap_s(i.profile.name),
-                i.timing.weight_load_s(),
-                len(i.waiting) + sim.pending(i.profile.name),
-                in_transition=not i.is_ready(sim.now_s),
-            )
-            for i in sim.instances.values()
-        ]
+    def on_tick(self) -> None:
+        """The periodic round: loads, evictions and replica scaling for every model."""
+        self._decide()
 
-    def _placement(self, profile: ModelProfile, count: int) -> PlacementDecision:
+    def _decide(self, wanted: frozenset[str] = frozenset()) -> None:
+        """Run ``gearbox.residency``'s round on the models' view and act on every verdict; an
+        eviction here is instant, so the round runs once more for the models it made room for.
+        ``wanted``: models counted as requested (the start)."""
         sim = self.sim
-        # NOTE: place_model spreads the replicas of one call; GPUs already holding the model
-        # are hidden from it so a new replica never lands beside an existing one.
-        holding = frozenset(i.gpu_uuid for i in sim.instances_of(profile.name))
-        residents = self._residents()
-        request = footprint_of(profile, sim.config, count)
-        gap = sim.mean_gap_s(profile.name)  # NOTE: 0 while every arrival came at one instant
-        backlog = Backlog(sim.pending(profile.name), 1.0 / gap if gap > 0 else 0.0)
-        decision = place_model(request, sim.snapshot(holding), residents, sim.placement, backlog)
-        self.decisions.append(decision)
-        return decision
+        for _ in range(2):
+            views = [self._view(p, p.name in wanted) for p in sim.profiles.values()]
+            verdicts = residency_round(views, sim.snapshot(), sim.placement)
+            evicted = False
+            for name, verdict in verdicts.items():
+                evicted |= self._act(sim.profiles[name], verdict)
+            if not evicted:
+                return
+
+    def _view(self, profile: ModelProfile, wanted: bool) -> OnDemandModel:
+        """The model as the live stream's on-demand view shows it (:mod:`streams.ondemand`)."""
+        sim, name, now_s = self.sim, profile.name, self.sim.now_s
+        instances = sim.instances_of(name)
+        if not instances:
+            state = Residency.COLD
+        elif all(i.is_ready(now_s) for i in instances):
+            state = Residency.RESIDENT
+        else:
+            state = Residency.LOADING
+            self._changed_s[name] = now_s  # NOTE: the scale window restarts once all serve
+        routed = self._window(name)
+        active = sum(len(i.running) for i in instances)
+        queued = sum(len(i.waiting) for i in instances) + sim.pending(name) + int(wanted)
+        if routed or active or queued:
+            self._last_demand_s[name] = now_s
+        traffic = profile.traffic
+        seq = traffic.mean_prompt_tokens + traffic.mean_output_tokens
+        return OnDemandModel(
+            name=name,
+            footprint=replica_footprint(profile.spec, seq, sim.config.runtime_overhead_bytes),
+            state=state,
+            gpu_uuids=tuple(sorted(i.gpu_uuid for i in instances)),
+            active_requests=active,
+            queued_requests=queued,
+            last_demand_s=self._last_demand_s.get(name, -math.inf),
+            arrival_rps=len(routed) / SCALE_WINDOW_S,
+            reload_s=profile.spec.weight_bytes / (sim.config.weight_load_gbps * 1e9),
+            refused=self._refused.get(name, 0),
+            window_s=SCALE_WINDOW_S,
+            steady_s=now_s - self._changed_s.get(name, -math.inf),
+        )
+
+    def _window(self, name: str) -> deque[tuple[float, bool]]:
+        """The model's routed requests over the last ``SCALE_WINDOW_S``."""
+        routed = self._routed.setdefault(name, deque())
+        while routed and routed[0][0] < self.sim.now_s - SCALE_WINDOW_S:
+            if routed.popleft()[1]:
+                self._refused[name] -= 1
+        return routed
+
+    def _act(self, profile: ModelProfile, verdict: ResidencyVerdict) -> bool:
+        """Carry out one verdict; True when it evicted something."""
+        sim = self.sim
+        action = verdict.action
+        if verdict.reason is DecisionReason.WAITING_FOR_ROOM:
+            sim.metrics.placement_queued += 1
+        if action is ResidencyAction.HOLD:
+            return False
+        self.verdicts.append(verdict)
+        held = {i.gpu_uuid: i for i in sim.instances_of(profile.name)}
+        if action in (ResidencyAction.LOAD, ResidencyAction.SCALE_OUT):
+            for uuid in verdict.gpu_uuids:
+                loaded = uuid not in held and sim.load(profile, uuid) is not None
+                sim.metrics.scale_outs += int(loaded and action is ResidencyAction.SCALE_OUT)
+            return False
+        gone = [i for u, i in held.items() if u not in verdict.gpu_uuids]
+        for inst in gone:
+            sim.evict(inst)
+        if action is ResidencyAction.SCALE_IN and verdict.for_model is None:
+            sim.metrics.scale_ins += len(gone)
+        return bool(gone)
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -396,6 +443,15 @@ class GearboxSystem:
             self._refused[request.model_name] = self._refused.get(request.model_name, 0) + 1
         return choice
 
+    def _memory(self, inst: Instance, need_bytes: int) -> GpuMemory:
+        """The instance's GPU as the runtime's VMM ledger shows it to an admission of
+        ``need_bytes`` there: every replica on the GPU has its floor
+        (:func:`runtime.vmm.manager.floored_memory`)."""
+        sim, uuid = self.sim, inst.gpu_uuid
+        used = {i.iid: i.weight_bytes + i.kv_bytes for i in sim.instances_on(uuid)}
+        floors = {i: self._floors[i] for i in used}
+        return floored_memory(sim.pool.total_bytes(uuid), used, floors, inst.iid, need_bytes)
+
     def _admit(
         self, request: SimRequest, order: Sequence[Instance]
     ) -> tuple[Instance | Reason, float | None]:
@@ -407,8 +463,8 @@ class GearboxSystem:
         soonest_s: float | None = None
         for inst in order:
             uuid = inst.gpu_uuid
-            memory = {uuid: GpuMemory(sim.pool.total_bytes(uuid), sim.pool.used_bytes(uuid))}
             need = {uuid: sim.reservation_tokens(request) * inst.kv_bytes_per_token}
+            memory = {uuid: self._memory(inst, need[uuid])}
             reason = screen(
                 too_long=_too_long(request, inst),
                 queue_full=len(inst.waiting) >= MAX_QUEUE_PER_INSTANCE,
@@ -427,67 +483,28 @@ class GearboxSystem:
         return worst_refusal(refused), soonest_s
 
     def on_loaded(self, instance: Instance) -> bool:
-        """Reserve the GPU's address space for the instance and commit its weights."""
-        capacity = self.sim.gpus[instance.gpu_uuid].total_memory_bytes
+        """Reserve the GPU's address space for the instance, commit its weights and set its
+        floor (weights + :func:`gearbox.residency.kv_floor_tokens` of KV), as the runtime's
+        serving core installs an on-demand replica."""
+        sim = self.sim
+        capacity = sim.gpus[instance.gpu_uuid].total_memory_bytes
         uuid = instance.gpu_uuid
         if not self.vmm.reserve_replica(instance.iid, {uuid: (capacity, capacity)}):
             return False
         if not self.vmm.commit(instance.iid, WEIGHTS_REQUEST, {uuid: instance.weight_bytes}):
             self.vmm.unreserve_replica(instance.iid)
             return False
+        traffic = instance.profile.traffic
+        seq = traffic.mean_prompt_tokens + traffic.mean_output_tokens
+        kv = kv_floor_tokens(seq, sim.placement) * instance.kv_bytes_per_token
+        watermark_bytes = int(self.watermark * capacity)
+        self._floors[instance.iid] = min(instance.weight_bytes + kv, watermark_bytes)
+        self.vmm.set_floor(instance.iid, {uuid: self._floors[instance.iid]})
+        self._changed_s[instance.profile.name] = sim.now_s
         return True
 
     def on_unloaded(self, instance: Instance) -> None:
-        """Release the reservation and every commit under it."""
+        """Release the reservation, every commit under it and its floor."""
         self.vmm.unreserve_replica(instance.iid)
+        self._floors.pop(instance.iid, None)
         self._changed_s[instance.profile.name] = self.sim.now_s
-
-    # ---- replica scaling ----------------------------------------------------------------------
-
-    def on_tick(self) -> None:
-        """Scale each resident model's replicas by gearbox's rule (at most one step each)."""
-        sim = self.sim
-        for name in sorted({i.profile.name for i in sim.instances.values()}):
-            instances = sim.instances_of(name)
-            if not all(i.is_ready(sim.now_s) for i in instances):
-                self._changed_s[name] = sim.now_s  # NOTE: the window restarts once all serve
-                continue
-            decision = self._scale(sim.profiles[name])
-            if decision.action is ScaleAction.HOLD and decision.placement is not None:
-                if not decision.placement.evictions:
-                    continue
-                for proposal in decision.placement.evictions:
-                    victim = sim.instance(proposal.model_name, proposal.gpu_uuid)
-                    if victim is not None:
-                        sim.evict(victim)
-                decision = self._scale(sim.profiles[name])
-            if decision.action is ScaleAction.OUT and decision.gpu_uuid is not None:
-                if sim.load(sim.profiles[name], decision.gpu_uuid) is not None:
-                    sim.metrics.scale_outs += 1
-            elif decision.action is ScaleAction.IN and decision.gpu_uuid is not None:
-                victim = sim.instance(name, decision.gpu_uuid)
-                if victim is not None:
-                    sim.evict(victim)
-                    sim.metrics.scale_ins += 1
-
-    def _scale(self, profile: ModelProfile) -> ScaleDecision:
-        """gearbox's scale decision for one resident model on the window's figures."""
-        sim = self.sim
-        routed = self._routed.setdefault(profile.name, deque())
-        while routed and routed[0][0] < sim.now_s - SCALE_WINDOW_S:
-            if routed.popleft()[1]:
-                self._refused[profile.name] -= 1
-        queued = sum(len(i.waiting) for i in sim.instances_of(profile.name))
-        demand = ReplicaDemand(
-            arrivals=len(routed),
-            refused=self._refused.get(profile.name, 0),
-            waiting_requests=sim.pending(profile.name) + queued,
-            window_s=SCALE_WINDOW_S,
-            steady_s=sim.now_s - self._changed_s.get(profile.name, -math.inf),
-            min_replicas=profile.replicas,
-        )
-        request = footprint_of(profile, sim.config)
-        decision = scale_replicas(request, demand, sim.snapshot(), self._residents(), sim.placement)
-        if decision.action is not ScaleAction.HOLD or decision.placement is not None:
-            self.scale_decisions.append(decision)
-        return decision

@@ -396,8 +396,8 @@ def test_ours_scales_out_a_model_its_replica_refuses_and_gives_the_extra_back_id
     system = GearboxSystem(sim)
     metrics = sim.run(system)
     assert metrics.scale_outs == 1  # one more replica, on the other GPU …
-    outs = [d for d in system.scale_decisions if d.action.value == "scale_out"]
-    assert "refused" in outs[0].explanation and outs[0].gpu_uuid is not None
+    outs = [v for v in system.verdicts if v.action.value == "scale_out"]
+    assert "refused" in outs[0].explanation and len(outs[0].gpu_uuids) == 2
     assert metrics.scale_ins == 1  # … given back once idle, never below the catalogue's one
     assert metrics.evicted_with_active == 0 and metrics.oom_events == 0
     one = Simulator(scenario, PlacementConfig(cold_after_s=120.0, max_replicas_per_model=1))
