@@ -22,6 +22,11 @@
     nil: its model still serves. Never a model's last replica;
   - **cold** (the article's rule, least recently used first): idle past ``cold_after_s``, and
     the expected time to its next request exceeds its reload × ``eviction_reload_factor``;
+  - **drain** (only for a model with no replica that requests wait for, when no extra replica
+    or cold model makes room): an extra replica *in use*, its model keeping another serving one.
+    It is given back by a drain — it takes no new request, finishes what it holds, then goes —
+    so no request fails; its model loses one replica's capacity, while the waiting model has
+    none at all. The one exception to "no active or queued requests", and never a last replica;
   - **queue** (only when no cold model makes room, and only for a placement that requests are
     already waiting for, its :class:`Backlog`): an idle model may go before it is cold when
     what waits outweighs what evicting it costs, by the same margin. Over the victim's reload
@@ -153,6 +158,7 @@ class Backlog(Serialisable):
 
     waiting_requests: int  # queued, or held at the front end, for the model to place
     arrival_rps: float = 0.0  # its expected arrival rate
+    first_replica: bool = False  # the model has no replica: its requests wait for this one
 
     def demand_over(self, horizon_s: float) -> float:
         """Requests for the model waiting now plus those expected within ``horizon_s``."""
@@ -163,6 +169,7 @@ class EvictionRule(StrEnum):
     """Which rule let a model be evicted."""
 
     EXTRA_REPLICA = "extra_replica"  # idle, and its model keeps another replica serving
+    DRAIN = "drain"  # in use, and its model keeps another replica serving: drained, not cut
     COLD = "cold"  # idle past cold_after_s and its next request is far off: worth its reload
     QUEUE = "queue"  # idle, and the requests waiting for the placement outweigh its loss
 
@@ -291,14 +298,15 @@ def _proposal(
     """
     idle = now_s - resident.last_request_s
     gap = _expected_gap_s(resident, now_s)
-    # NOTE: a queued request counts like a running one: evicting its model would fail it.
-    if resident.active_requests != 0 or resident.queued_requests != 0:
-        return None
     if resident.in_transition:  # NOTE: its memory is spoken for until the runtime confirms
         return None
     proposal = EvictionProposal(
         resident.model_name, resident.gpu_uuid, resident.memory_bytes, idle, gap, resident.reload_s
     )
+    # NOTE: a queued request counts like a running one: evicting its model would fail it; an
+    # extra replica's are finished by its drain while the model's others take the new ones
+    if resident.active_requests != 0 or resident.queued_requests != 0:
+        return replace(proposal, rule=EvictionRule.DRAIN) if extra else None
     # NOTE: hysteresis — the minimum residence (see the module docstring)
     settled = idle >= resident.reload_s * config.eviction_reload_factor
     if extra and settled:
@@ -341,9 +349,11 @@ def _evictions_on(
     backlog: Backlog | None,
     replicas: Counter[str],
 ) -> tuple[EvictionProposal, ...] | None:
-    """Extra replicas, then cold models, least recently used first; then, if still short and a
-    backlog waits, idle ones by the queue rule, least recently used first, each only while the
-    backlog still outweighs their loss together (one it would not skips to the next)."""
+    """Extra replicas, then cold models, least recently used first; then, if still short and
+    the backlog waits for the model's first replica, extra replicas in use (drained), least
+    recently used first; then, if still short and a backlog waits, idle ones by the queue rule,
+    least recently used first, each only while the backlog still outweighs their loss together
+    (one it would not skips to the next)."""
     free, models = gpu.free_memory_bytes, len(on_gpu)
     candidates = sorted(
         (
@@ -358,6 +368,16 @@ def _evictions_on(
         if _fits_after(gpu, free, models, need, config):
             break
         if proposal.rule in (EvictionRule.EXTRA_REPLICA, EvictionRule.COLD):
+            proposals.append(proposal)
+            free, models = free + proposal.freed_bytes, models - 1
+    for proposal in candidates:
+        if (
+            backlog is None
+            or not backlog.first_replica
+            or _fits_after(gpu, free, models, need, config)
+        ):
+            break
+        if proposal.rule is EvictionRule.DRAIN:
             proposals.append(proposal)
             free, models = free + proposal.freed_bytes, models - 1
     queue: list[EvictionProposal] = []
@@ -384,7 +404,7 @@ def _eviction_plan(
     replicas first), then fewest evictions, then fewest bytes freed."""
     need = request.estimated_bytes(config.memory_k)
     replicas = _serving_replicas(residents)
-    best: tuple[tuple[int, int, int, int, str], tuple[EvictionProposal, ...]] | None = None
+    best: tuple[tuple[int, int, int, int, int, str], tuple[EvictionProposal, ...]] | None = None
     for gpu in snapshot.gpus:
         if not snapshot.gpu_is_live(gpu):
             continue
@@ -395,8 +415,11 @@ def _eviction_plan(
         queue = sum(1 for p in proposals if p.rule is EvictionRule.QUEUE)
         # NOTE: giving back an extra replica loses nothing (its model keeps serving): a plan of
         # extras alone beats one that takes any model's last replica
-        last = sum(1 for p in proposals if p.rule is not EvictionRule.EXTRA_REPLICA)
-        key = (queue, last, len(proposals), sum(p.freed_bytes for p in proposals), gpu.uuid)
+        extra = (EvictionRule.EXTRA_REPLICA, EvictionRule.DRAIN)
+        last = sum(1 for p in proposals if p.rule not in extra)
+        drains = sum(1 for p in proposals if p.rule is EvictionRule.DRAIN)
+        freed = sum(p.freed_bytes for p in proposals)
+        key = (queue, last, drains, len(proposals), freed, gpu.uuid)
         if best is None or key < best[0]:
             best = (key, proposals)
     return best[1] if best is not None else ()
@@ -417,6 +440,11 @@ def _eviction_text(
         where += f"{_minutes(e.expected_gap_s)}"
         if e.rule is EvictionRule.EXTRA_REPLICA:
             parts.append(f"give back {where}: an extra replica, its model keeps serving)")
+        elif e.rule is EvictionRule.DRAIN:
+            parts.append(
+                f"drain {e.model_name}@{e.gpu_uuid} (an extra replica in use: it "
+                "finishes its requests, its model's other replicas take new ones)"
+            )
         elif e.rule is EvictionRule.COLD:
             parts.append(f"evict {where}, reload {_minutes(e.reload_s)}: cold)")
         else:

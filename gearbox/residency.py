@@ -22,9 +22,11 @@ state, demand and the GPUs they hold) and acts only for itself:
   resident whose eviction makes room (with others on its GPU, least recently used first, if one
   is not enough; place_model's rules: never a model with active or queued requests; an idle
   extra replica of a model that keeps another, then cold — idle past ``cold_after_s``, worth
-  its reload — on any GPU before the queue rule — idle, and the model's waiting requests
-  outweigh its expected loss — on any) is promised to it — its memory stays held until the
-  runtime confirms, and the rest of the waiting model's footprint is promised on that GPU.
+  its reload — then an extra replica in use, drained — it takes no new request and finishes
+  its own, the model keeps another — on any GPU before the queue rule — idle, and the model's
+  waiting requests outweigh its expected loss — on any) is promised to it — its memory stays
+  held until the runtime confirms, and the rest of the waiting model's footprint is promised
+  on that GPU.
   Then every resident model not evicted, most unmet demand first, is scaled by
   :func:`gearbox.scaling.scale_replicas` on what is left (its 429s for capacity and waiting
   requests over the load window against its arrivals): one more replica on a GPU without one
@@ -293,8 +295,8 @@ def _demand(model: OnDemandModel) -> ReplicaDemand:
 
 
 def _backlog(model: OnDemandModel) -> Backlog:
-    """The requests waiting for ``model``'s load, and its arrival rate."""
-    return Backlog(model.queued_requests, model.arrival_rps)
+    """The requests waiting for ``model``'s load (its first replica), and its arrival rate."""
+    return Backlog(model.queued_requests, model.arrival_rps, first_replica=True)
 
 
 def _least_recently_used(
@@ -531,22 +533,24 @@ def _evicted(
     """A resident model proposed for eviction in the round: all its replicas go (EVICT), or an
     extra one of several (SCALE_IN)."""
     me, (needy, decision) = mine.name, victim
-    if mine.wanted:  # NOTE: place_model never proposes it; this keeps the rule local and sure
-        return _hold(DecisionReason.RESIDENT, f"{me}: resident with requests: never evicted.")
-    idle = now_s - mine.last_demand_s if math.isfinite(mine.last_demand_s) else None
-    since = f"idle {idle:.0f} s" if idle is not None else "never requested"
     mine_gone = [e for e in decision.evictions if e.model_name == me]
     gone = {e.gpu_uuid for e in mine_gone}
     keep = tuple(u for u in mine.gpu_uuids if u not in gone)
+    # NOTE: place_model never proposes it; this keeps the rule local and sure. Giving back
+    # some replicas of a model in use is a drain: the runtime finishes their requests there.
+    if mine.wanted and not keep:
+        return _hold(DecisionReason.RESIDENT, f"{me}: resident with requests: never evicted.")
+    idle = now_s - mine.last_demand_s if math.isfinite(mine.last_demand_s) else None
+    since = f"idle {idle:.0f} s" if idle is not None else "never requested"
     rule = mine_gone[0].rule
     why = {
-        EvictionRule.EXTRA_REPLICA: "an extra replica",
-        EvictionRule.COLD: "cold, least recently used",
-        EvictionRule.QUEUE: "queue rule",
+        EvictionRule.EXTRA_REPLICA: f"{since}, no active or queued request, an extra replica",
+        EvictionRule.DRAIN: "in use, an extra replica: drained, its requests finish there",
+        EvictionRule.COLD: f"{since}, no active or queued request, cold, least recently used",
+        EvictionRule.QUEUE: f"{since}, no active or queued request, queue rule",
     }[rule]
     text = (
-        f"{me}: evicted from {', '.join(sorted(gone))} ({since}, no active or queued request,"
-        f" {why}) to make room for {needy}"
+        f"{me}: evicted from {', '.join(sorted(gone))} ({why}) to make room for {needy}"
         + (f"; {len(keep)} replicas stay. " if keep else ". ")
         + decision.explanation
     )

@@ -9,7 +9,14 @@ import pytest
 
 from gearbox.config import PlacementConfig, PlacementStrategy
 from gearbox.decisions import DecisionReason
-from gearbox.placement import ModelFootprint, PlacementReason
+from gearbox.placement import (
+    Backlog,
+    EvictionRule,
+    ModelFootprint,
+    PlacementReason,
+    ResidentModel,
+    place_model,
+)
 from gearbox.presets import GIB, LINK_CLASSES
 from gearbox.residency import (
     OnDemandModel,
@@ -415,3 +422,35 @@ def test_the_round_gives_every_model_the_verdict_it_decides_for_itself() -> None
     verdicts = residency_round(models, snapshot, CONFIG)
     assert verdicts == {m.name: decide_residency(m.name, models, snapshot, CONFIG) for m in models}
     assert verdicts["idle"].action is ResidencyAction.EVICT
+
+
+@pytest.mark.unit
+def test_an_extra_replica_in_use_is_drained_for_a_model_with_no_replica() -> None:
+    # as above, but "m" serves requests on both replicas and "solo" too: no idle model anywhere.
+    # One of m's replicas is given back by a drain (the runtime finishes its requests there);
+    # solo's last replica never goes.
+    capped = replace(PACK, max_models_per_gpu=1, cold_after_s=60.0)
+    busy = replace(_resident("m", "g0", idle_s=0.0, active=3), gpu_uuids=("g0", "g1"))
+    solo = _resident("solo", "g2", idle_s=0.0, active=1)
+    models = [busy, solo, _model("w", queued=2)]
+    snap = _snapshot(*THREE_GPUS)
+    m = decide_residency("m", models, snap, capped)
+    assert m.action is ResidencyAction.SCALE_IN and m.for_model == "w" and len(m.gpu_uuids) == 1
+    assert "drained" in m.explanation
+    assert decide_residency("solo", models, snap, capped).action is ResidencyAction.HOLD
+    assert decide_residency("w", models, snap, capped).reason is DecisionReason.WAITING_FOR_ROOM
+
+
+@pytest.mark.unit
+def test_only_a_first_replica_drains_another_models_replica() -> None:
+    # the same GPU, asked for by a model with no replica and by one scaling out
+    gpu = _snapshot(("g0", "n0", "l40s"))
+    held = ResidentModel("m", "g0", 40 * GIB, 3, NOW_S, 1.0, 2.0)
+    others = ResidentModel("m", "g1", 40 * GIB, 3, NOW_S, 1.0, 2.0)
+    config = replace(PACK, max_models_per_gpu=1)
+    first = place_model(SMALL, gpu, [held, others], config, Backlog(2, 1.0, first_replica=True))
+    assert [e.rule for e in first.evictions] == [EvictionRule.DRAIN]
+    more = place_model(SMALL, gpu, [held, others], config, Backlog(2, 1.0))
+    assert more.evictions == ()
+    alone = place_model(SMALL, gpu, [held], config, Backlog(2, 1.0, first_replica=True))
+    assert alone.evictions == ()  # a model's last replica is never drained

@@ -63,6 +63,24 @@ def test_a_held_request_is_refused_model_loading_after_the_wait() -> None:
     assert h.rt.core.rejections[Reason.MODEL_LOADING] == 1 and h.rt.core.held() == ()
 
 
+def test_giving_back_a_replica_in_use_drains_it_and_fails_no_request() -> None:
+    # gearbox's drain rule: one of two replicas goes while both serve; its requests finish
+    h = _on_demand()
+    two = make_plan(make_replica(["A0"]), make_replica(["A1"]))
+    h.decide(1, two)
+    h.until(lambda: h.rt.state.active is None and h.rt.state.serving is not None, 60)
+    ids = [f"r{n}" for n in range(6)]
+    assert all(h.submit(make_request(n, output=300)).admitted for n in range(6))
+    owners = set(h.rt.core.router.ownership().values())
+    assert len(owners) == 2  # both replicas hold requests
+    h.decide(2, make_plan(make_replica(["A0"])), from_plan_id=two.plan_id)
+    h.until(lambda: all(i in {c.request_id for c in h.outputs.completions} for i in ids), 120)
+    h.until(lambda: h.rt.state.active is None, 60)
+    phases = [(r.transition_seq, r.phase) for r in h.outputs.records]
+    assert (2, TransitionPhase.DONE) in phases and (2, TransitionPhase.ROLLED_BACK) not in phases
+    assert h.outputs.refused == [] and not h.rt.core.rejections
+
+
 def test_a_resident_deployment_still_refuses_with_no_plan() -> None:
     h = Harness(make_runtime())
     assert h.submit(make_request(1)).reason is Reason.NO_SERVING_PLAN
