@@ -28,7 +28,9 @@ memory, every tick and whenever a request waits for a model short of replicas; e
 carried out: a cold model with requests loads as one replica (at start the live models count as
 requested), resident ones scale out or in by one, cold or idle ones are evicted for a waiting
 model (gearbox never proposes one with running or queued requests) — an eviction here is
-instant, so the round runs once more for the model it made room for. Each model's footprint is
+instant, so the round runs once more for the model it made room for — and an extra replica in
+use given back for a model with no replica is drained as the runtime drains a removed replica:
+it takes no new request and is unloaded at the first tick it holds none. Each model's footprint is
 the live one (:func:`gearbox.residency.replica_footprint`: weights, overhead and
 ``FOOTPRINT_BATCH`` sequences of its mean prompt + output), and each replica gets the VMM floor
 the runtime's serving core gives an on-demand replica (weights + that KV, at most the
@@ -322,6 +324,7 @@ class GearboxSystem:
         self._changed_s: dict[str, float] = {}  # per model: its replica set last changed
         self._last_demand_s: dict[str, float] = {}  # per model: the last round it had demand
         self._floors: dict[str, int] = {}  # instance id → bytes its VMM floor guarantees it
+        self._draining: set[str] = set()  # instances given back in use: no new request
 
     # ---- residency ----------------------------------------------------------------------------
 
@@ -335,7 +338,12 @@ class GearboxSystem:
         self._decide()
 
     def on_tick(self) -> None:
-        """The periodic round: loads, evictions and replica scaling for every model."""
+        """The periodic round: loads, evictions and replica scaling for every model, after the
+        drained replicas that finished their requests are unloaded."""
+        for iid in sorted(self._draining):
+            inst = self.sim.instances.get(iid)
+            if inst is not None and not inst.active:
+                self.sim.evict(inst)
         self._decide()
 
     def _decide(self, wanted: frozenset[str] = frozenset()) -> None:
@@ -358,7 +366,7 @@ class GearboxSystem:
         instances = sim.instances_of(name)
         if not instances:
             state = Residency.COLD
-        elif all(i.is_ready(now_s) for i in instances):
+        elif all(i.is_ready(now_s) and i.iid not in self._draining for i in instances):
             state = Residency.RESIDENT
         else:
             state = Residency.LOADING
@@ -410,10 +418,13 @@ class GearboxSystem:
             return False
         gone = [i for u, i in held.items() if u not in verdict.gpu_uuids]
         for inst in gone:
-            sim.evict(inst)
+            if inst.active:  # NOTE: a drain (the runtime's scale-in): unloaded once it is empty
+                self._draining.add(inst.iid)
+            else:
+                sim.evict(inst)
         if action is ResidencyAction.SCALE_IN and verdict.for_model is None:
             sim.metrics.scale_ins += len(gone)
-        return bool(gone)
+        return any(not i.active for i in gone)
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -421,7 +432,9 @@ class GearboxSystem:
         """ServingCore's admission loop: too long → queue cap → watermark; a transient watermark
         refusal waits for memory (at most ``memory_wait_s`` from the first)."""
         sim = self.sim
-        candidates = sim.instances_of(request.model_name)
+        candidates = [
+            i for i in sim.instances_of(request.model_name) if i.iid not in self._draining
+        ]
         if not candidates:
             return None
         now_s = sim.now_s
@@ -507,4 +520,5 @@ class GearboxSystem:
         """Release the reservation, every commit under it and its floor."""
         self.vmm.unreserve_replica(instance.iid)
         self._floors.pop(instance.iid, None)
+        self._draining.discard(instance.iid)
         self._changed_s[instance.profile.name] = self.sim.now_s
