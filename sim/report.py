@@ -13,11 +13,13 @@ from collections import Counter
 from pathlib import Path
 
 from flexpipe.schemas import TransitionPhase
+from gearbox.decisions import DecisionReason
 from sim.record import (
     BUCKET_S,
     LOSSES,
     PHASES,
     RunRecord,
+    SeenDecision,
     Shift,
     hms,
     ms,
@@ -168,6 +170,21 @@ def summary_lines(record: RunRecord, deployments: list[str], duration_s: float) 
     return lines
 
 
+def room_waits(record: RunRecord) -> list[str]:
+    """Per on-demand deployment that waited for room: its first and last ``waiting_for_room``
+    decision, how many, and the last one's explanation (why no GPU fitted it, what no rule
+    could evict) — the holds the live view counts but does not print."""
+    waits: dict[str, list[SeenDecision]] = {}
+    for seen in record.decisions:
+        if seen.decision.reason == DecisionReason.WAITING_FOR_ROOM:
+            waits.setdefault(seen.decision.deployment, []).append(seen)
+    return [
+        f"| {dep} | {hms(ds[0].t_s)} | {hms(ds[-1].t_s)} | {len(ds)} |"
+        f" {ds[-1].decision.explanation} |"
+        for dep, ds in sorted(waits.items())
+    ]
+
+
 def write_report(
     record: RunRecord,
     deployments: list[str],
@@ -215,6 +232,12 @@ def write_report(
         "| deployment | reason | decisions |",
         "| --- | --- | --- |",
         *holds,
+        "",
+        "## Waits for room (on-demand models no GPU fitted yet)",
+        "",
+        "| deployment | first | last | decisions | last explanation |",
+        "| --- | --- | --- | --- | --- |",
+        *(room_waits(record) or ["| none | | | | |"]),
         "",
     ]
     md.write_text("\n".join(body))

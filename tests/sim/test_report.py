@@ -15,7 +15,13 @@ from gearbox.decisions import DecisionReason, Trigger
 from sim.fleet import SimFleet
 from sim.live import Timeline
 from sim.record import ClusterMark, Served, plan_shape
-from sim.report import handover_text, short_explanation, summary_lines, write_report
+from sim.report import (
+    handover_text,
+    room_waits,
+    short_explanation,
+    summary_lines,
+    write_report,
+)
 from sim.scenario import SEED_FRAGMENTED, load_scenario
 from tests.runtime.builders import gearbox_decision, make_context, make_plan, make_replica
 
@@ -138,3 +144,15 @@ def test_a_rolled_back_shift_names_the_runtimes_reason() -> None:
     lines = "\n".join(summary_lines(tl.record, ["chat"], 600.0))
     assert "rolled_back in 4.5 s, 3 attempts" in lines
     assert f"last failure: prepare attempt 3: {why}" in lines
+
+
+def test_a_wait_for_room_is_reported_with_its_last_reason(tmp_path: Path) -> None:
+    # the live view counts holds; the report says how long a model waited for room and why
+    tl = timeline(now_s=600.0)
+    why = "chat: 3 requests wait, no GPU fits it yet. no eviction would make room (active)."
+    for seq, t_s in ((1, 100.0), (2, 130.0), (3, 160.0)):
+        tl.on_message(raw(replace(decision(seq, "waiting_for_room"), explanation=why), t_s))
+    tl.on_message(raw(decision(4, "resident"), 170.0))
+    assert room_waits(tl.record) == [f"| chat | 00:01:40 | 00:02:40 | 3 | {why} |"]
+    md, _ = write_report(tl.record, ["chat"], 600.0, tmp_path, "test")
+    assert f"| chat | 00:01:40 | 00:02:40 | 3 | {why} |" in md.read_text()
