@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from gearbox.config import PlacementConfig
+from gearbox.config import GearboxConfig, PlacementConfig
 from gearbox.decisions import DecisionReason
 from gearbox.model import ModelSpec
 from gearbox.placement import (
@@ -82,6 +82,7 @@ __all__ = [
     "held_bytes",
     "kv_floor_tokens",
     "needs",
+    "reload_s",
     "replica_footprint",
     "residency_round",
     "room",
@@ -110,6 +111,11 @@ def replica_footprint(
     return ModelFootprint.from_spec(
         spec, batch, max(1, round(seq_len_tokens)), overhead_bytes=overhead_bytes
     )
+
+
+def reload_s(spec: ModelSpec, config: GearboxConfig) -> float:
+    """Time to load ``spec``'s weights again after an eviction (one TP1 replica)."""
+    return spec.weight_bytes / (config.weight_load_gbps * 1e9)
 
 
 class Residency(StrEnum):

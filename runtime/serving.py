@@ -70,7 +70,7 @@ from runtime.types import (
     Request,
     ServingSettings,
 )
-from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager
+from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager, replica_floor
 
 EngineFactory = Callable[[ReplicaTiming], Engine]
 _RUNS = frozenset(
@@ -171,11 +171,8 @@ class ServingCore:
             return OpResult(False, fault=EngineFault.OUT_OF_MEMORY, detail=self._vmm_detail())
         if self.kv_floor_tokens is not None:
             kv, cap = timing.kv_bytes_per_token_per_gpu, self.settings.watermark
-            # NOTE: at most the watermark's share of the GPU: placement cuts the batch of a
-            # model that nearly fills its card (gearbox.residency), and a floor past the
-            # watermark would refuse every request of the replica it guarantees
             floor = {
-                u: min(b + kv[u] * self.kv_floor_tokens, int(cap * mem[u]))
+                u: replica_floor(b, kv[u] * self.kv_floor_tokens, mem[u], cap)
                 for u, b in weights.items()
             }
             self.vmm.set_floor(ledger, floor)

@@ -29,6 +29,7 @@ from gearbox.residency import (
     Residency,
     ResidencyAction,
     decide_residency,
+    reload_s,
     replica_footprint,
 )
 from gearbox.starting import unified_stage
@@ -128,7 +129,7 @@ def _model(
         queued_requests=load.queue_len,
         last_demand_s=last_s,
         arrival_rps=load.arrival_rate_rps,
-        reload_s=dep.model.weight_bytes / (gearbox.weight_load_gbps * 1e9),
+        reload_s=reload_s(dep.model, gearbox),
         pin_domain=dep.pin_domain,
         affinity=dep.affinity,
         anti_affinity=dep.anti_affinity,

@@ -65,6 +65,7 @@ from gearbox.residency import (
     ResidencyAction,
     ResidencyVerdict,
     kv_floor_tokens,
+    reload_s,
     replica_footprint,
     residency_round,
 )
@@ -78,7 +79,12 @@ from runtime.admission import (
 )
 from runtime.throttle import DEFAULT_WATERMARK, GpuMemory
 from runtime.types import Reason
-from runtime.vmm.manager import WEIGHTS_REQUEST, ReservationManager, floored_memory
+from runtime.vmm.manager import (
+    WEIGHTS_REQUEST,
+    ReservationManager,
+    floored_memory,
+    replica_floor,
+)
 
 __all__ = ["GearboxSystem", "ModelAwareRoundRobin", "NaiveRoundRobin", "VllmLikeSystem"]
 
@@ -100,6 +106,12 @@ def _deploy_live(
     live.sort(key=lambda m: (-footprint_of(m, sim.config).estimated_bytes(1.0), m.name))
     for profile in live:
         place(profile, profile.replicas)
+
+
+def _nominal_tokens(profile: ModelProfile) -> int:
+    """A model's nominal sequence (mean prompt + mean output): what its live footprint and VMM
+    floor count, as the live catalogue's nominal prompt + output."""
+    return profile.traffic.mean_prompt_tokens + profile.traffic.mean_output_tokens
 
 
 def _too_long(request: SimRequest, inst: Instance) -> bool:
@@ -323,7 +335,9 @@ class GearboxSystem:
         self._refused: dict[str, int] = {}  # per model: the capacity refusals in _routed
         self._changed_s: dict[str, float] = {}  # per model: its replica set last changed
         self._last_demand_s: dict[str, float] = {}  # per model: the last round it had demand
-        self._floors: dict[str, int] = {}  # instance id → bytes its VMM floor guarantees it
+        # instance id → bytes its VMM floor guarantees it (the ledger holds weights only: KV
+        # lives in the simulator's pool, so admission reads floors here, not from the ledger)
+        self._floors: dict[str, int] = {}
         self._draining: set[str] = set()  # instances given back in use: no new request
 
     # ---- residency ----------------------------------------------------------------------------
@@ -376,8 +390,7 @@ class GearboxSystem:
         queued = sum(len(i.waiting) for i in instances) + sim.pending(name) + int(wanted)
         if routed or active or queued:
             self._last_demand_s[name] = now_s
-        traffic = profile.traffic
-        seq = traffic.mean_prompt_tokens + traffic.mean_output_tokens
+        seq = _nominal_tokens(profile)
         return OnDemandModel(
             name=name,
             footprint=replica_footprint(profile.spec, seq, sim.config.runtime_overhead_bytes),
@@ -387,7 +400,7 @@ class GearboxSystem:
             queued_requests=queued,
             last_demand_s=self._last_demand_s.get(name, -math.inf),
             arrival_rps=len(routed) / SCALE_WINDOW_S,
-            reload_s=profile.spec.weight_bytes / (sim.config.weight_load_gbps * 1e9),
+            reload_s=reload_s(profile.spec, sim.config),
             refused=self._refused.get(name, 0),
             window_s=SCALE_WINDOW_S,
             steady_s=now_s - self._changed_s.get(name, -math.inf),
@@ -496,9 +509,10 @@ class GearboxSystem:
         return worst_refusal(refused), soonest_s
 
     def on_loaded(self, instance: Instance) -> bool:
-        """Reserve the GPU's address space for the instance, commit its weights and set its
-        floor (weights + :func:`gearbox.residency.kv_floor_tokens` of KV), as the runtime's
-        serving core installs an on-demand replica."""
+        """Reserve the GPU's address space for the instance, commit its weights and keep its
+        floor (:func:`runtime.vmm.manager.replica_floor` of weights +
+        :func:`gearbox.residency.kv_floor_tokens` of KV), as the runtime's serving core
+        installs an on-demand replica."""
         sim = self.sim
         capacity = sim.gpus[instance.gpu_uuid].total_memory_bytes
         uuid = instance.gpu_uuid
@@ -507,17 +521,16 @@ class GearboxSystem:
         if not self.vmm.commit(instance.iid, WEIGHTS_REQUEST, {uuid: instance.weight_bytes}):
             self.vmm.unreserve_replica(instance.iid)
             return False
-        traffic = instance.profile.traffic
-        seq = traffic.mean_prompt_tokens + traffic.mean_output_tokens
-        kv = kv_floor_tokens(seq, sim.placement) * instance.kv_bytes_per_token
-        watermark_bytes = int(self.watermark * capacity)
-        self._floors[instance.iid] = min(instance.weight_bytes + kv, watermark_bytes)
-        self.vmm.set_floor(instance.iid, {uuid: self._floors[instance.iid]})
+        kv = kv_floor_tokens(_nominal_tokens(instance.profile), sim.placement)
+        kv *= instance.kv_bytes_per_token
+        self._floors[instance.iid] = replica_floor(
+            instance.weight_bytes, kv, capacity, self.watermark
+        )
         self._changed_s[instance.profile.name] = sim.now_s
         return True
 
     def on_unloaded(self, instance: Instance) -> None:
-        """Release the reservation, every commit under it and its floor."""
+        """Release the reservation and every commit under it; forget its floor."""
         self.vmm.unreserve_replica(instance.iid)
         self._floors.pop(instance.iid, None)
         self._draining.discard(instance.iid)

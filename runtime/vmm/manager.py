@@ -64,6 +64,16 @@ class CommitFailure:
     error: CommitError | None
 
 
+def replica_floor(weights_bytes: int, kv_bytes: int, capacity_bytes: int, watermark: float) -> int:
+    """The floor an on-demand replica gets on one GPU: its weights and the KV its placement
+    counted on, at most the watermark's share of the GPU.
+
+    NOTE: placement cuts the batch of a model that nearly fills its card (gearbox.residency);
+    a floor past the watermark would refuse every request of the replica it guarantees.
+    """
+    return min(weights_bytes + kv_bytes, int(watermark * capacity_bytes))
+
+
 def floored_memory(
     total_bytes: int,
     used: Mapping[str, int],
