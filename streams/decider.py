@@ -22,7 +22,9 @@ merged with the changes that came meanwhile, and gives way to a topology round t
 then — but not once it has waited ``intervals.decision_s`` of event time (a tick's interval).
 A tick's round gives way the same: an undisturbed deployment whose step it has not begun when a
 topology round is pending is left for later, so a forced switch waits for one step at most,
-not for every deployment's.
+not for every deployment's. The on-demand deployments of a round all decide from what its first
+on-demand step read (one time, topology, plans and serving windows): each takes its verdict from
+one residency round over all of them, so they must see the same one.
 
 A topology trigger the cursor refuses (not newer than the last trigger decided) is still decided
 when the view holds cluster events that no decision of the deployment saw yet: cluster events
@@ -38,6 +40,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from aiokafka.errors import KafkaError
 
@@ -51,7 +54,7 @@ from streams import codec
 from streams.intake import DeadLetterReason, Rejected
 from streams.load import ServingWindows
 from streams.neighbours import neighbours_view
-from streams.ondemand import is_on_demand, on_demand_view
+from streams.ondemand import is_on_demand, on_demand_view, round_plans
 from streams.ports import DecisionLog, Message, TableName, TriggerMessage
 from streams.processor import StreamProcessor
 from streams.snapshot import TopologyBuilder
@@ -96,6 +99,21 @@ LATER_S = 1.0  # wall seconds an undisturbed deployment's topology change waits 
 # pure Python, so it shares the interpreter lock with the loop (switched every few ms) rather
 # than adding a core; what it removes is the loop's stall for a whole batch of decisions.
 _DECISIONS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streams-decide")
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchStart:
+    """What every on-demand step of one batch reads, taken at its first: one time, one
+    topology, the plans and serving windows as they were (:func:`streams.ondemand.round_plans`).
+
+    NOTE: telemetry and transitions keep folding while steps run; without this, the on-demand
+    deployments of one tick decided from different views, and so from different rounds.
+    """
+
+    now_ms: int
+    topology: TopologySnapshot
+    plans: dict[str, PlanState]
+    serving: dict[str, ServingWindows]
 
 
 class Decider:
@@ -353,6 +371,7 @@ class Decider:
         e.flush()
         outs, sends = [], []
         decided: dict[str, PlanState] = {}  # this batch's plans, claimed for the next ones
+        start: _BatchStart | None = None
         # NOTE: the replay's order: an earlier deployment's new plan is claimed before a
         # later one plans.
         first, then = self._order(wanted)
@@ -363,7 +382,9 @@ class Decider:
             # NOTE: read with the input, before the step and the sends are awaited, which
             # let more cluster events fold
             nodes_version = e.view.nodes_version
-            inp = self._input(name, trigger, logged.get(name), decided)
+            if start is None and is_on_demand(self._by_name[name]):
+                start = self._batch_start(wanted, decided)
+            inp = self._input(name, trigger, logged.get(name), decided, start)
             # NOTE: the step (gearbox) runs off the event loop, so telemetry keeps folding
             # meanwhile: its input is an immutable snapshot taken here, and the lock keeps
             # the tables it writes from changing until its result is stored.
@@ -526,9 +547,12 @@ class Decider:
         trigger: TriggerInfo,
         logged: tuple[int, LoggedDecision | None] | None,
         decided: dict[str, PlanState],
+        start: _BatchStart | None,
     ) -> StepInput | None:
-        """The step's input for ``trigger``, snapshotted now; None when the cursor refuses it."""
+        """The step's input for ``trigger``, snapshotted now (an on-demand deployment's: as
+        ``start``, its batch's first on-demand step, saw it); None when the cursor refuses it."""
         e = self.engine
+        dep = self._by_name[name]
         cursor, plan, gear = self._state(name, logged)
         if not cursor.admits(trigger.kind, trigger.time_ms):
             late = self._late(name, trigger, cursor)
@@ -542,11 +566,18 @@ class Decider:
             cursor,
             e.load(TableName.SERVING, name, ServingWindows) or ServingWindows(),
         )
-        now_ms = max(e.now_ms(), trigger.time_ms)
-        plans = self._plans(decided)
-        serving = self._serving()
+        if start is not None and is_on_demand(dep):
+            now_ms = max(start.now_ms, trigger.time_ms)
+            plans = round_plans(self._plans(decided), start.plans, e.deployments)
+            serving = start.serving
+            topology = start.topology if now_ms == start.now_ms else self._topology_at(now_ms)
+        else:
+            now_ms = max(e.now_ms(), trigger.time_ms)
+            plans = self._plans(decided)
+            serving = self._serving()
+            topology = self._topology_at(now_ms)
         return make_input(
-            self._by_name[name],
+            dep,
             e.deployments,
             tables,
             (e.view.gpus, e.view.nodes),
@@ -557,7 +588,7 @@ class Decider:
             view_timeout_s(e.cfg),
             self.gearbox_config,
             e.worker,
-            topology=self._topology_at(now_ms),
+            topology=topology,
             transition_timeout_s=e.cfg.streams.transition_timeout_s,
             claims=claimed_gpus(plans, name),
             taken=taken_gpus(plans, name),
@@ -577,6 +608,13 @@ class Decider:
     async def _step(self, inp: StepInput) -> StepOutput | None:
         """:func:`streams.step.step` on the decision thread (the loop folds input meanwhile)."""
         return await asyncio.get_running_loop().run_in_executor(_DECISIONS, _profiled_step, inp)
+
+    def _batch_start(
+        self, wanted: Mapping[str, TriggerInfo], decided: dict[str, PlanState]
+    ) -> _BatchStart:
+        """What this batch's on-demand steps read (:class:`_BatchStart`), taken now."""
+        now_ms = max(self.engine.now_ms(), *(t.time_ms for t in wanted.values()))
+        return _BatchStart(now_ms, self._topology_at(now_ms), self._plans(decided), self._serving())
 
     def _late(self, name: str, trigger: TriggerInfo, cursor: Cursor) -> TriggerInfo | None:
         """A topology trigger the cursor refused, as one it admits, when cluster events were

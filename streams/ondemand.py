@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from gearbox.config import GearboxConfig, PlacementConfig
 from gearbox.decisions import DecideResult, Decision, Trigger
@@ -77,7 +77,10 @@ __all__ = [
     "on_demand_view",
     "residency_of",
     "residency_result",
+    "round_plans",
 ]
+
+P = TypeVar("P")
 
 
 def is_on_demand(dep: Deployment) -> bool:
@@ -166,6 +169,24 @@ def on_demand_view(
             times = (plan.last_demand_ms, plan.changed_ms)
         out.append(_model(dep, state, load, times, window, now_s, gearbox))
     return tuple(out)
+
+
+def round_plans(
+    plans: Mapping[str, P], start: Mapping[str, P], deployments: Sequence[Deployment]
+) -> dict[str, P]:
+    """The plans an on-demand deployment's step reads in a batch of decisions: the on-demand
+    deployments' as the batch began (``start``), the others' as decided so far (``plans``).
+
+    NOTE: each on-demand deployment decides for itself, from one round over all of them
+    (:mod:`gearbox.residency`). Were a victim's eviction, decided earlier in the batch, in a
+    later deployment's view, that round would hold the victim's memory (not freed until
+    confirmed) and look for room elsewhere: one many-models run evicted two models for one
+    waiting model, one of them from the GPU no longer meant for it.
+    """
+    on_demand = {d.name for d in deployments if is_on_demand(d)}
+    out = {n: p for n, p in plans.items() if n not in on_demand}
+    out.update((n, p) for n, p in start.items() if n in on_demand)
+    return out
 
 
 def _replica(model: ModelSpec, uuid: str, snapshot: TopologySnapshot) -> ExecutionPlan:

@@ -13,7 +13,7 @@ and the heartbeat sweep — and decides through :func:`streams.step.make_input` 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,7 +33,7 @@ from streams.catalog import Catalog
 from streams.deployments import Deployment
 from streams.load import ServingWindows, fold_serving
 from streams.neighbours import neighbours_view
-from streams.ondemand import on_demand_view
+from streams.ondemand import is_on_demand, on_demand_view, round_plans
 from streams.snapshot import build_topology
 from streams.state import (
     FoldOutcome,
@@ -144,18 +144,30 @@ class Replayer:
                 self.latest[uuid] = new
                 self._publish(new)
 
-    def decide(self, name: str, trigger: TriggerInfo, now_ms: int) -> StepOutput | None:
-        """Decide for ``name`` at ``now_ms``; the step's state is kept."""
+    def decide(
+        self,
+        name: str,
+        trigger: TriggerInfo,
+        now_ms: int,
+        start: Mapping[str, PlanState] | None = None,
+    ) -> StepOutput | None:
+        """Decide for ``name`` at ``now_ms``; the step's state is kept. ``start``: the plans as
+        the batch this decision belongs to began (:func:`streams.ondemand.round_plans`)."""
         self.sweep(now_ms)
         dep = next(d for d in self.deployments if d.name == name)
-        return self._decide(dep, trigger, now_ms, None)
+        return self._decide(dep, trigger, now_ms, None, start)
+
+    def plans(self) -> dict[str, PlanState]:
+        """Every deployment's plan state now."""
+        return {n: t.plan for n, t in self.tables.items()}
 
     def decide_all(self, trigger: TriggerInfo, now_ms: int) -> list[StepOutput]:
         """Decide for every deployment at ``now_ms`` in the live decider's order
         (:func:`streams.step.decision_order`: those whose plan the topology disturbed first,
         each group in the configured order): one sweep, one topology for the instant (the
         decider's per-instant cache), each deployment's own tables. Steps that refuse the
-        trigger (not newer than the last decided) yield nothing."""
+        trigger (not newer than the last decided) yield nothing. On-demand deployments decide
+        from the plans as the batch began (:func:`streams.ondemand.round_plans`)."""
         self.sweep(now_ms)
         topology = build_topology(
             self.published, self.nodes, self.catalog, now_ms / 1000.0, view_timeout_s(self.cfg)
@@ -163,7 +175,10 @@ class Replayer:
         by_name = {dep.name: dep for dep in self.deployments}
         plans = {name: t.plan.current for name, t in self.tables.items()}
         first, then = decision_order(tuple(by_name), plans, topology)
-        outs = (self._decide(by_name[name], trigger, now_ms, topology) for name in first + then)
+        start = self.plans()
+        outs = (
+            self._decide(by_name[name], trigger, now_ms, topology, start) for name in first + then
+        )
         return [out for out in outs if out is not None]
 
     def _decide(
@@ -172,10 +187,13 @@ class Replayer:
         trigger: TriggerInfo,
         now_ms: int,
         topology: TopologySnapshot | None,
+        start: Mapping[str, PlanState] | None,
     ) -> StepOutput | None:
         name = dep.name
         t = self.tables[name]
-        plans = {n: tb.plan for n, tb in self.tables.items()}
+        plans = self.plans()
+        if start is not None and is_on_demand(dep):
+            plans = round_plans(plans, start, self.deployments)
         serving = {n: tb.serving for n, tb in self.tables.items()}
         now_s = now_ms / 1000.0
         inp = make_input(
@@ -291,6 +309,9 @@ def compare(
     order = sorted(recorded, key=lambda r: (_now_ms(r), r.payload.seq))
     i = matched = skipped = 0
     mismatches: list[Mismatch] = []
+    # NOTE: the live decider's on-demand steps of one batch share its time and its plans as it
+    # began; recorded decisions at one time are taken as one batch.
+    batch_ms, start = -1, replayer.plans()
     for rec in order:
         p = rec.payload
         if p.deployment not in names:
@@ -302,8 +323,10 @@ def compare(
             replayer.fold(envs[i])
             i += 1
         info = TriggerInfo(p.trigger, rec.trigger_time_ms, ctx.trigger_description)
+        if now_ms != batch_ms:
+            batch_ms, start = now_ms, replayer.plans()
         before = replayer.tables[p.deployment]
-        out = replayer.decide(p.deployment, info, now_ms)
+        out = replayer.decide(p.deployment, info, now_ms, start)
         want = _outcome(p.reason, p.to_plan_id)
         got = _outcome(out.decision.reason, out.decision.to_plan_id) if out else "not decided"
         if got == want:

@@ -34,6 +34,7 @@ from tests.streams.builders import (
     gpu_uuid,
     heartbeats,
     make_event,
+    make_load,
     node_up,
     streams_config,
 )
@@ -217,3 +218,52 @@ async def test_a_switch_reported_done_onto_a_lost_gpu_is_decided_at_once(
         "topology_change",
     )
     assert "lost GPUs since it was decided" in answer.explanation
+
+
+async def test_the_on_demand_steps_of_one_batch_read_one_view() -> None:
+    """Each on-demand deployment decides from one round over all of them: the batch's later
+    steps read the view its first one read, though serving reports fold and earlier steps
+    decide meanwhile (else the round a later victim sees differs from the waiting model's)."""
+    names = ("od-1", "od-2", "od-3")
+    cfg = streams_config(
+        deployments=tuple(
+            DeploymentConfig(
+                name=n, model="llama-2-7b", residency="on_demand", block="B", arrival_rps=0.5
+            )
+            for n in names
+        )
+    )
+    catalog, deployments = resolve_deployments(cfg)
+    wall = [T0_MS / 1000]
+    owned: set[str] = set()
+    engine, _, broker = make_engine(cfg, catalog, deployments, wall=wall, owned=owned)
+    await feed(engine, cluster_envelopes(), wall)
+    waiting = {"arrivals": 3, "arrival_rate_rps": 0.3, "queue_len": 2, "active_sequences": 0}
+    loads = [env(make_load(n, **waiting), T0_MS + 1000 + i, "rt", 1) for i, n in enumerate(names)]
+    await feed(engine, loads, wall)
+    engine.flush()
+    owned.update(names)
+    decider = engine.decider
+    assert isinstance(decider, Decider)
+    step = decider._step
+    inputs: list[StepInput] = []
+
+    async def stepped(inp: StepInput) -> StepOutput | None:
+        inputs.append(inp)
+        out = await step(inp)
+        # NOTE: a later report folds while the batch decides: od-3's requests went away
+        quiet = make_load("od-3", arrivals=0, arrival_rate_rps=0.0, queue_len=0)
+        wall[0] += 0.5
+        await feed(engine, [env(quiet, round(wall[0] * 1000), "rt", 1 + len(inputs))], wall)
+        return out
+
+    decider._step = stepped  # type: ignore[method-assign]
+    wall[0] = (T0_MS + 15_000) / 1000
+    await decider.tick()
+    assert [i.deployment.name for i in inputs] == list(names)
+    first = inputs[0]
+    for later in inputs[1:]:
+        assert later.on_demand == first.on_demand
+        assert later.topology == first.topology
+    reasons = {d.deployment: d.reason for d in broker.decisions()}
+    assert reasons == dict.fromkeys(names, "load_on_demand"), reasons

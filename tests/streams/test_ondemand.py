@@ -168,3 +168,54 @@ def test_a_resident_model_refusing_requests_scales_out_keeping_its_replica() -> 
     assert len(replicas) == 2
     kept = [x for x in replicas if x.plan_id == loaded.replicas[0].plan_id]
     assert len(kept) == 1  # the serving replica is the same plan: only the new one loads
+
+
+def test_a_model_needing_two_victims_evicts_those_two_and_no_other() -> None:
+    """Twelve 7B models fill block B's four GPUs, three each; a 13B then needs two of them gone
+    from one GPU. Every on-demand deployment decides from the round as the tick began: before,
+    each eviction decided earlier in the tick moved the later victims' round elsewhere, and one
+    waiting 13B evicted a model on each GPU."""
+    names = tuple(f"s{i}" for i in range(1, 13))
+    models = [*((n, "llama-2-7b") for n in names), ("big", "llama-2-13b")]
+    deps = tuple(
+        DeploymentConfig(name=n, model=m, residency="on_demand", block="B", arrival_rps=0.5)
+        for n, m in models
+    )
+    placement = PlacementConfig(
+        cold_after_s=60.0, max_models_per_gpu=4, strategy=PlacementStrategy.PACK
+    )
+    cfg = streams_config(deployments=deps).model_copy(update={"placement": placement})
+    catalog, deployments = resolve_deployments(cfg)
+    r = Replayer(cfg, catalog, deployments)
+    for e in cluster_envelopes(T0_MS):
+        r.fold(e)
+    seq = 0
+    for i, name in enumerate(names):
+        seq += 1
+        _report(r, name, T0_MS + 1000 + i, seq, arrivals=3, arrival_rate_rps=0.3, queue_len=2)
+    loaded = _tick(r, T0_MS + 15_000)
+    on: dict[str, list[str]] = {}
+    for name in names:
+        out = loaded[name]
+        assert out.decision.decision is not None, out.decision.explanation
+        (uuid,) = out.decision.decision.to_plan.gpu_uuids
+        on.setdefault(uuid, []).append(name)
+        seq += 1
+        r.fold(env(_done(out), T0_MS + 20_000, "rt", seq))
+    assert sorted(len(v) for v in on.values()) == [3, 3, 3, 3], on
+    t_ms = T0_MS + 200_000
+    for e in heartbeats(t_ms - 1000, 1000):
+        r.fold(e)
+    for name in names:
+        seq += 1
+        _report(r, name, t_ms - 500, seq)
+    seq += 1
+    _report(r, "big", t_ms - 400, seq, arrivals=2, arrival_rate_rps=0.2, queue_len=2)
+    outs = _tick(r, t_ms)
+    assert outs["big"].decision.reason == DecisionReason.WAITING_FOR_ROOM
+    gone = [n for n, o in outs.items() if o.decision.reason == DecisionReason.EVICT_COLD]
+    assert len(gone) == 2, {n: o.decision.reason for n, o in outs.items()}
+    (gpu,) = {u for u, held in on.items() if set(gone) <= set(held)}
+    assert f"@{gpu}" in outs["big"].decision.explanation
+    for name in gone:
+        assert f"evict {name}@{gpu}" in outs["big"].decision.explanation
