@@ -33,7 +33,9 @@
     time ``R`` (the horizon its comeback is delayed by), the waiting model's demand is its
     queued requests + its arrival rate × ``R``; the victim's is the request that finds it gone
     + ``R`` / its mean gap, the ones that would wait out its reload. Several victims on one GPU:
-    their costs add up, the horizon is the longest reload.
+    their costs add up, the horizon is the longest reload. A model with no replica counts its
+    arrivals over its ``Backlog.wait_horizon_s`` (the load window) when that is longer: until
+    it loads, every request for it waits, not only those of a reload.
     Hysteresis: a model idle for less than ``eviction_reload_factor`` × its reload is never
     evicted by this rule. It was loaded for a request, so it has been resident at least that
     long, its load paid back that many times over, and two models short of memory take turns
@@ -159,6 +161,9 @@ class Backlog(Serialisable):
     waiting_requests: int  # queued, or held at the front end, for the model to place
     arrival_rps: float = 0.0  # its expected arrival rate
     first_replica: bool = False  # the model has no replica: its requests wait for this one
+    # a first replica's demand counts over at least this long: until it loads, every request
+    # for it waits (and is refused past the front end's deadline), not only those of a reload
+    wait_horizon_s: float = 0.0
 
     def demand_over(self, horizon_s: float) -> float:
         """Requests for the model waiting now plus those expected within ``horizon_s``."""
@@ -320,10 +325,16 @@ def _proposal(
 
 def _worth_it(queue: Sequence[EvictionProposal], backlog: Backlog, config: PlacementConfig) -> bool:
     """The backlog outweighs the queue evictions' loss by ``eviction_reload_factor``, over the
-    longest of their reloads."""
+    longest of their reloads, or a first replica's ``wait_horizon_s`` if longer.
+
+    NOTE: over the reload alone, a model with no replica and a request a minute never
+    outweighed a neighbour idle for a minute: its every request waited out the front end's
+    deadline and was refused until the neighbour turned cold (``cold_after_s``).
+    """
     horizon = max(p.reload_s for p in queue)
     loss = sum(p.expected_loss for p in queue)
-    return backlog.demand_over(horizon) > loss * config.eviction_reload_factor
+    gain = backlog.demand_over(max(horizon, backlog.wait_horizon_s))
+    return gain > loss * config.eviction_reload_factor
 
 
 def _fits_after(gpu: Gpu, free: int, models: int, need: int, config: PlacementConfig) -> bool:
@@ -455,9 +466,12 @@ def _eviction_text(
         n = backlog.waiting_requests
         text += f": {n} request{'' if n == 1 else 's'} waiting"
         if backlog.arrival_rps > 0:
-            horizon = max(e.reload_s for e in queue)
+            reload = max(e.reload_s for e in queue)
+            horizon = max(reload, backlog.wait_horizon_s)
             text += f", ~{backlog.demand_over(horizon):.1f} with those expected over the "
-            text += f"{_minutes(horizon)} reload"
+            text += f"{_minutes(horizon)} " + (
+                "reload" if horizon == reload else "it would wait with no replica"
+            )
         text += " (queue rule)"
     return text + "."
 

@@ -302,7 +302,9 @@ def _demand(model: OnDemandModel) -> ReplicaDemand:
 
 def _backlog(model: OnDemandModel) -> Backlog:
     """The requests waiting for ``model``'s load (its first replica), and its arrival rate."""
-    return Backlog(model.queued_requests, model.arrival_rps, first_replica=True)
+    return Backlog(
+        model.queued_requests, model.arrival_rps, first_replica=True, wait_horizon_s=model.window_s
+    )
 
 
 def _least_recently_used(

@@ -266,3 +266,22 @@ def test_a_model_idle_less_than_its_residence_guard_is_never_evicted_by_the_queu
     )
     settled = replace(WARM, last_request_s=NOW_S - 7 * MINUTE)
     assert place_model(BIG, snapshot, (settled,), DEFAULT_PLACEMENT_CONFIG, Backlog(10)).evictions
+
+
+@pytest.mark.unit
+def test_a_first_replica_counts_its_demand_over_its_wait_not_only_the_victims_reload() -> None:
+    """A model with no replica: every request until it loads waits, so its expected arrivals
+    count over its wait horizon (the load window), not only over the victim's reload."""
+    snapshot = _cluster(("g0", "n0", 10.0))
+    quiet = replace(WARM, reload_s=5.0)  # loss 1 + 5 s / 15 min, × 3 ≈ 3.02
+    sparse = Backlog(1, 1 / 30, first_replica=True)  # one waiting, one more every 30 s
+    over_reload = place_model(BIG, snapshot, (quiet,), DEFAULT_PLACEMENT_CONFIG, sparse)
+    assert over_reload.evictions == ()  # 1 + 5/30 ≈ 1.2
+    waits = replace(sparse, wait_horizon_s=60.0)  # 1 + 60/30 = 3 < 3.02: still not
+    assert place_model(BIG, snapshot, (quiet,), DEFAULT_PLACEMENT_CONFIG, waits).evictions == ()
+    longer = replace(sparse, wait_horizon_s=90.0)  # 1 + 90/30 = 4 > 3.02
+    decision = place_model(BIG, snapshot, (quiet,), DEFAULT_PLACEMENT_CONFIG, longer)
+    assert [(e.model_name, e.rule) for e in decision.evictions] == [("warm", EvictionRule.QUEUE)]
+    assert "~4.0 with those expected over the 90 s it would wait with no replica" in (
+        decision.explanation
+    )
