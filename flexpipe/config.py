@@ -283,8 +283,8 @@ class RuntimeConfig(_Section):
     """Runtime workers (``runtime/``): deployments served, HTTP API, transitions, admission.
 
     Transition knobs (``*_timeout_s``, ``canary_s``, ``drain_timeout_s``, ``retry_backoff_s``)
-    are in runtime-clock seconds, which run ``sim_speed`` times faster than the wall clock;
-    ``tick_s``, ``serving_publish_s`` and ``request_timeout_s`` are wall seconds.
+    and ``serving_publish_s`` are in runtime-clock seconds, which run ``sim_speed`` times faster
+    than the wall clock; ``tick_s`` and ``request_timeout_s`` are wall seconds.
     """
 
     worker_id: str = Field("runtime-0", pattern=r"^[A-Za-z0-9._-]+$")
@@ -326,7 +326,7 @@ class RuntimeConfig(_Section):
     )
     sim_speed: float = Field(1.0, gt=0.0, le=1000.0, description="runtime s per wall s")
     tick_s: float = Field(0.02, gt=0.0, le=1.0)
-    serving_publish_s: float = Field(5.0, gt=0.0)
+    serving_publish_s: float = Field(5.0, gt=0.0, description="runtime s between serving reports")
     request_timeout_s: float = Field(300.0, gt=0.0)
     model_load_wait_s: float = Field(
         120.0,

@@ -293,7 +293,8 @@ async def drain(worker: Any, timeout_s: float, quiet_s: float = 0.0) -> None:
     the checks then name any left unfinished.
 
     NOTE: ``quiet_s`` for on-demand models: a request held at the load's end is a load the
-    stream decides next, from a serving report up to ``runtime.serving_publish_s`` old.
+    stream decides next, from a serving report up to ``runtime.serving_publish_s`` (runtime
+    seconds) old.
     """
     deadline = time.monotonic() + timeout_s
     quiet_since: float | None = None
@@ -519,7 +520,8 @@ async def run_loop(
             await supervise(helpers[1], watchdogs)  # the load stops: its ledger is taken
             if faults is not None and chaos is not None:
                 await chaos.settle(faults)
-            quiet_s = 0.0 if on_demand is None else cfg.runtime.serving_publish_s + QUIET_EXTRA_S
+            report_s = cfg.runtime.serving_publish_s / speed
+            quiet_s = 0.0 if on_demand is None else report_s + QUIET_EXTRA_S
             await supervise(asyncio.create_task(drain(worker, DRAIN_S, quiet_s)), watchdogs)
             timeline.record.sequences = ledger.settle(worker)
         finally:

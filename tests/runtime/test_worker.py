@@ -52,7 +52,7 @@ def worker_cfg(cfg: FlexPipeConfig, **overrides: Any) -> FlexPipeConfig:
             "canary_s": 1.0,
             "retry_backoff_s": 0.5,
             "drain_timeout_s": 10.0,
-            "serving_publish_s": 0.3,
+            "serving_publish_s": 6.0,  # runtime s: 0.3 wall s at 20x
             **overrides,
         }
     )
