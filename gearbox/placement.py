@@ -327,9 +327,10 @@ def _worth_it(queue: Sequence[EvictionProposal], backlog: Backlog, config: Place
     """The backlog outweighs the queue evictions' loss by ``eviction_reload_factor``, over the
     longest of their reloads, or a first replica's ``wait_horizon_s`` if longer.
 
-    NOTE: over the reload alone, a model with no replica and a request a minute never
-    outweighed a neighbour idle for a minute: its every request waited out the front end's
-    deadline and was refused until the neighbour turned cold (``cold_after_s``).
+    NOTE: over the reload alone (5 s), a model with no replica, one request waiting and one
+    more every 20 s (1.25) never outweighed a neighbour idle for a minute (3 × 1.1): its every
+    request waited out the front end's deadline and was refused until the neighbour turned
+    cold (``cold_after_s``). Over a 60 s window it counts 4.
     """
     horizon = max(p.reload_s for p in queue)
     loss = sum(p.expected_loss for p in queue)
