@@ -332,10 +332,14 @@ def _worth_it(queue: Sequence[EvictionProposal], backlog: Backlog, config: Place
     request waited out the front end's deadline and was refused until the neighbour turned
     cold (``cold_after_s``). Over a 60 s window it counts 4.
     """
-    horizon = max(p.reload_s for p in queue)
     loss = sum(p.expected_loss for p in queue)
-    gain = backlog.demand_over(max(horizon, backlog.wait_horizon_s))
-    return gain > loss * config.eviction_reload_factor
+    return backlog.demand_over(_horizon(queue, backlog)) > loss * config.eviction_reload_factor
+
+
+def _horizon(queue: Sequence[EvictionProposal], backlog: Backlog) -> float:
+    """What the backlog's demand counts over: the longest reload of the queue evictions, or a
+    first replica's ``wait_horizon_s`` if longer."""
+    return max(max(p.reload_s for p in queue), backlog.wait_horizon_s)
 
 
 def _fits_after(gpu: Gpu, free: int, models: int, need: int, config: PlacementConfig) -> bool:
@@ -467,11 +471,11 @@ def _eviction_text(
         n = backlog.waiting_requests
         text += f": {n} request{'' if n == 1 else 's'} waiting"
         if backlog.arrival_rps > 0:
-            reload = max(e.reload_s for e in queue)
-            horizon = max(reload, backlog.wait_horizon_s)
+            horizon = _horizon(queue, backlog)
+            reloads = horizon == max(e.reload_s for e in queue)
             text += f", ~{backlog.demand_over(horizon):.1f} with those expected over the "
             text += f"{_minutes(horizon)} " + (
-                "reload" if horizon == reload else "it would wait with no replica"
+                "reload" if reloads else "it would wait with no replica"
             )
         text += " (queue rule)"
     return text + "."

@@ -16,3 +16,7 @@ class SimClock:
     def now_s(self) -> float:
         """The runtime clock now."""
         return (time.monotonic() - self._t0) * self.speed
+
+    def wall_s(self, runtime_s: float) -> float:
+        """Wall seconds that ``runtime_s`` seconds of the runtime clock take."""
+        return runtime_s / self.speed

@@ -479,7 +479,7 @@ class RuntimeWorker:
         topic = topic_name(self.cfg, Topic.SERVING)
         # NOTE: runtime-clock seconds, like the windows the stream folds the reports into: at
         # 15x, a period in wall seconds left the stream 75 simulated seconds behind the load
-        every_s = self.rc.serving_publish_s / self.clock.speed
+        every_s = self.clock.wall_s(self.rc.serving_publish_s)
         due = time.monotonic() + every_s
         while True:
             only: list[str] | None = None

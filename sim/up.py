@@ -226,7 +226,7 @@ async def drive_load(
     for request, dep in arrivals:
         if torch is not None:
             request = torch.shape(request)
-        delay = (request.arrival_s - worker.now_s()) / worker.clock.speed
+        delay = worker.clock.wall_s(request.arrival_s - worker.now_s())
         if delay > 0:
             try:
                 await asyncio.wait_for(stop.wait(), delay)
@@ -520,7 +520,7 @@ async def run_loop(
             await supervise(helpers[1], watchdogs)  # the load stops: its ledger is taken
             if faults is not None and chaos is not None:
                 await chaos.settle(faults)
-            report_s = cfg.runtime.serving_publish_s / speed
+            report_s = worker.clock.wall_s(cfg.runtime.serving_publish_s)
             quiet_s = 0.0 if on_demand is None else report_s + QUIET_EXTRA_S
             await supervise(asyncio.create_task(drain(worker, DRAIN_S, quiet_s)), watchdogs)
             timeline.record.sequences = ledger.settle(worker)

@@ -173,9 +173,9 @@ class Replayer:
             self.published, self.nodes, self.catalog, now_ms / 1000.0, view_timeout_s(self.cfg)
         )
         by_name = {dep.name: dep for dep in self.deployments}
-        plans = {name: t.plan.current for name, t in self.tables.items()}
-        first, then = decision_order(tuple(by_name), plans, topology)
         start = self.plans()
+        plans = {name: p.current for name, p in start.items()}
+        first, then = decision_order(tuple(by_name), plans, topology)
         outs = (
             self._decide(by_name[name], trigger, now_ms, topology, start) for name in first + then
         )
