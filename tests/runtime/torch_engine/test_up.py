@@ -2,9 +2,9 @@
 
 The demo scenario for 10 simulated minutes (the preemption at 08:00): every deployment's
 replicas are TorchEngines (rank processes on this CPU), the control loop and cluster are
-simulated. Checked: the seven invariants hold, chat-70b shifts after the preemption, the
-engines generated real tokens, and the requests across the shift equal the single-process
-reference (`up` itself exits 1 otherwise).
+simulated. Checked: the invariants hold, chat-70b shifts after the preemption (or, when it
+was moved off the preempted GPUs before, then), the engines generated real tokens, and the
+requests across each shift equal the single-process reference (`up` itself exits 1 otherwise).
 """
 
 from __future__ import annotations
@@ -40,9 +40,19 @@ def test_up_with_the_torch_engine_shifts_token_exact(
     assert "torch engine on CPU" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["invariants_ok"] is True, summary["broken"]
-    assert summary["events"] and summary["events"][0]["deployment"] == "chat-70b"
-    assert re.search(r"^chat-70b #\d+: 00:08:00 preempt on node-a1 .*\n.*: done in", out, re.M)
+    # NOTE: beside a busy CPU the ranks load slowly and chat-70b serves nothing for a simulated
+    # minute or more; the stream may then downshift it to TP4 on node-a2, off the GPUs the
+    # preemption takes (a voluntary switch on the load it saw), and the preemption hits no
+    # serving plan. Either way chat-70b shifts while the torch engine serves it.
+    if any(e["deployment"] == "chat-70b" for e in summary["events"]):
+        preempted = r"^chat-70b #\d+: 00:08:00 preempt on node-a1 .*\n.*: done in"
+        assert re.search(preempted, out, re.M), out[-3000:]
+    else:
+        earlier = r"^chat-70b #[1-9]\d*: 00:0[0-7]:\d\d .*\n.*→ .*: done in"
+        assert re.search(earlier, out, re.M), f"the preemption hit no plan\n{out[-3000:]}"
     served = re.search(r"^torch engine, chat-70b: \d+ requests, (\d+) tokens", out, re.M)
     assert served is not None and int(served.group(1)) > 0, out[-2000:]
+    across = r"^torch engine, chat-70b: .*\n  across the shift to \S+: (\d+)/(\d+) requests"
+    assert re.search(across, out, re.M), out[-2000:]
     checked = re.findall(r"across the shift to \S+: (\d+)/(\d+) requests", out)
     assert checked and all(a == b and int(b) > 0 for a, b in checked), checked
