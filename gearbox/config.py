@@ -33,6 +33,10 @@ def _check_bounds(
         value = getattr(obj, f.name)
         if isinstance(value, str):
             continue  # a choice, not a number: checked on its own
+        if f.type in (bool, "bool"):
+            if not isinstance(value, bool):
+                raise ValueError(f"{f.name}: must be true or false, got {value!r}")
+            continue
         lo, hi = bounds[f.name]
         if not lo <= value <= hi:
             raise ValueError(f"{f.name}: must be within [{lo}, {hi}], got {value}")
@@ -286,6 +290,10 @@ class PlacementConfig(Serialisable):
     # eviction_reload_factor of them: a stray refusal does not buy a load)
     scale_out_unmet_share: float = 0.05
     max_replicas_per_model: int = 4  # scale-out stops here: one hot model never takes the fleet
+    # a model's last replica in use may be drained for a model whose waiting demand is
+    # eviction_reload_factor times its own (gearbox.placement's displace rule); False: only idle
+    # models are ever evicted (the article's rule)
+    displace_in_use: bool = True
 
     def __post_init__(self) -> None:
         _check_bounds(self, _PLACEMENT_BOUNDS)

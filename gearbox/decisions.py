@@ -56,6 +56,8 @@ class DecisionReason(StrEnum):
     LOAD_ON_DEMAND = "load_on_demand"  # a cold model has requests and a GPU fits it
     EVICT_COLD = "evict_cold"  # idle, least recently used, and its GPU lets a waiting model in
     EVICT_QUEUE = "evict_queue"  # idle, not cold, but the requests it unblocks outweigh its loss
+    # in use, its last replica, but the demand it unblocks is many times its own: drained
+    EVICT_DISPLACE = "evict_displace"
     WAITING_FOR_ROOM = "waiting_for_room"  # a cold model has requests but no GPU fits it yet
     SCALE_OUT = "scale_out"  # a resident model's demand is unmet: one more replica
     SCALE_IN = "scale_in"  # an extra replica, idle, given back (or evicted for a waiting model)

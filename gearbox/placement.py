@@ -12,9 +12,9 @@
   a partly used or small GPU before it opens a big empty one a big model may need.
 * Anti-affinity: replicas go to distinct GPUs, and to nodes not yet used while any feasible GPU
   remains on one — fault tolerance outranks score and fit.
-* Nothing fits: queue, naming the rule that rejected most GPUs, and propose evictions, only of
-  models with no active and no queued requests and not in transition (loading, or already
-  promised for eviction) — correctness first:
+* Nothing fits: queue, naming the rule that rejected most GPUs, and propose evictions of models
+  not in transition (loading, or already promised for eviction); of models with active or
+  queued requests only by the drain and displace rules, which never cut a request:
 
   - **extra replica** (first of all): a replica of a model that keeps another serving one, idle
     (no request routed to it) for at least ``eviction_reload_factor`` × its reload — the same
@@ -25,8 +25,9 @@
   - **drain** (only for a model with no replica that requests wait for, when no extra replica
     or cold model makes room): an extra replica *in use*, its model keeping another serving one.
     It is given back by a drain — it takes no new request, finishes what it holds, then goes —
-    so no request fails; its model loses one replica's capacity, while the waiting model has
-    none at all. The one exception to "no active or queued requests", and never a last replica;
+    so no request fails; its model loses one replica's share of its requests (its rate / its
+    replicas), which the waiting model's demand rate must outweigh by
+    ``eviction_reload_factor`` (below). Never a last replica;
   - **queue** (only when no cold model makes room, and only for a placement that requests are
     already waiting for, its :class:`Backlog`): an idle model may go before it is cold when
     what waits outweighs what evicting it costs, by the same margin. Over the victim's reload
@@ -41,10 +42,23 @@
     long, its load paid back that many times over, and two models short of memory take turns
     at most once per that time each, spending at most 1 / (factor + 1) of the GPU on loads.
 
+  - **displace** (last of all, ``displace_in_use``, on by default): a model's last replica *in
+    use*, for a placement requests wait for. Its eviction waits for an idle moment — no request
+    running, queued or held for it (the runtime's prepare waits up to ``drain_timeout_s``; it
+    keeps serving meanwhile, and if it is never idle the eviction is rolled back) — so no
+    request is cut; its later requests wait for its reload elsewhere. It costs its request rate
+    for as long as it finds no room again, so the waiting demand's rate (its queued requests and
+    arrivals over the horizon of the queue rule, per second) must exceed the rate of every
+    replica taken in use by ``eviction_reload_factor``, and its demand over that horizon must
+    exceed one request per displaced model (the one that finds it gone) by the same margin.
+    With a margin above 1 two models cannot take a GPU from each other at the same rates.
+    Hysteresis: a model whose replica set changed less than ``eviction_reload_factor`` × its
+    reload ago is never displaced (a model just loaded, or just reloaded after a displacement).
+
   The next request is expected one mean gap after the last while the model is on schedule, and
-  one mean gap from now once it is overdue. Among GPUs, a plan with fewer queue evictions wins
-  (cold models go first), then fewer last replicas (extra replicas go first), then fewer
-  evictions, then fewer bytes freed.
+  one mean gap from now once it is overdue. Among GPUs, a plan with fewer displaced models wins,
+  then fewer queue evictions (cold models go first), then fewer last replicas (extra replicas
+  go first), then fewer evictions, then fewer bytes freed.
 * Fragmentation: "dead memory" is free memory on GPUs whose free space is below every model's
   minimum footprint — free, but of no use to any model.
 """
@@ -151,6 +165,7 @@ class ResidentModel(Serialisable):
     reload_s: float  # time to load it again after an eviction
     queued_requests: int = 0  # requests waiting for it (its queue, or a front end holding them)
     in_transition: bool = False  # loading, or already promised for eviction: never proposed
+    steady_s: float = math.inf  # since its model's replica set last changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +192,9 @@ class EvictionRule(StrEnum):
     DRAIN = "drain"  # in use, and its model keeps another replica serving: drained, not cut
     COLD = "cold"  # idle past cold_after_s and its next request is far off: worth its reload
     QUEUE = "queue"  # idle, and the requests waiting for the placement outweigh its loss
+    # in use, its model's last replica, and the demand waiting for the placement outweighs its
+    # own: drained, not cut (its new requests wait for its reload)
+    DISPLACE = "displace"
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,13 +312,15 @@ def _expected_loss(resident: ResidentModel) -> float:
 
 
 def _proposal(
-    resident: ResidentModel, now_s: float, config: PlacementConfig, extra: bool = False
+    resident: ResidentModel, now_s: float, config: PlacementConfig, replicas: int = 1
 ) -> EvictionProposal | None:
     """``resident`` as an eviction candidate, by the first rule that allows it (None: none);
-    ``extra``: its model keeps another serving replica.
+    ``replicas``: its model's serving replicas, this one included.
 
-    A QUEUE candidate still has to be outweighed by the backlog (:func:`_worth_it`).
+    A QUEUE candidate still has to be outweighed by the backlog (:func:`_worth_it`), a DRAIN or
+    DISPLACE one too (:func:`_displace_worth_it`).
     """
+    extra = replicas > 1
     idle = now_s - resident.last_request_s
     gap = _expected_gap_s(resident, now_s)
     if resident.in_transition:  # NOTE: its memory is spoken for until the runtime confirms
@@ -311,7 +331,15 @@ def _proposal(
     # NOTE: a queued request counts like a running one: evicting its model would fail it; an
     # extra replica's are finished by its drain while the model's others take the new ones
     if resident.active_requests != 0 or resident.queued_requests != 0:
-        return replace(proposal, rule=EvictionRule.DRAIN) if extra else None
+        if extra:  # NOTE: its share of the model's requests go to the model's other replicas
+            loss = _displace_loss(resident) / replicas
+            return replace(proposal, rule=EvictionRule.DRAIN, expected_loss=loss)
+        # NOTE: hysteresis — a model displaced, reloaded elsewhere or not, is not displaced
+        # again before its replica set has held that long (nor is the model it made room for)
+        settled = resident.steady_s >= resident.reload_s * config.eviction_reload_factor
+        if not (config.displace_in_use and settled):
+            return None
+        return replace(proposal, rule=EvictionRule.DISPLACE, expected_loss=_displace_loss(resident))
     # NOTE: hysteresis — the minimum residence (see the module docstring)
     settled = idle >= resident.reload_s * config.eviction_reload_factor
     if extra and settled:
@@ -321,6 +349,36 @@ def _proposal(
     if not settled:
         return None
     return replace(proposal, rule=EvictionRule.QUEUE, expected_loss=_expected_loss(resident))
+
+
+def _displace_loss(resident: ResidentModel) -> float:
+    """A displaced model's requests per second: each arrives to find it gone, loading
+    elsewhere or waiting for room (its running ones finish there)."""
+    if resident.mean_interarrival_s <= 0:
+        return math.inf
+    return 1.0 / resident.mean_interarrival_s
+
+
+def _displace_worth_it(
+    displaced: Sequence[EvictionProposal], backlog: Backlog, config: PlacementConfig
+) -> bool:
+    """The backlog's demand rate (its requests waiting now and expected over the horizon of
+    :func:`_horizon`, per second of it) outweighs the request rate the drained or displaced
+    replicas carry (:attr:`EvictionProposal.expected_loss`) by ``eviction_reload_factor``; and
+    its demand over that horizon outweighs, by the same margin, the one request per displaced
+    model that finds it gone.
+
+    NOTE: rates, not counts over the reload: a displaced model loses its requests until it wins
+    room again, however long that is, and a drained replica's share of its model's requests
+    goes unserved until the model scales out again. With a margin above 1, two models cannot
+    take a GPU from each other at the same rates: each would need more than the other.
+    """
+    rate = sum(p.expected_loss for p in displaced)
+    horizon = _horizon(displaced, backlog)
+    demand = backlog.demand_over(horizon)
+    margin = config.eviction_reload_factor
+    last = sum(1 for p in displaced if p.rule is EvictionRule.DISPLACE)
+    return demand / horizon > rate * margin and demand > last * margin
 
 
 def _worth_it(queue: Sequence[EvictionProposal], backlog: Backlog, config: PlacementConfig) -> bool:
@@ -375,7 +433,7 @@ def _evictions_on(
         (
             p
             for r in on_gpu
-            if (p := _proposal(r, now_s, config, replicas[r.model_name] > 1)) is not None
+            if (p := _proposal(r, now_s, config, replicas[r.model_name])) is not None
         ),
         key=lambda p: (p.rule is not EvictionRule.EXTRA_REPLICA, -p.idle_s, p.model_name),
     )
@@ -386,15 +444,21 @@ def _evictions_on(
         if proposal.rule in (EvictionRule.EXTRA_REPLICA, EvictionRule.COLD):
             proposals.append(proposal)
             free, models = free + proposal.freed_bytes, models - 1
-    for proposal in candidates:
+    # NOTE: replicas in use (drained or displaced) cost requests: least loss first, and only
+    # while the backlog outweighs them all together
+    in_use = sorted(candidates, key=lambda p: (p.expected_loss, p.model_name))
+    taken: list[EvictionProposal] = []
+    for proposal in in_use:
         if (
             backlog is None
             or not backlog.first_replica
             or _fits_after(gpu, free, models, need, config)
         ):
             break
-        if proposal.rule is EvictionRule.DRAIN:
-            proposals.append(proposal)
+        if proposal.rule is EvictionRule.DRAIN and _displace_worth_it(
+            [*taken, proposal], backlog, config
+        ):
+            taken.append(proposal)
             free, models = free + proposal.freed_bytes, models - 1
     queue: list[EvictionProposal] = []
     for proposal in candidates:
@@ -403,8 +467,16 @@ def _evictions_on(
         if proposal.rule is EvictionRule.QUEUE and _worth_it([*queue, proposal], backlog, config):
             queue.append(proposal)
             free, models = free + proposal.freed_bytes, models - 1
-    if (proposals or queue) and _fits_after(gpu, free, models, need, config):
-        return (*proposals, *queue)
+    for proposal in in_use:
+        if backlog is None or _fits_after(gpu, free, models, need, config):
+            break
+        if proposal.rule is EvictionRule.DISPLACE and _displace_worth_it(
+            [*taken, proposal], backlog, config
+        ):
+            taken.append(proposal)
+            free, models = free + proposal.freed_bytes, models - 1
+    if (proposals or queue or taken) and _fits_after(gpu, free, models, need, config):
+        return (*proposals, *taken, *queue)
     return None
 
 
@@ -416,11 +488,13 @@ def _eviction_plan(
     backlog: Backlog | None,
 ) -> tuple[EvictionProposal, ...]:
     """The evictions on one GPU that make the request fit there (empty if none does): fewest
-    queue evictions (cold models first), then fewest of any model's last replica (extra
-    replicas first), then fewest evictions, then fewest bytes freed."""
+    models displaced, then fewest queue evictions (cold models first), then fewest of any
+    model's last replica (extra replicas first), then fewest evictions, then fewest bytes
+    freed."""
     need = request.estimated_bytes(config.memory_k)
     replicas = _serving_replicas(residents)
-    best: tuple[tuple[int, int, int, int, int, str], tuple[EvictionProposal, ...]] | None = None
+    Key = tuple[int, int, int, int, int, int, str]
+    best: tuple[Key, tuple[EvictionProposal, ...]] | None = None
     for gpu in snapshot.gpus:
         if not snapshot.gpu_is_live(gpu):
             continue
@@ -428,6 +502,7 @@ def _eviction_plan(
         proposals = _evictions_on(gpu, need, on_gpu, snapshot.now_s, config, backlog, replicas)
         if proposals is None:
             continue
+        displaced = sum(1 for p in proposals if p.rule is EvictionRule.DISPLACE)
         queue = sum(1 for p in proposals if p.rule is EvictionRule.QUEUE)
         # NOTE: giving back an extra replica loses nothing (its model keeps serving): a plan of
         # extras alone beats one that takes any model's last replica
@@ -435,7 +510,7 @@ def _eviction_plan(
         last = sum(1 for p in proposals if p.rule not in extra)
         drains = sum(1 for p in proposals if p.rule is EvictionRule.DRAIN)
         freed = sum(p.freed_bytes for p in proposals)
-        key = (queue, last, drains, len(proposals), freed, gpu.uuid)
+        key = (displaced, queue, last, drains, len(proposals), freed, gpu.uuid)
         if best is None or key < best[0]:
             best = (key, proposals)
     return best[1] if best is not None else ()
@@ -463,10 +538,22 @@ def _eviction_text(
             )
         elif e.rule is EvictionRule.COLD:
             parts.append(f"evict {where}, reload {_minutes(e.reload_s)}: cold)")
+        elif e.rule is EvictionRule.DISPLACE:
+            parts.append(
+                f"drain {e.model_name}@{e.gpu_uuid} (its last replica, in use at "
+                f"{e.expected_loss * 60:.1f} requests/min: it finishes its requests, its new "
+                "ones wait for its reload)"
+            )
         else:
             parts.append(f"evict {where}, ~{e.expected_loss:.1f} requests would wait its reload)")
     text = "; ".join(parts) + f" for {request.model_name}"
     queue = [e for e in evictions if e.rule is EvictionRule.QUEUE]
+    displaced = [e for e in evictions if e.rule is EvictionRule.DISPLACE]
+    if backlog is not None and displaced and not queue:
+        text += (
+            f": {backlog.arrival_rps * 60:.1f} requests/min waiting for it, against "
+            f"{sum(e.expected_loss for e in displaced) * 60:.1f} of the drained (displace rule)"
+        )
     if backlog is not None and queue:
         n = backlog.waiting_requests
         text += f": {n} request{'' if n == 1 else 's'} waiting"

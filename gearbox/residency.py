@@ -34,8 +34,10 @@ state, demand and the GPUs they hold) and acts only for itself:
   idle ones by the queue rule evicted for it), or an idle extra one given back.
 * **Me.** A cold model placed in the round loads there (``LOAD_ON_DEMAND``); queued, it waits
   (``WAITING_FOR_ROOM``, naming the evictions under way). A resident model proposed for eviction
-  in the round — and with no active and no queued request, checked again here — is evicted
-  (``EVICT_COLD`` or ``EVICT_QUEUE`` by the rule, naming the model it makes room for), or, when
+  in the round — and with no active and no queued request, checked again here, unless the
+  displace rule took it — is evicted (``EVICT_COLD``, ``EVICT_QUEUE`` or ``EVICT_DISPLACE`` by
+  the rule, naming the model it makes room for; a displaced model goes at its first idle
+  moment, see :mod:`gearbox.placement`), or, when
   only some of its replicas go, keeps the others (``SCALE_IN``); that frees those replicas'
   share only. A resident model the scale rule grows gets one more replica (``SCALE_OUT``) or
   gives one back (``SCALE_IN``). Anything else holds.
@@ -230,6 +232,7 @@ def _resident(
         model.reload_s,
         model.queued_requests,
         in_transition=model.state is not Residency.RESIDENT,
+        steady_s=model.steady_s,
     )
 
 
@@ -546,16 +549,18 @@ def _evicted(
     keep = tuple(u for u in mine.gpu_uuids if u not in gone)
     # NOTE: place_model never proposes it; this keeps the rule local and sure. Giving back
     # some replicas of a model in use is a drain: the runtime finishes their requests there.
-    if mine.wanted and not keep:
+    rule = mine_gone[0].rule
+    if mine.wanted and not keep and rule is not EvictionRule.DISPLACE:
         return _hold(DecisionReason.RESIDENT, f"{me}: resident with requests: never evicted.")
     idle = now_s - mine.last_demand_s if math.isfinite(mine.last_demand_s) else None
     since = f"idle {idle:.0f} s" if idle is not None else "never requested"
-    rule = mine_gone[0].rule
     why = {
         EvictionRule.EXTRA_REPLICA: f"{since}, no active or queued request, an extra replica",
         EvictionRule.DRAIN: "in use, an extra replica: drained, its requests finish there",
         EvictionRule.COLD: f"{since}, no active or queued request, cold, least recently used",
         EvictionRule.QUEUE: f"{since}, no active or queued request, queue rule",
+        EvictionRule.DISPLACE: "in use, its last replica: drained, its requests finish there, "
+        "its new ones wait for a reload",
     }[rule]
     text = (
         f"{me}: evicted from {', '.join(sorted(gone))} ({why}) to make room for {needy}"
@@ -566,7 +571,10 @@ def _evicted(
         return ResidencyVerdict(
             ResidencyAction.SCALE_IN, DecisionReason.SCALE_IN, keep, needy, decision, text
         )
-    reason = DecisionReason.EVICT_COLD if rule is EvictionRule.COLD else DecisionReason.EVICT_QUEUE
+    reason = {
+        EvictionRule.COLD: DecisionReason.EVICT_COLD,
+        EvictionRule.DISPLACE: DecisionReason.EVICT_DISPLACE,
+    }.get(rule, DecisionReason.EVICT_QUEUE)
     return ResidencyVerdict(ResidencyAction.EVICT, reason, (), needy, decision, text)
 
 

@@ -163,6 +163,7 @@ class DeploymentRuntime:
             urgent=decision.reason in _URGENT,
             takes_from=decision.decision.takes_from,
             now_s=now_s,
+            when_idle=decision.reason is DecisionReason.EVICT_DISPLACE,
         )
         self._handle(event, now_s)
 

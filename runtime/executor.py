@@ -99,6 +99,7 @@ class _Decided:
     urgent: bool  # no canary
     takes_from: str | None  # a GPU handover's neighbour
     since_s: float  # when the decision came
+    when_idle: bool = False  # an eviction that waits for the model to go idle
 
 
 def replica_diff(
@@ -134,7 +135,13 @@ class TransitionExecutor:
         self._decided: dict[int, _Decided] = {}  # by transition seq: what its decision said
 
     def note_decision(
-        self, seq: int, *, urgent: bool, takes_from: str | None, now_s: float
+        self,
+        seq: int,
+        *,
+        urgent: bool,
+        takes_from: str | None,
+        now_s: float,
+        when_idle: bool = False,
     ) -> None:
         """What transition ``seq``'s decision (arrived at ``now_s``) says beyond its plan.
 
@@ -147,9 +154,17 @@ class TransitionExecutor:
         ``takes_from``: a GPU handover (:attr:`gearbox.decisions.Decision.takes_from`): its
         prepare waits for the GPUs that deployment holds until ``handover_wait_s`` after
         ``now_s`` instead of failing at once (retries included).
+
+        ``when_idle``: an eviction of a model in use (gearbox's displace rule): its prepare waits
+        until no request is active, queued or held for the deployment, up to
+        ``drain_timeout_s`` after ``now_s``, instead of failing at once; the entry stays open
+        meanwhile, so the model serves. At the switch the entry closes: requests admitted since
+        the idle moment finish on the frozen replica (within the same timeout), new ones are
+        held for the model's reload elsewhere. No request is cut; past the timeout the eviction
+        fails and is rolled back.
         """
         self._decided = {s: d for s, d in self._decided.items() if s >= seq}
-        self._decided[seq] = _Decided(urgent, takes_from, now_s)
+        self._decided[seq] = _Decided(urgent, takes_from, now_s, when_idle)
 
     @property
     def paused(self) -> bool:
@@ -192,10 +207,11 @@ class TransitionExecutor:
         """The transition unloads the deployment (an on-demand model's eviction)."""
         return not job.effect.to_plan.replicas and bool(job.removed)
 
-    def _busy(self) -> str:
-        """Why the deployment may not be evicted now ('' when it may)."""
+    def _busy(self, *, held_ok: bool = False) -> str:
+        """Why the deployment may not be evicted now ('' when it may); ``held_ok``: requests
+        held for it (waiting for a load) do not count."""
         owned, held = len(self.core.router.ownership()), len(self.core.held())
-        if owned or held:
+        if owned or (held and not held_ok):
             return f"not evicted: {owned} requests active or queued, {held} held for it"
         return ""
 
@@ -203,8 +219,11 @@ class TransitionExecutor:
         deployment = self.core.deployment
         # NOTE: the stream decided the eviction on a view a few seconds old; a request may have
         # come since. A model with active or queued requests is never evicted.
-        if self._evicting(job) and self._busy():
-            return self._failed(job, self._busy())
+        if self._evicting(job) and (busy := self._busy()):
+            job.waiting = self._waits_for_idle(job, now_s)
+            if job.waiting:
+                return None
+            return self._failed(job, busy + self._idle_note(job))
         gpus = [u for r in job.added for u in r.gpu_uuids]
         problems = self._inventory.problems(gpus, deployment)
         decided = self._decided.get(job.effect.seq)
@@ -231,6 +250,23 @@ class TransitionExecutor:
                     job, f"shadow {replica.plan_id}: {result.fault} {result.detail}"
                 )
         return None
+
+    def _when_idle(self, job: _Job) -> bool:
+        decided = self._decided.get(job.effect.seq)
+        return decided is not None and decided.when_idle
+
+    def _waits_for_idle(self, job: _Job, now_s: float) -> bool:
+        decided = self._decided.get(job.effect.seq)
+        return (
+            decided is not None
+            and decided.when_idle
+            and now_s - decided.since_s < self.settings.drain_timeout_s
+        )
+
+    def _idle_note(self, job: _Job) -> str:
+        if not self._when_idle(job):
+            return ""
+        return f" (not idle within {self.settings.drain_timeout_s:g} s)"
 
     def _poll_prepare(self, job: _Job, now_s: float) -> Result:
         if job.waiting:
@@ -289,8 +325,13 @@ class TransitionExecutor:
             self._start_handovers(job, now_s)
         if job.queue or not self.core.staged_ready(now_s) or self._hold(job):
             return None
-        if self._evicting(job) and self._busy():
-            return self._failed(job, self._busy())
+        # NOTE: a displaced model's requests that came since its idle moment finish on the
+        # frozen replica (a drain); those held since the freeze wait for its reload elsewhere
+        when_idle = self._when_idle(job)
+        if self._evicting(job) and (busy := self._busy(held_ok=when_idle)):
+            if self._waits_for_idle(job, now_s):
+                return None
+            return self._failed(job, busy + self._idle_note(job))
         return self._swap(job, now_s)
 
     def _freeze(self, job: _Job) -> None:

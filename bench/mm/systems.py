@@ -27,10 +27,13 @@ demand, routed requests and capacity 429s over ``SCALE_WINDOW_S``) and the GPUs'
 memory, every tick and whenever a request waits for a model short of replicas; every verdict is
 carried out: a cold model with requests loads as one replica (at start the live models count as
 requested), resident ones scale out or in by one, cold or idle ones are evicted for a waiting
-model (gearbox never proposes one with running or queued requests) — an eviction here is
-instant, so the round runs once more for the model it made room for — and an extra replica in
-use given back for a model with no replica is drained as the runtime drains a removed replica:
-it takes no new request and is unloaded at the first tick it holds none. Each model's footprint is
+model — an eviction here is instant, so the round runs once more for the model it made room
+for — an extra replica in use given back for a model with no replica is drained as the runtime
+drains a removed replica: it takes no new request and is unloaded at the first tick it holds
+none; and a model displaced in use (gearbox's displace rule) keeps serving and is unloaded at
+the first tick it holds no request and none waits for it, as the runtime's eviction waits for
+an idle moment, or stays if none comes within the runtime's ``drain_timeout_s``. No rule
+unloads a request. Each model's footprint is
 the live one (:func:`gearbox.residency.replica_footprint`: weights, overhead and
 ``FOOTPRINT_BATCH`` sequences of its mean prompt + output), and each replica gets the VMM floor
 the runtime's serving core gives an on-demand replica (weights + that KV, at most the
@@ -77,6 +80,7 @@ from runtime.admission import (
     transient,
     worst_refusal,
 )
+from runtime.executor import ExecutorSettings
 from runtime.throttle import DEFAULT_WATERMARK, GpuMemory
 from runtime.types import Reason
 from runtime.vmm.manager import (
@@ -339,6 +343,10 @@ class GearboxSystem:
         # lives in the simulator's pool, so admission reads floors here, not from the ledger)
         self._floors: dict[str, int] = {}
         self._draining: set[str] = set()  # instances given back in use: no new request
+        # instances displaced (gearbox's displace rule) → until when they may still go: each is
+        # unloaded at the first tick it holds no request and none waits for its model, as the
+        # runtime's eviction waits for an idle moment (``ExecutorSettings.drain_timeout_s``)
+        self._displacing: dict[str, float] = {}
 
     # ---- residency ----------------------------------------------------------------------------
 
@@ -358,7 +366,17 @@ class GearboxSystem:
             inst = self.sim.instances.get(iid)
             if inst is not None and not inst.active:
                 self.sim.evict(inst)
+        for iid, until_s in sorted(self._displacing.items()):
+            inst = self.sim.instances.get(iid)
+            if inst is not None and self._idle(inst):
+                self.sim.evict(inst)
+            elif inst is None or self.sim.now_s >= until_s:
+                del self._displacing[iid]
         self._decide()
+
+    def _idle(self, inst: Instance) -> bool:
+        """No request runs or queues on the instance, and none waits for its model."""
+        return not inst.active and not self.sim.pending(inst.profile.name)
 
     def _decide(self, wanted: frozenset[str] = frozenset()) -> None:
         """Run ``gearbox.residency``'s round on the models' view and act on every verdict; an
@@ -380,6 +398,8 @@ class GearboxSystem:
         instances = sim.instances_of(name)
         if not instances:
             state = Residency.COLD
+        elif any(i.iid in self._displacing for i in instances):
+            state = Residency.EVICTING
         elif all(i.is_ready(now_s) and i.iid not in self._draining for i in instances):
             state = Residency.RESIDENT
         else:
@@ -430,6 +450,14 @@ class GearboxSystem:
                 sim.metrics.scale_outs += int(loaded and action is ResidencyAction.SCALE_OUT)
             return False
         gone = [i for u, i in held.items() if u not in verdict.gpu_uuids]
+        if verdict.reason is DecisionReason.EVICT_DISPLACE:
+            until_s = sim.now_s + ExecutorSettings().drain_timeout_s
+            for inst in gone:
+                if self._idle(inst):
+                    sim.evict(inst)
+                else:
+                    self._displacing[inst.iid] = until_s
+            return any(i.iid not in self._displacing for i in gone)
         for inst in gone:
             if inst.active:  # NOTE: a drain (the runtime's scale-in): unloaded once it is empty
                 self._draining.add(inst.iid)
@@ -534,4 +562,5 @@ class GearboxSystem:
         self.vmm.unreserve_replica(instance.iid)
         self._floors.pop(instance.iid, None)
         self._draining.discard(instance.iid)
+        self._displacing.pop(instance.iid, None)
         self._changed_s[instance.profile.name] = self.sim.now_s

@@ -26,6 +26,8 @@ def test_out_of_range_names_field_range_and_value() -> None:
         GearboxConfig(memory_utilisation=0.0)
     with pytest.raises(ValueError, match="oom_watermark"):
         PlacementConfig(oom_watermark=1.5)
+    with pytest.raises(ValueError, match=r"^displace_in_use: must be true or false, got 1$"):
+        PlacementConfig(displace_in_use=1)  # type: ignore[arg-type]
 
 
 @pytest.mark.unit

@@ -234,9 +234,13 @@ def test_no_queue_eviction_when_the_queue_does_not_outweigh_the_loss() -> None:
 @pytest.mark.unit
 def test_the_queue_rule_never_evicts_a_model_with_active_or_queued_requests() -> None:
     snapshot = _cluster(("g0", "n0", 10.0))
+    strict = replace(DEFAULT_PLACEMENT_CONFIG, displace_in_use=False)
     for busy in (replace(WARM, active_requests=1), replace(WARM, queued_requests=1)):
-        decision = place_model(BIG, snapshot, (busy,), DEFAULT_PLACEMENT_CONFIG, Backlog(10**6))
+        decision = place_model(BIG, snapshot, (busy,), strict, Backlog(10**6))
         assert decision.evictions == ()
+        # by default a backlog that large displaces it: drained, never cut by the queue rule
+        decision = place_model(BIG, snapshot, (busy,), DEFAULT_PLACEMENT_CONFIG, Backlog(10**6))
+        assert [e.rule for e in decision.evictions] == [EvictionRule.DISPLACE]
 
 
 @pytest.mark.unit
@@ -285,3 +289,74 @@ def test_a_first_replica_counts_its_demand_over_its_wait_not_only_the_victims_re
     assert "~4.0 with those expected over the 90 s it would wait with no replica" in (
         decision.explanation
     )
+
+
+# ---- replicas in use: the last one displaced, an extra one drained, by value ------------------
+
+# in use (2 running), one request a minute, 2-minute reload, its replica set unchanged an hour:
+# displacing it costs 1/60 request per second, × 3 (eviction_reload_factor) = 0.05
+BUSY = replace(
+    _resident("busy", "g0", idle_min=0, gap_min=1, gib=60, active=2), steady_s=60 * MINUTE
+)
+
+
+@pytest.mark.unit
+def test_a_last_replica_in_use_is_displaced_only_for_demand_many_times_its_own() -> None:
+    snapshot = _cluster(("g0", "n0", 10.0))
+    config = DEFAULT_PLACEMENT_CONFIG
+    hot = Backlog(2, 0.1)  # over the victim's 120-s reload: (2 + 12) / 120 = 0.117 per s
+    decision = place_model(BIG, snapshot, (BUSY,), config, hot)
+    assert [(e.model_name, e.rule) for e in decision.evictions] == [("busy", EvictionRule.DISPLACE)]
+    assert decision.evictions[0].expected_loss == pytest.approx(1 / 60)
+    assert "drain busy@g0 (its last replica, in use at 1.0 requests/min" in decision.explanation
+    assert "6.0 requests/min waiting for it, against 1.0 of the drained (displace rule)" in (
+        decision.explanation
+    )
+    warm = Backlog(2, 0.03)  # (2 + 3.6) / 120 = 0.047 per s < 0.05
+    assert place_model(BIG, snapshot, (BUSY,), config, warm).evictions == ()
+    assert place_model(BIG, snapshot, (BUSY,), config, None).evictions == ()
+    off = replace(config, displace_in_use=False)  # the article's rule: never a model in use
+    assert place_model(BIG, snapshot, (BUSY,), off, hot).evictions == ()
+    # a rarely used victim still costs the request that finds it gone: 3 such, by the margin
+    rare = replace(BUSY, mean_interarrival_s=600 * MINUTE)
+    assert place_model(BIG, snapshot, (rare,), config, Backlog(0, 0.02)).evictions == ()  # 2.4
+    assert place_model(BIG, snapshot, (rare,), config, Backlog(1, 0.02)).evictions  # 3.4
+
+
+@pytest.mark.unit
+def test_a_model_whose_replicas_changed_lately_is_not_displaced() -> None:
+    # factor 3 × its 2-minute reload: its replica set holds 6 minutes first
+    snapshot = _cluster(("g0", "n0", 10.0))
+    flood = Backlog(100, 10.0)
+    fresh = replace(BUSY, steady_s=5 * MINUTE)
+    assert place_model(BIG, snapshot, (fresh,), DEFAULT_PLACEMENT_CONFIG, flood).evictions == ()
+    settled = replace(BUSY, steady_s=7 * MINUTE)
+    assert place_model(BIG, snapshot, (settled,), DEFAULT_PLACEMENT_CONFIG, flood).evictions
+
+
+@pytest.mark.unit
+def test_two_models_cannot_take_one_gpu_from_each_other_at_the_same_rates() -> None:
+    snapshot = _cluster(("g0", "n0", 10.0))
+    gaps_s = (2.0, 6.0, 20.0, 60.0, 200.0, 600.0)
+    for a_gap in gaps_s:
+        for b_gap in gaps_s:
+            # a waits with no request queued yet while b serves, and the other way round
+            b_serves = replace(BUSY, model_name="b", mean_interarrival_s=b_gap)
+            a_serves = replace(BUSY, model_name="a", mean_interarrival_s=a_gap)
+            a_takes = place_model(
+                BIG, snapshot, (b_serves,), DEFAULT_PLACEMENT_CONFIG, Backlog(0, 1 / a_gap)
+            ).evictions
+            b_takes = place_model(
+                BIG, snapshot, (a_serves,), DEFAULT_PLACEMENT_CONFIG, Backlog(0, 1 / b_gap)
+            ).evictions
+            assert not (a_takes and b_takes), (a_gap, b_gap)
+            # 3 × b's rate, and 3 requests over b's 120-s reload (the one that finds it gone)
+            assert bool(a_takes) is (a_gap * 3 < b_gap and 120 / a_gap > 3), (a_gap, b_gap)
+
+
+@pytest.mark.unit
+def test_an_idle_model_goes_before_any_model_in_use_is_displaced() -> None:
+    two = _cluster(("g0", "n0", 10.0), ("g1", "n1", 10.0))
+    warm = replace(WARM, gpu_uuid="g1")
+    decision = place_model(BIG, two, (BUSY, warm), DEFAULT_PLACEMENT_CONFIG, Backlog(412, 1.0))
+    assert [(e.model_name, e.rule) for e in decision.evictions] == [("warm", EvictionRule.QUEUE)]

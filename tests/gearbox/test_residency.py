@@ -54,6 +54,7 @@ def _model(
     active: int = 0,
     queued: int = 0,
     idle_s: float | None = None,
+    arrival_rps: float = 0.0,
     **kw: object,
 ) -> OnDemandModel:
     last = -math.inf if idle_s is None else NOW_S - idle_s
@@ -65,7 +66,7 @@ def _model(
         active_requests=active,
         queued_requests=queued,
         last_demand_s=last,
-        arrival_rps=0.0,
+        arrival_rps=arrival_rps,
         reload_s=2.0,
         **kw,  # type: ignore[arg-type]
     )
@@ -429,28 +430,40 @@ def test_an_extra_replica_in_use_is_drained_for_a_model_with_no_replica() -> Non
     # as above, but "m" serves requests on both replicas and "solo" too: no idle model anywhere.
     # One of m's replicas is given back by a drain (the runtime finishes its requests there);
     # solo's last replica never goes.
+    # Each of m's two replicas carries half its request a second (0.5 / s); w's 2 waiting and
+    # its 2 / s over its 60-s load window (2.03 / s) outweigh that by 3 (eviction_reload_factor);
+    # solo's last replica (1 / s) would need 3 / s.
     capped = replace(PACK, max_models_per_gpu=1, cold_after_s=60.0)
-    busy = replace(_resident("m", "g0", idle_s=0.0, active=3), gpu_uuids=("g0", "g1"))
-    solo = _resident("solo", "g2", idle_s=0.0, active=1)
-    models = [busy, solo, _model("w", queued=2)]
+    busy = replace(
+        _resident("m", "g0", idle_s=0.0, active=3, arrival_rps=1.0), gpu_uuids=("g0", "g1")
+    )
+    solo = _resident("solo", "g2", idle_s=0.0, active=1, arrival_rps=1.0)
+    models = [busy, solo, _model("w", queued=2, arrival_rps=2.0)]
     snap = _snapshot(*THREE_GPUS)
     m = decide_residency("m", models, snap, capped)
     assert m.action is ResidencyAction.SCALE_IN and m.for_model == "w" and len(m.gpu_uuids) == 1
     assert "drained" in m.explanation
     assert decide_residency("solo", models, snap, capped).action is ResidencyAction.HOLD
     assert decide_residency("w", models, snap, capped).reason is DecisionReason.WAITING_FOR_ROOM
+    # a model asked for at 1 / s waits: the drain would cost more than it gains
+    sparse = [busy, solo, _model("w", queued=2, arrival_rps=1.0)]
+    assert decide_residency("m", sparse, snap, capped).action is ResidencyAction.HOLD
 
 
 @pytest.mark.unit
-def test_only_a_first_replica_drains_another_models_replica() -> None:
-    # the same GPU, asked for by a model with no replica and by one scaling out
+def test_only_a_first_replica_drains_a_replica_in_use_and_only_for_more_than_its_share() -> None:
+    # m: a request a second over two replicas, 0.5 / s each; × 3 (eviction_reload_factor) = 1.5.
+    # Over the 2-s reload, 2 waiting + 1 / s make 2 / s: enough for a model with no replica; a
+    # model scaling out never drains another's replica; 0.5 / s is not enough.
     gpu = _snapshot(("g0", "n0", "l40s"))
     held = ResidentModel("m", "g0", 40 * GIB, 3, NOW_S, 1.0, 2.0)
     others = ResidentModel("m", "g1", 40 * GIB, 3, NOW_S, 1.0, 2.0)
     config = replace(PACK, max_models_per_gpu=1)
     first = place_model(SMALL, gpu, [held, others], config, Backlog(2, 1.0, first_replica=True))
-    assert [e.rule for e in first.evictions] == [EvictionRule.DRAIN]
-    more = place_model(SMALL, gpu, [held, others], config, Backlog(2, 1.0))
-    assert more.evictions == ()
+    assert [(e.rule, e.expected_loss) for e in first.evictions] == [(EvictionRule.DRAIN, 0.5)]
+    assert place_model(SMALL, gpu, [held, others], config, Backlog(2, 1.0)).evictions == ()
+    sparse = Backlog(0, 0.5, first_replica=True)
+    assert place_model(SMALL, gpu, [held, others], config, sparse).evictions == ()
+    # its last replica carries all of m's rate (1 / s), and 3 / s would not outweigh it
     alone = place_model(SMALL, gpu, [held], config, Backlog(2, 1.0, first_replica=True))
-    assert alone.evictions == ()  # a model's last replica is never drained
+    assert alone.evictions == ()

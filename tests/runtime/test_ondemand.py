@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from flexpipe.schemas import PhaseStatus, TransitionPhase
+from gearbox.decisions import DecisionReason
 from gearbox.plans import DeploymentPlan
 from runtime.deployment import RuntimeSettings
 from runtime.host import RuntimeHost
@@ -29,6 +30,7 @@ from tests.runtime.builders import (
 )
 
 pytestmark = pytest.mark.unit
+SWITCH = TransitionPhase.SWITCH
 
 HOLD_S = 30.0
 PLAN = make_plan(make_replica(["A0"]))
@@ -252,3 +254,67 @@ def test_a_handover_not_made_fails_after_the_wait_and_rolls_back() -> None:
     assert failed[0].duration_ms is not None and failed[0].duration_ms >= 9_000
     assert all(r.duration_ms is not None and r.duration_ms < 1_000 for r in failed[1:])
     assert hs["small"].rt.state.serving == on_a0
+
+
+def _displace(h: Harness, seq: int) -> None:
+    """Deliver gearbox's displace eviction (a model in use) as transition ``seq``."""
+    reason = DecisionReason.EVICT_DISPLACE
+    h.deliver(make_decision(seq, EMPTY, from_plan_id=PLAN.plan_id, reason=reason))
+
+
+def test_a_displaced_model_serves_until_it_is_idle_then_goes_and_no_request_fails() -> None:
+    # gearbox's displace rule: the eviction of a model in use waits for an idle moment (up to
+    # the drain timeout, 5 s here); its entry stays open meanwhile, so a request that comes is
+    # served there, and the unload takes none with it
+    h = _on_demand()
+    h.decide(1, PLAN)
+    h.until(lambda: h.rt.state.active is None, 30)
+    assert h.submit(make_request(1, output=20)).admitted
+    _displace(h, 2)
+    h.advance(0.2)
+    assert h.rt.core.replica_ids() != ()
+    assert h.submit(make_request(2, output=20)).admitted  # served, not held
+    h.until(lambda: h.rt.state.active is None, 60)
+    phases = [(r.transition_seq, r.phase) for r in h.outputs.records]
+    assert (2, TransitionPhase.DONE) in phases and (2, TransitionPhase.ROLLED_BACK) not in phases
+    assert {"r1", "r2"} <= {c.request_id for c in h.outputs.completions}
+    assert h.outputs.refused == [] and h.rt.core.replica_ids() == ()
+
+
+def test_a_displaced_model_still_busy_after_the_drain_timeout_stays() -> None:
+    h = _on_demand()
+    h.decide(1, PLAN)
+    h.until(lambda: h.rt.state.active is None, 30)
+    assert h.submit(make_request(1, output=4000)).admitted  # longer than the 5-s timeout
+    _displace(h, 2)
+    h.until(lambda: h.rt.state.active is None, 120)
+    phases = [(r.transition_seq, r.phase) for r in h.outputs.records]
+    assert (2, TransitionPhase.ROLLED_BACK) in phases and (2, TransitionPhase.DONE) not in phases
+    detail = " ".join(r.detail for r in h.outputs.records if r.transition_seq == 2)
+    assert "not idle within 5 s" in detail
+    h.until(lambda: any(c.request_id == "r1" for c in h.outputs.completions), 300)
+    assert h.outputs.refused == [] and h.rt.state.serving_plan_id == PLAN.plan_id
+
+
+def test_a_request_admitted_after_a_displaced_models_idle_moment_finishes_before_it_goes() -> None:
+    # the prepare saw it idle; a request admitted before the switch freezes the entry runs on
+    # the frozen replica to its end, one that comes after the freeze is held for a reload
+    h = _on_demand()
+    h.decide(1, PLAN)
+    h.until(lambda: h.rt.state.active is None, 30)
+    _displace(h, 2)
+    h.until(lambda: any(r.transition_seq == 2 for r in h.outputs.records), 30)
+    assert h.submit(make_request(1, output=30)).admitted
+
+    def switching() -> bool:
+        return any(r.transition_seq == 2 and r.phase is SWITCH for r in h.outputs.records)
+
+    h.until(switching, 30, dt_s=0.01)
+    assert h.rt.core.router.ownership() != {}  # r1 runs on the frozen replica
+    assert h.submit(make_request(2, output=30)).reason is Reason.HELD_FOR_LOAD
+    h.until(lambda: h.rt.state.active is None, 60)
+    phases = [(r.transition_seq, r.phase) for r in h.outputs.records]
+    assert (2, TransitionPhase.DONE) in phases and (2, TransitionPhase.ROLLED_BACK) not in phases
+    assert "r1" in {c.request_id for c in h.outputs.completions}
+    assert h.rt.core.replica_ids() == () and h.outputs.refused == []
+    assert h.rt.core.held() == ("r2",)  # it waits for a reload
