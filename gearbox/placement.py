@@ -374,11 +374,10 @@ def _displace_worth_it(
     take a GPU from each other at the same rates: each would need more than the other.
     """
     rate = sum(p.expected_loss for p in displaced)
-    horizon = _horizon(displaced, backlog)
-    demand = backlog.demand_over(horizon)
     margin = config.eviction_reload_factor
     last = sum(1 for p in displaced if p.rule is EvictionRule.DISPLACE)
-    return demand / horizon > rate * margin and demand > last * margin
+    demand = backlog.demand_over(_horizon(displaced, backlog))
+    return backlog.arrival_rps > rate * margin and demand > last * margin
 
 
 def _worth_it(queue: Sequence[EvictionProposal], backlog: Backlog, config: PlacementConfig) -> bool:

@@ -254,6 +254,7 @@ class Simulator:
         self._arrivals: dict[str, deque[float]] = {
             m: deque(maxlen=GAP_WINDOW) for m in self.profiles
         }
+        self._window_arrivals: dict[str, deque[float]] = {m: deque() for m in self.profiles}
         self._last_place_s: dict[str, float] = {}
         self._timings: dict[tuple[str, str], ReplicaTiming] = {}
         self._events: list[tuple[float, int, int, tuple[str, int]]] = []
@@ -299,6 +300,15 @@ class Simulator:
         if not times:
             return self.scenario.duration_s
         return (self.now_s - times[0]) / len(times)
+
+    def arrivals_since(self, model_name: str, since_s: float) -> int:
+        """Requests for the model that arrived since ``since_s``, whatever became of them (as
+        the runtime's serving window counts a request held for a load). Forgets older ones:
+        ``since_s`` must not go back."""
+        times = self._window_arrivals[model_name]
+        while times and times[0] < since_s:
+            times.popleft()
+        return len(times)
 
     def snapshot(self, exclude: frozenset[str] = frozenset()) -> TopologySnapshot:
         """The cluster as telemetry would report it now (``exclude``: marked unschedulable)."""
@@ -431,6 +441,7 @@ class Simulator:
     def _on_arrival(self, request: SimRequest) -> None:
         self.metrics.arrivals += 1
         self._arrivals[request.model_name].append(request.arrival_s)
+        self._window_arrivals[request.model_name].append(request.arrival_s)
         self._pending[request.model_name].append(request)
         self._ensure_replicas(request.model_name)
         self._drain_pending(request.model_name)

@@ -23,7 +23,8 @@ instances, spread round-robin.
 **Ours** runs the live loop's own rules. Residency is ``gearbox.residency.residency_round`` —
 the round each on-demand deployment of the live stream decides by (:mod:`streams.ondemand`) —
 on the models as the stream's view shows them (state, GPUs, active and queued requests, last
-demand, routed requests and capacity 429s over ``SCALE_WINDOW_S``) and the GPUs' physical free
+demand, arrivals — a request waiting for a load included, as the runtime's serving window counts
+it — and capacity 429s over ``SCALE_WINDOW_S``) and the GPUs' physical free
 memory, every tick and whenever a request waits for a model short of replicas; every verdict is
 carried out: a cold model with requests loads as one replica (at start the live models count as
 requested), resident ones scale out or in by one, cold or idle ones are evicted for a waiting
@@ -419,7 +420,7 @@ class GearboxSystem:
             active_requests=active,
             queued_requests=queued,
             last_demand_s=self._last_demand_s.get(name, -math.inf),
-            arrival_rps=len(routed) / SCALE_WINDOW_S,
+            arrival_rps=sim.arrivals_since(name, now_s - SCALE_WINDOW_S) / SCALE_WINDOW_S,
             reload_s=reload_s(profile.spec, sim.config),
             refused=self._refused.get(name, 0),
             window_s=SCALE_WINDOW_S,

@@ -238,8 +238,11 @@ def test_the_queue_rule_never_evicts_a_model_with_active_or_queued_requests() ->
     for busy in (replace(WARM, active_requests=1), replace(WARM, queued_requests=1)):
         decision = place_model(BIG, snapshot, (busy,), strict, Backlog(10**6))
         assert decision.evictions == ()
-        # by default a backlog that large displaces it: drained, never cut by the queue rule
+        # by default a pile of waiting requests is no rate: it does not displace it either
         decision = place_model(BIG, snapshot, (busy,), DEFAULT_PLACEMENT_CONFIG, Backlog(10**6))
+        assert decision.evictions == ()
+        # a model asked for at 1 / s does: drained, never cut by the queue rule
+        decision = place_model(BIG, snapshot, (busy,), DEFAULT_PLACEMENT_CONFIG, Backlog(1, 1.0))
         assert [e.rule for e in decision.evictions] == [EvictionRule.DISPLACE]
 
 
@@ -304,7 +307,7 @@ BUSY = replace(
 def test_a_last_replica_in_use_is_displaced_only_for_demand_many_times_its_own() -> None:
     snapshot = _cluster(("g0", "n0", 10.0))
     config = DEFAULT_PLACEMENT_CONFIG
-    hot = Backlog(2, 0.1)  # over the victim's 120-s reload: (2 + 12) / 120 = 0.117 per s
+    hot = Backlog(2, 0.1)  # 0.1 requests a second against 0.05
     decision = place_model(BIG, snapshot, (BUSY,), config, hot)
     assert [(e.model_name, e.rule) for e in decision.evictions] == [("busy", EvictionRule.DISPLACE)]
     assert decision.evictions[0].expected_loss == pytest.approx(1 / 60)
@@ -312,7 +315,7 @@ def test_a_last_replica_in_use_is_displaced_only_for_demand_many_times_its_own()
     assert "6.0 requests/min waiting for it, against 1.0 of the drained (displace rule)" in (
         decision.explanation
     )
-    warm = Backlog(2, 0.03)  # (2 + 3.6) / 120 = 0.047 per s < 0.05
+    warm = Backlog(2, 0.03)  # 0.03 < 0.05
     assert place_model(BIG, snapshot, (BUSY,), config, warm).evictions == ()
     assert place_model(BIG, snapshot, (BUSY,), config, None).evictions == ()
     off = replace(config, displace_in_use=False)  # the article's rule: never a model in use

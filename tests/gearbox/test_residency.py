@@ -430,9 +430,8 @@ def test_an_extra_replica_in_use_is_drained_for_a_model_with_no_replica() -> Non
     # as above, but "m" serves requests on both replicas and "solo" too: no idle model anywhere.
     # One of m's replicas is given back by a drain (the runtime finishes its requests there);
     # solo's last replica never goes.
-    # Each of m's two replicas carries half its request a second (0.5 / s); w's 2 waiting and
-    # its 2 / s over its 60-s load window (2.03 / s) outweigh that by 3 (eviction_reload_factor);
-    # solo's last replica (1 / s) would need 3 / s.
+    # Each of m's two replicas carries half its request a second (0.5 / s); w's 2 / s outweighs
+    # that by 3 (eviction_reload_factor); solo's last replica (1 / s) would need 3 / s.
     capped = replace(PACK, max_models_per_gpu=1, cold_after_s=60.0)
     busy = replace(
         _resident("m", "g0", idle_s=0.0, active=3, arrival_rps=1.0), gpu_uuids=("g0", "g1")
@@ -453,17 +452,17 @@ def test_an_extra_replica_in_use_is_drained_for_a_model_with_no_replica() -> Non
 @pytest.mark.unit
 def test_only_a_first_replica_drains_a_replica_in_use_and_only_for_more_than_its_share() -> None:
     # m: a request a second over two replicas, 0.5 / s each; × 3 (eviction_reload_factor) = 1.5.
-    # Over the 2-s reload, 2 waiting + 1 / s make 2 / s: enough for a model with no replica; a
-    # model scaling out never drains another's replica; 0.5 / s is not enough.
+    # 2 / s is enough for a model with no replica; a model scaling out never drains another's
+    # replica; 1 / s is not enough, however many requests wait.
     gpu = _snapshot(("g0", "n0", "l40s"))
     held = ResidentModel("m", "g0", 40 * GIB, 3, NOW_S, 1.0, 2.0)
     others = ResidentModel("m", "g1", 40 * GIB, 3, NOW_S, 1.0, 2.0)
     config = replace(PACK, max_models_per_gpu=1)
-    first = place_model(SMALL, gpu, [held, others], config, Backlog(2, 1.0, first_replica=True))
+    first = place_model(SMALL, gpu, [held, others], config, Backlog(2, 2.0, first_replica=True))
     assert [(e.rule, e.expected_loss) for e in first.evictions] == [(EvictionRule.DRAIN, 0.5)]
-    assert place_model(SMALL, gpu, [held, others], config, Backlog(2, 1.0)).evictions == ()
-    sparse = Backlog(0, 0.5, first_replica=True)
-    assert place_model(SMALL, gpu, [held, others], config, sparse).evictions == ()
-    # its last replica carries all of m's rate (1 / s), and 3 / s would not outweigh it
-    alone = place_model(SMALL, gpu, [held], config, Backlog(2, 1.0, first_replica=True))
+    assert place_model(SMALL, gpu, [held, others], config, Backlog(2, 2.0)).evictions == ()
+    piled = Backlog(500, 1.0, first_replica=True)
+    assert place_model(SMALL, gpu, [held, others], config, piled).evictions == ()
+    # its last replica carries all of m's rate (1 / s): 2 / s does not outweigh it
+    alone = place_model(SMALL, gpu, [held], config, Backlog(2, 2.0, first_replica=True))
     assert alone.evictions == ()
