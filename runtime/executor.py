@@ -4,9 +4,11 @@ Replicas present in both plans (same content hash) are untouched; only added rep
 loaded and only removed ones drained. Each phase is a small job advanced by :meth:`poll(now_s)`:
 
 * prepare — re-check the target GPUs, reserve VMM and commit weights, load shards into the shadow
-  replicas, build their groups. Nothing is routable yet. A GPU handover's target GPUs
-  (:meth:`TransitionExecutor.note_decision`) may still be held by the deployment it takes them
-  from, which moves off them first: the prepare waits for them up to ``handover_wait_s``.
+  replicas, build their groups. Nothing is routable yet. An eviction waits here for a moment
+  with no request for the model when gearbox displaced it in use, else fails if it has one. A
+  GPU handover's target GPUs (:meth:`TransitionExecutor.note_decision`) may still be held by
+  the deployment it takes them from, which moves off them first: the prepare waits for them up
+  to ``handover_wait_s``.
   NOTE: only claims on this worker's inventory are seen; served by another worker, the other
   deployment's memory is the engine's and VMM's to refuse (the attempt fails and is retried).
 * switch — canary (new replicas take ``canary_share`` of new requests for ``canary_s``; none for
@@ -72,7 +74,9 @@ class ExecutorSettings:
     canary_s: float = 2.0  # how long the canary share runs before the old entry freezes
     short_sequence_tokens: int = 32  # sequences this close to done finish on the old replica
     max_handovers_per_poll: int = 64  # cap per batch (KV-queue backlog pitfall)
-    drain_timeout_s: float = 60.0  # graceful drain, then remaining sequences are replayed
+    # graceful drain, then remaining sequences are replayed; also how long a displaced model's
+    # eviction waits for an idle moment (note_decision's ``when_idle``)
+    drain_timeout_s: float = 60.0
     handover_wait_s: float = 60.0  # a handover's prepare waits this long for its GPUs
     inter_domain_link: LinkClass = LINK_CLASSES["ethernet"]
     kv_policy: KvPolicy = KvPolicy.AUTO  # REPLAY_ONLY: never migrate KV (an ablation)
