@@ -33,7 +33,7 @@ pytestmark = pytest.mark.unit
 NAMES = ("m1", "m2", "m3", "m4", "late")
 
 
-def _replayer(max_models_per_gpu: int = 1) -> Replayer:
+def _replayer(max_models_per_gpu: int = 1, displace_in_use: bool = True) -> Replayer:
     """Five on-demand 7B models on block B (four 80 GiB GPUs); one model per GPU unless
     ``max_models_per_gpu`` lets them share."""
     deps = tuple(
@@ -44,7 +44,10 @@ def _replayer(max_models_per_gpu: int = 1) -> Replayer:
     )
     cfg = streams_config(deployments=deps)
     placement = PlacementConfig(
-        cold_after_s=60.0, max_models_per_gpu=max_models_per_gpu, strategy=PlacementStrategy.PACK
+        cold_after_s=60.0,
+        max_models_per_gpu=max_models_per_gpu,
+        strategy=PlacementStrategy.PACK,
+        displace_in_use=displace_in_use,
     )
     cfg = cfg.model_copy(update={"placement": placement})
     catalog, deployments = resolve_deployments(cfg)
@@ -219,3 +222,48 @@ def test_a_model_needing_two_victims_evicts_those_two_and_no_other() -> None:
     assert f"@{gpu}" in outs["big"].decision.explanation
     for name in gone:
         assert f"evict {name}@{gpu}" in outs["big"].decision.explanation
+
+
+def _all_resident(r: Replayer, seq: int) -> int:
+    """m1 … m4 requested, loaded and confirmed, one per GPU of block B; the last seq used."""
+    for e in cluster_envelopes(T0_MS):
+        r.fold(e)
+    for i, name in enumerate(NAMES[:4]):
+        seq += 1
+        _report(r, name, T0_MS + 1000 + i, seq, arrivals=3, arrival_rate_rps=0.3, queue_len=2)
+    for out in _tick(r, T0_MS + 15_000).values():
+        if out.decision.reason == DecisionReason.LOAD_ON_DEMAND:
+            seq += 1
+            r.fold(env(_done(out), T0_MS + 20_000, "rt", seq))
+    return seq
+
+
+@pytest.mark.parametrize("displace", [True, False])
+def test_a_model_asked_for_at_many_times_a_busy_neighbours_rate_displaces_it(
+    displace: bool,
+) -> None:
+    # every GPU holds a model in use; "late" is asked for at 1 request/s, m4 at one every 20 s
+    # (× 3 = 0.15 / s), m1 … m3 at 1 / s each: only m4 may go, and only by the displace rule
+    r = _replayer(displace_in_use=displace)
+    seq = _all_resident(r, 0)
+    t_ms = T0_MS + 200_000
+    for e in heartbeats(t_ms - 1000, 1000):
+        r.fold(e)
+    # the view's rate is the arrivals its 60-s window holds
+    for name, arrivals in (("m1", 60), ("m2", 60), ("m3", 60), ("m4", 3)):
+        seq += 1
+        rps = arrivals / 60.0
+        _report(
+            r, name, t_ms - 500, seq, arrivals=arrivals, arrival_rate_rps=rps, active_sequences=2
+        )
+    seq += 1
+    _report(r, "late", t_ms - 400, seq, arrivals=60, arrival_rate_rps=1.0, queue_len=3)
+    outs = _tick(r, t_ms)
+    reasons = {n: o.decision.reason for n, o in outs.items()}
+    assert reasons["late"] == DecisionReason.WAITING_FOR_ROOM
+    if not displace:  # the article's rule: a model in use is never evicted
+        assert DecisionReason.EVICT_DISPLACE not in reasons.values(), reasons
+        return
+    assert [n for n, why in reasons.items() if why == DecisionReason.EVICT_DISPLACE] == ["m4"]
+    assert "(displace rule)" in outs["late"].decision.explanation
+    assert "to make room for late" in outs["m4"].decision.explanation
