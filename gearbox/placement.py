@@ -47,10 +47,10 @@
     running, queued or held for it (the runtime's prepare waits up to ``drain_timeout_s``; it
     keeps serving meanwhile, and if it is never idle the eviction is rolled back) — so no
     request is cut; its later requests wait for its reload elsewhere. It costs its request rate
-    for as long as it finds no room again, so the waiting demand's rate (its queued requests and
-    arrivals over the horizon of the queue rule, per second) must exceed the rate of every
-    replica taken in use by ``eviction_reload_factor``, and its demand over that horizon must
-    exceed one request per displaced model (the one that finds it gone) by the same margin.
+    for as long as it finds no room again, so the waiting model's arrival rate (scaling out: its
+    unmet rate) must exceed the rate of every replica taken in use by ``eviction_reload_factor``,
+    and its demand over the queue rule's horizon (waiting and expected) must exceed one request
+    per displaced model (the one that finds it gone) by the same margin.
     With a margin above 1 two models cannot take a GPU from each other at the same rates.
     Hysteresis: a model whose replica set changed less than ``eviction_reload_factor`` × its
     reload ago is never displaced (a model just loaded, or just reloaded after a displacement).
@@ -362,16 +362,18 @@ def _displace_loss(resident: ResidentModel) -> float:
 def _displace_worth_it(
     displaced: Sequence[EvictionProposal], backlog: Backlog, config: PlacementConfig
 ) -> bool:
-    """The backlog's demand rate (its requests waiting now and expected over the horizon of
-    :func:`_horizon`, per second of it) outweighs the request rate the drained or displaced
-    replicas carry (:attr:`EvictionProposal.expected_loss`) by ``eviction_reload_factor``; and
-    its demand over that horizon outweighs, by the same margin, the one request per displaced
-    model that finds it gone.
+    """The backlog's arrival rate outweighs the request rate the drained or displaced replicas
+    carry (:attr:`EvictionProposal.expected_loss`) by ``eviction_reload_factor``, and its
+    demand over the horizon of :func:`_horizon` (waiting now and expected) outweighs, by the
+    same margin, the one request per displaced model that finds it gone.
 
     NOTE: rates, not counts over the reload: a displaced model loses its requests until it wins
     room again, however long that is, and a drained replica's share of its model's requests
-    goes unserved until the model scales out again. With a margin above 1, two models cannot
-    take a GPU from each other at the same rates: each would need more than the other.
+    goes unserved until the model scales out again. Requests piled up waiting are no rate: a
+    model displaced in its quiet minute piles up its burst's requests, and read as rate they
+    took the GPU straight back (bench.multimodel fits, two 34B models at every burst). With a
+    margin above 1, two models cannot take a GPU from each other at the same rates: each would
+    need more than the other.
     """
     rate = sum(p.expected_loss for p in displaced)
     margin = config.eviction_reload_factor
@@ -547,23 +549,27 @@ def _eviction_text(
             parts.append(f"evict {where}, ~{e.expected_loss:.1f} requests would wait its reload)")
     text = "; ".join(parts) + f" for {request.model_name}"
     queue = [e for e in evictions if e.rule is EvictionRule.QUEUE]
-    displaced = [e for e in evictions if e.rule is EvictionRule.DISPLACE]
-    if backlog is not None and displaced and not queue:
-        text += (
-            f": {backlog.arrival_rps * 60:.1f} requests/min waiting for it, against "
-            f"{sum(e.expected_loss for e in displaced) * 60:.1f} of the drained (displace rule)"
+    in_use = [e for e in evictions if e.rule in (EvictionRule.DRAIN, EvictionRule.DISPLACE)]
+    clauses = []
+    if backlog is not None and in_use:
+        rule = "displace" if any(e.rule is EvictionRule.DISPLACE for e in in_use) else "drain"
+        clauses.append(
+            f"asked for at {backlog.arrival_rps * 60:.1f} requests/min, against "
+            f"{sum(e.expected_loss for e in in_use) * 60:.1f} of the drained ({rule} rule)"
         )
     if backlog is not None and queue:
         n = backlog.waiting_requests
-        text += f": {n} request{'' if n == 1 else 's'} waiting"
+        clause = f"{n} request{'' if n == 1 else 's'} waiting"
         if backlog.arrival_rps > 0:
             horizon = _horizon(queue, backlog)
             reloads = horizon == max(e.reload_s for e in queue)
-            text += f", ~{backlog.demand_over(horizon):.1f} with those expected over the "
-            text += f"{_minutes(horizon)} " + (
+            clause += f", ~{backlog.demand_over(horizon):.1f} with those expected over the "
+            clause += f"{_minutes(horizon)} " + (
                 "reload" if reloads else "it would wait with no replica"
             )
-        text += " (queue rule)"
+        clauses.append(clause + " (queue rule)")
+    if clauses:
+        text += ": " + "; ".join(clauses)
     return text + "."
 
 

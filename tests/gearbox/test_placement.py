@@ -312,7 +312,7 @@ def test_a_last_replica_in_use_is_displaced_only_for_demand_many_times_its_own()
     assert [(e.model_name, e.rule) for e in decision.evictions] == [("busy", EvictionRule.DISPLACE)]
     assert decision.evictions[0].expected_loss == pytest.approx(1 / 60)
     assert "drain busy@g0 (its last replica, in use at 1.0 requests/min" in decision.explanation
-    assert "6.0 requests/min waiting for it, against 1.0 of the drained (displace rule)" in (
+    assert "asked for at 6.0 requests/min, against 1.0 of the drained (displace rule)" in (
         decision.explanation
     )
     warm = Backlog(2, 0.03)  # 0.03 < 0.05

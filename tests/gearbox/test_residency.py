@@ -460,6 +460,9 @@ def test_only_a_first_replica_drains_a_replica_in_use_and_only_for_more_than_its
     config = replace(PACK, max_models_per_gpu=1)
     first = place_model(SMALL, gpu, [held, others], config, Backlog(2, 2.0, first_replica=True))
     assert [(e.rule, e.expected_loss) for e in first.evictions] == [(EvictionRule.DRAIN, 0.5)]
+    assert "asked for at 120.0 requests/min, against 30.0 of the drained (drain rule)" in (
+        first.explanation
+    )
     assert place_model(SMALL, gpu, [held, others], config, Backlog(2, 2.0)).evictions == ()
     piled = Backlog(500, 1.0, first_replica=True)
     assert place_model(SMALL, gpu, [held, others], config, piled).evictions == ()
