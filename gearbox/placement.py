@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -220,7 +220,9 @@ class EvictionProposal(Serialisable):
     expected_gap_s: float  # expected time to its next request
     reload_s: float
     rule: EvictionRule = EvictionRule.COLD
-    expected_loss: float = 0.0  # QUEUE: its requests expected to wait out its reload
+    # QUEUE: its requests expected to wait out its reload; DISPLACE: its requests per second,
+    # each to find it gone; DRAIN: its replica's share of them
+    expected_loss: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,12 +305,18 @@ def _expected_gap_s(resident: ResidentModel, now_s: float) -> float:
     return gap - idle if idle < gap else gap
 
 
+def _request_rate(resident: ResidentModel) -> float:
+    """The model's requests per second (inf with no gap estimate: nothing can outweigh it)."""
+    if resident.mean_interarrival_s <= 0:
+        return math.inf
+    return 1.0 / resident.mean_interarrival_s
+
+
 def _expected_loss(resident: ResidentModel) -> float:
     """Requests that would wait out the model's reload if it went now: the one that finds it
     gone and those expected during the reload."""
-    if resident.mean_interarrival_s <= 0:
-        return math.inf  # no gap estimate: nothing can outweigh it
-    return 1.0 + resident.reload_s / resident.mean_interarrival_s
+    rate = _request_rate(resident)
+    return math.inf if math.isinf(rate) else 1.0 + resident.reload_s * rate
 
 
 def _proposal(
@@ -332,14 +340,14 @@ def _proposal(
     # extra replica's are finished by its drain while the model's others take the new ones
     if resident.active_requests != 0 or resident.queued_requests != 0:
         if extra:  # NOTE: its share of the model's requests go to the model's other replicas
-            loss = _displace_loss(resident) / replicas
+            loss = _request_rate(resident) / replicas
             return replace(proposal, rule=EvictionRule.DRAIN, expected_loss=loss)
         # NOTE: hysteresis — a model displaced, reloaded elsewhere or not, is not displaced
         # again before its replica set has held that long (nor is the model it made room for)
         settled = resident.steady_s >= resident.reload_s * config.eviction_reload_factor
         if not (config.displace_in_use and settled):
             return None
-        return replace(proposal, rule=EvictionRule.DISPLACE, expected_loss=_displace_loss(resident))
+        return replace(proposal, rule=EvictionRule.DISPLACE, expected_loss=_request_rate(resident))
     # NOTE: hysteresis — the minimum residence (see the module docstring)
     settled = idle >= resident.reload_s * config.eviction_reload_factor
     if extra and settled:
@@ -349,14 +357,6 @@ def _proposal(
     if not settled:
         return None
     return replace(proposal, rule=EvictionRule.QUEUE, expected_loss=_expected_loss(resident))
-
-
-def _displace_loss(resident: ResidentModel) -> float:
-    """A displaced model's requests per second: each arrives to find it gone, loading
-    elsewhere or waiting for room (its running ones finish there)."""
-    if resident.mean_interarrival_s <= 0:
-        return math.inf
-    return 1.0 / resident.mean_interarrival_s
 
 
 def _displace_worth_it(
@@ -430,6 +430,23 @@ def _evictions_on(
     least recently used first, each only while the backlog still outweighs their loss together
     (one it would not skips to the next)."""
     free, models = gpu.free_memory_bytes, len(on_gpu)
+
+    def take(
+        pool: Sequence[EvictionProposal],
+        rules: tuple[EvictionRule, ...],
+        chosen: list[EvictionProposal],
+        worth: Callable[[list[EvictionProposal]], bool],
+    ) -> None:
+        """Add ``pool``'s proposals by ``rules``, in order, to ``chosen`` until the request
+        fits, each only while ``worth`` holds for ``chosen`` with it."""
+        nonlocal free, models
+        for proposal in pool:
+            if _fits_after(gpu, free, models, need, config):
+                return
+            if proposal.rule in rules and worth([*chosen, proposal]):
+                chosen.append(proposal)
+                free, models = free + proposal.freed_bytes, models - 1
+
     candidates = sorted(
         (
             p
@@ -439,43 +456,22 @@ def _evictions_on(
         key=lambda p: (p.rule is not EvictionRule.EXTRA_REPLICA, -p.idle_s, p.model_name),
     )
     proposals: list[EvictionProposal] = []
-    for proposal in candidates:
-        if _fits_after(gpu, free, models, need, config):
-            break
-        if proposal.rule in (EvictionRule.EXTRA_REPLICA, EvictionRule.COLD):
-            proposals.append(proposal)
-            free, models = free + proposal.freed_bytes, models - 1
-    # NOTE: replicas in use (drained or displaced) cost requests: least loss first, and only
-    # while the backlog outweighs them all together
-    in_use = sorted(candidates, key=lambda p: (p.expected_loss, p.model_name))
+    take(candidates, (EvictionRule.EXTRA_REPLICA, EvictionRule.COLD), proposals, lambda _: True)
     taken: list[EvictionProposal] = []
-    for proposal in in_use:
-        if (
-            backlog is None
-            or not backlog.first_replica
-            or _fits_after(gpu, free, models, need, config)
-        ):
-            break
-        if proposal.rule is EvictionRule.DRAIN and _displace_worth_it(
-            [*taken, proposal], backlog, config
-        ):
-            taken.append(proposal)
-            free, models = free + proposal.freed_bytes, models - 1
     queue: list[EvictionProposal] = []
-    for proposal in candidates:
-        if backlog is None or _fits_after(gpu, free, models, need, config):
-            break
-        if proposal.rule is EvictionRule.QUEUE and _worth_it([*queue, proposal], backlog, config):
-            queue.append(proposal)
-            free, models = free + proposal.freed_bytes, models - 1
-    for proposal in in_use:
-        if backlog is None or _fits_after(gpu, free, models, need, config):
-            break
-        if proposal.rule is EvictionRule.DISPLACE and _displace_worth_it(
-            [*taken, proposal], backlog, config
-        ):
-            taken.append(proposal)
-            free, models = free + proposal.freed_bytes, models - 1
+    if backlog is not None:
+        waiting = backlog
+
+        def outweighs(ps: list[EvictionProposal]) -> bool:
+            return _displace_worth_it(ps, waiting, config)
+
+        # NOTE: replicas in use (drained or displaced) cost requests: least loss first, and
+        # only while the backlog outweighs them all together
+        in_use = sorted(candidates, key=lambda p: (p.expected_loss, p.model_name))
+        if backlog.first_replica:
+            take(in_use, (EvictionRule.DRAIN,), taken, outweighs)
+        take(candidates, (EvictionRule.QUEUE,), queue, lambda ps: _worth_it(ps, waiting, config))
+        take(in_use, (EvictionRule.DISPLACE,), taken, outweighs)
     if (proposals or queue or taken) and _fits_after(gpu, free, models, need, config):
         return (*proposals, *taken, *queue)
     return None

@@ -211,23 +211,23 @@ class TransitionExecutor:
         """The transition unloads the deployment (an on-demand model's eviction)."""
         return not job.effect.to_plan.replicas and bool(job.removed)
 
-    def _busy(self, *, held_ok: bool = False) -> str:
+    def _busy(self, job: _Job, *, held_ok: bool = False) -> str:
         """Why the deployment may not be evicted now ('' when it may); ``held_ok``: requests
         held for it (waiting for a load) do not count."""
         owned, held = len(self.core.router.ownership()), len(self.core.held())
-        if owned or (held and not held_ok):
-            return f"not evicted: {owned} requests active or queued, {held} held for it"
-        return ""
+        if not owned and not (held and not held_ok):
+            return ""
+        late = self._idle_deadline(job) is not None
+        note = f" (not idle within {self.settings.drain_timeout_s:g} s)" if late else ""
+        return f"not evicted: {owned} requests active or queued, {held} held for it{note}"
 
     def _start_prepare(self, job: _Job, now_s: float) -> Result:
         deployment = self.core.deployment
         # NOTE: the stream decided the eviction on a view a few seconds old; a request may have
         # come since. A model with active or queued requests is never evicted.
-        if self._evicting(job) and (busy := self._busy()):
+        if self._evicting(job) and (busy := self._busy(job)):
             job.waiting = self._waits_for_idle(job, now_s)
-            if job.waiting:
-                return None
-            return self._failed(job, busy + self._idle_note(job))
+            return None if job.waiting else self._failed(job, busy)
         gpus = [u for r in job.added for u in r.gpu_uuids]
         problems = self._inventory.problems(gpus, deployment)
         decided = self._decided.get(job.effect.seq)
@@ -255,22 +255,17 @@ class TransitionExecutor:
                 )
         return None
 
-    def _when_idle(self, job: _Job) -> bool:
+    def _idle_deadline(self, job: _Job) -> float | None:
+        """Until when a displaced model's eviction waits for an idle moment (None: it does
+        not wait)."""
         decided = self._decided.get(job.effect.seq)
-        return decided is not None and decided.when_idle
+        if decided is None or not decided.when_idle:
+            return None
+        return decided.since_s + self.settings.drain_timeout_s
 
     def _waits_for_idle(self, job: _Job, now_s: float) -> bool:
-        decided = self._decided.get(job.effect.seq)
-        return (
-            decided is not None
-            and decided.when_idle
-            and now_s - decided.since_s < self.settings.drain_timeout_s
-        )
-
-    def _idle_note(self, job: _Job) -> str:
-        if not self._when_idle(job):
-            return ""
-        return f" (not idle within {self.settings.drain_timeout_s:g} s)"
+        deadline = self._idle_deadline(job)
+        return deadline is not None and now_s < deadline
 
     def _poll_prepare(self, job: _Job, now_s: float) -> Result:
         if job.waiting:
@@ -331,11 +326,9 @@ class TransitionExecutor:
             return None
         # NOTE: a displaced model's requests that came since its idle moment finish on the
         # frozen replica (a drain); those held since the freeze wait for its reload elsewhere
-        when_idle = self._when_idle(job)
-        if self._evicting(job) and (busy := self._busy(held_ok=when_idle)):
-            if self._waits_for_idle(job, now_s):
-                return None
-            return self._failed(job, busy + self._idle_note(job))
+        held_ok = self._idle_deadline(job) is not None
+        if self._evicting(job) and (busy := self._busy(job, held_ok=held_ok)):
+            return None if self._waits_for_idle(job, now_s) else self._failed(job, busy)
         return self._swap(job, now_s)
 
     def _freeze(self, job: _Job) -> None:
