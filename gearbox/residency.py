@@ -37,7 +37,8 @@ state, demand and the GPUs they hold) and acts only for itself:
   in the round — and with no active and no queued request, checked again here, unless the
   displace rule took it — is evicted (``EVICT_COLD``, ``EVICT_QUEUE`` or ``EVICT_DISPLACE`` by
   the rule, naming the model it makes room for; a displaced model goes at its first idle
-  moment, see :mod:`gearbox.placement`), or, when
+  moment, see :mod:`gearbox.placement`; while it waits for that moment, the model it makes
+  room for displaces nothing else, see :func:`_round`), or, when
   only some of its replicas go, keeps the others (``SCALE_IN``); that frees those replicas'
   share only. A resident model the scale rule grows gets one more replica (``SCALE_OUT``) or
   gives one back (``SCALE_IN``). Anything else holds.
@@ -158,6 +159,8 @@ class OnDemandModel(Serialisable):
     refused: int = 0  # capacity refusals (429: watermark, queue full) over the load window
     window_s: float = 60.0  # the load window
     steady_s: float = math.inf  # since its replica set last changed (inf: never changed)
+    # EVICTING by the displace rule: the deployment it makes room for (None: none, or not so)
+    evicting_for: str | None = None
 
     @property
     def wanted(self) -> bool:
@@ -433,6 +436,13 @@ def _round(
     until the runtime confirms) and promises the rest of the waiting model's footprint. A
     scale-out is promised the same way, and its evictions likewise. Cold models come first: a
     model with no replica waits longer than one with one.
+
+    NOTE: a model that a displaced model is still making room for (its eviction waits for an
+    idle moment) displaces nothing else until that eviction ends: the victim's memory shows
+    as held meanwhile, so the next round would take a second model in use on another GPU for
+    the same replica, and a third (bench.multimodel farm seed 10: for one scale-out of
+    chat-13b, models in use on four GPUs displaced within 25 s; it took one GPU, and qa-7b and
+    sql-7b, evicted at their idle moment after that, were loaded again at once).
     """
     asked = {m.name: m.footprint.batch_size for m in models}
     models = [_fitted(m, snapshot, config) for m in models]
@@ -445,8 +455,17 @@ def _round(
         key=lambda m: (-held_bytes(m, config), -m.queued_requests, m.name),
     )
     now_s = snapshot.now_s
+    pending: dict[str, list[str]] = {}  # model → the displaced models making room for it
+    for m in models:
+        if m.state is Residency.EVICTING and m.evicting_for is not None:
+            pending.setdefault(m.evicting_for, []).append(m.name)
+    calm = replace(config, displace_in_use=False)
     for model in waiting:
-        decision, note = _place(model, models, free, residents, config)
+        rules = calm if model.name in pending else config
+        decision, note = _place(model, models, free, residents, rules)
+        if model.name in pending:
+            making = f"{', '.join(pending[model.name])} making room for it: no other displaced"
+            note = "; ".join(n for n in (note, making) if n)
         if (cut := model.footprint.batch_size) < asked[model.name]:
             fits = f"batch cut to {cut} of {asked[model.name]} sequences to fit under the watermark"
             note = "; ".join(n for n in (note, fits) if n)
@@ -461,7 +480,8 @@ def _round(
         allowed, _ = _allowed(model, models, free)
         # NOTE: the round's residents go by deployment name (two may serve one model)
         mine = replace(model.footprint, model_name=model.name)
-        scale = scale_replicas(mine, _demand(model), allowed, residents, config)
+        rules = calm if model.name in pending else config
+        scale = scale_replicas(mine, _demand(model), allowed, residents, rules)
         scales[model.name] = scale
         if scale.placement is not None and scale.action is not ScaleAction.IN:
             need = held_bytes(model, config)

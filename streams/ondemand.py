@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Protocol, TypeVar
 
 from gearbox.config import GearboxConfig, PlacementConfig
-from gearbox.decisions import DecideResult, Decision, Trigger
+from gearbox.decisions import DecideResult, Decision, DecisionReason, Trigger
 from gearbox.history import GearState
 from gearbox.model import ModelSpec
 from gearbox.placement import ModelFootprint
@@ -67,6 +67,11 @@ class PlanView(Protocol):
     @property
     def changed_ms(self) -> int:
         """Event time a finished transition last changed its plan (-1: never)."""
+        ...
+
+    @property
+    def evicting_for(self) -> str | None:
+        """The deployment its last eviction by the displace rule made room for (None: none)."""
         ...
 
 
@@ -119,6 +124,7 @@ def _model(
     window: HoppingWindow,
     now_s: float,
     gearbox: GearboxConfig,
+    evicting_for: str | None = None,
 ) -> OnDemandModel:
     last_demand_ms, changed_ms = times_ms
     demand = load.arrival_rate_rps > 0 or load.queue_len > 0 or load.active_sequences > 0
@@ -139,6 +145,7 @@ def _model(
         refused=load.num_ttft_refused,
         window_s=window.size_s,
         steady_s=now_s - changed_ms / 1000.0 if changed_ms >= 0 else math.inf,
+        evicting_for=evicting_for if state[0] is Residency.EVICTING else None,
     )
 
 
@@ -162,12 +169,12 @@ def on_demand_view(
         plan = plans.get(dep.name)
         load = serving_aggregate(serving.get(dep.name, ServingWindows()), window, now_s)
         if plan is None:
-            state, times = residency_of(None, None, False), (-1, -1)
+            state, times, evicting_for = residency_of(None, None, False), (-1, -1), None
         else:
             in_flight = plan.in_flight is not None
             state = residency_of(plan.current, plan.confirmed, in_flight)
-            times = (plan.last_demand_ms, plan.changed_ms)
-        out.append(_model(dep, state, load, times, window, now_s, gearbox))
+            times, evicting_for = (plan.last_demand_ms, plan.changed_ms), plan.evicting_for
+        out.append(_model(dep, state, load, times, window, now_s, gearbox, evicting_for))
     return tuple(out)
 
 
@@ -202,8 +209,10 @@ def residency_result(
     gear: GearState,
     placement: PlacementConfig,
     trigger: Trigger,
-) -> DecideResult:
-    """``dep``'s residency decision as the step's result (``gear`` passes through unchanged)."""
+) -> tuple[DecideResult, str | None]:
+    """``dep``'s residency decision as the step's result (``gear`` passes through unchanged),
+    and the deployment its eviction makes room for when the displace rule evicts it (else
+    None)."""
     verdict = decide_residency(dep.name, view, snapshot, placement)
     decision = None
     if verdict.action is not ResidencyAction.HOLD:
@@ -236,7 +245,8 @@ def residency_result(
             switch_cost=cost,
             explanation=verdict.explanation,
         )
-    return DecideResult(
+    displaced = verdict.reason is DecisionReason.EVICT_DISPLACE
+    result = DecideResult(
         decision=decision,
         reason=verdict.reason,
         trigger=trigger,
@@ -246,3 +256,4 @@ def residency_result(
         explanation=verdict.explanation,
         state=gear,
     )
+    return result, verdict.for_model if displaced else None

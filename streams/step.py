@@ -105,6 +105,9 @@ class PlanState:
     in_flight: InFlight | None = None  # our switch the runtime has not finished yet
     last_demand_ms: int = -1  # on demand: event time it last had requests (-1: never)
     changed_ms: int = -1  # event time a finished transition last changed its plan (-1: never)
+    # on demand: the deployment its last eviction by the displace rule made room for (None:
+    # none, or its last decision was another); read while that eviction is in flight
+    evicting_for: str | None = None
 
 
 def serving_plan_id(plan: PlanState) -> str | None:
@@ -447,7 +450,7 @@ def _on_demand(
     inp: StepInput, plan: PlanState, topology: TopologySnapshot
 ) -> tuple[DecideResult, PlanState, list[str]]:
     """An on-demand deployment's residency decision (operator overrides do not apply), and its
-    plan state with the time it last had requests."""
+    plan state with the time it last had requests and, deciding, whom a displacement is for."""
     mine = next((m for m in inp.on_demand if m.name == inp.deployment.name), None)
     if mine is None:  # NOTE: the caller built no view: nothing to place from
         raise ValueError(f"{inp.deployment.name}: on demand, but no on-demand view was given")
@@ -456,7 +459,7 @@ def _on_demand(
     notes = []
     if inp.overrides.pinned_plan_id is not None or inp.overrides.emergency:
         notes.append("operator overrides do not apply to an on-demand deployment")
-    result = residency_result(
+    result, evicting_for = residency_result(
         inp.deployment,
         plan.current,
         inp.on_demand,
@@ -465,6 +468,8 @@ def _on_demand(
         inp.placement,
         inp.trigger.kind,
     )
+    if result.decision is not None:
+        plan = replace(plan, evicting_for=evicting_for)
     return result, plan, notes
 
 

@@ -348,6 +348,7 @@ class GearboxSystem:
         # unloaded at the first tick it holds no request and none waits for its model, as the
         # runtime's eviction waits for an idle moment (``ExecutorSettings.drain_timeout_s``)
         self._displacing: dict[str, float] = {}
+        self._displaced_for: dict[str, str] = {}  # displaced instance → the model it is for
 
     # ---- residency ----------------------------------------------------------------------------
 
@@ -373,6 +374,7 @@ class GearboxSystem:
                 self.sim.evict(inst)
             elif inst is None or self.sim.now_s >= until_s:
                 del self._displacing[iid]
+                self._displaced_for.pop(iid, None)
         self._decide()
 
     def _idle(self, inst: Instance) -> bool:
@@ -397,6 +399,9 @@ class GearboxSystem:
         """The model as the live stream's on-demand view shows it (:mod:`streams.ondemand`)."""
         sim, name, now_s = self.sim, profile.name, self.sim.now_s
         instances = sim.instances_of(name)
+        evicting_for = next(
+            (self._displaced_for[i.iid] for i in instances if i.iid in self._displaced_for), None
+        )
         if not instances:
             state = Residency.COLD
         elif any(i.iid in self._displacing for i in instances):
@@ -425,6 +430,7 @@ class GearboxSystem:
             refused=self._refused.get(name, 0),
             window_s=SCALE_WINDOW_S,
             steady_s=now_s - self._changed_s.get(name, -math.inf),
+            evicting_for=evicting_for,
         )
 
     def _window(self, name: str) -> deque[tuple[float, bool]]:
@@ -458,6 +464,8 @@ class GearboxSystem:
                     sim.evict(inst)
                 else:
                     self._displacing[inst.iid] = until_s
+                    if verdict.for_model is not None:
+                        self._displaced_for[inst.iid] = verdict.for_model
             return any(i.iid not in self._displacing for i in gone)
         for inst in gone:
             if inst.active:  # NOTE: a drain (the runtime's scale-in): unloaded once it is empty
@@ -564,4 +572,5 @@ class GearboxSystem:
         self._floors.pop(instance.iid, None)
         self._draining.discard(instance.iid)
         self._displacing.pop(instance.iid, None)
+        self._displaced_for.pop(instance.iid, None)
         self._changed_s[instance.profile.name] = self.sim.now_s

@@ -469,3 +469,42 @@ def test_only_a_first_replica_drains_a_replica_in_use_and_only_for_more_than_its
     # its last replica carries all of m's rate (1 / s): 2 / s does not outweigh it
     alone = place_model(SMALL, gpu, [held], config, Backlog(2, 2.0, first_replica=True))
     assert alone.evictions == ()
+
+
+@pytest.mark.parametrize("evicting_for", ["x", "other", None])
+def test_a_model_a_displaced_one_still_makes_room_for_displaces_no_other(
+    evicting_for: str | None,
+) -> None:
+    # v1 on g0 is being displaced (waiting for an idle moment); v2 on g1 is in use at a
+    # twentieth of x's rate, so the displace rule would take it for x — unless v1's eviction
+    # is already for x
+    v1 = _model("v1", state=Residency.EVICTING, gpu="g0", active=1, evicting_for=evicting_for)
+    v2 = _resident("v2", "g1", idle_s=0.0, active=2, arrival_rps=0.05)
+    x = _model("x", queued=3, arrival_rps=1.0)
+    verdicts = residency_round([v1, v2, x], _snapshot(*TWO_GPUS), CONFIG)
+    assert verdicts["x"].reason is DecisionReason.WAITING_FOR_ROOM
+    if evicting_for == "x":
+        assert verdicts["v2"].action is ResidencyAction.HOLD, verdicts["v2"].explanation
+        assert "v1 making room for it: no other displaced" in verdicts["x"].explanation
+    else:
+        assert verdicts["v2"].reason is DecisionReason.EVICT_DISPLACE
+        assert verdicts["v2"].for_model == "x"
+
+
+@pytest.mark.parametrize("evicting_for", ["x", None])
+def test_a_scale_out_a_displaced_model_still_makes_room_for_displaces_no_other(
+    evicting_for: str | None,
+) -> None:
+    # x serves on g2 and refuses two thirds of its requests: it would scale out onto g1 by
+    # displacing v2, unless v1's eviction on g0 is already for x
+    gpus = (*TWO_GPUS, ("g2", "n2", "l40s"))
+    v1 = _model("v1", state=Residency.EVICTING, gpu="g0", active=1, evicting_for=evicting_for)
+    v2 = _resident("v2", "g1", idle_s=0.0, active=2, arrival_rps=0.05)
+    x = _resident("x", "g2", idle_s=0.0, active=8, queued=5, arrival_rps=1.0, refused=40)
+    verdicts = residency_round([v1, v2, x], _snapshot(*gpus), CONFIG)
+    if evicting_for == "x":
+        assert verdicts["v2"].action is ResidencyAction.HOLD, verdicts["v2"].explanation
+        assert verdicts["x"].action is ResidencyAction.HOLD
+    else:
+        assert verdicts["v2"].reason is DecisionReason.EVICT_DISPLACE
+        assert verdicts["v2"].for_model == "x"

@@ -267,3 +267,39 @@ def test_a_model_asked_for_at_many_times_a_busy_neighbours_rate_displaces_it(
     assert [n for n, why in reasons.items() if why == DecisionReason.EVICT_DISPLACE] == ["m4"]
     assert "(displace rule)" in outs["late"].decision.explanation
     assert "to make room for late" in outs["m4"].decision.explanation
+
+
+def _busy(r: Replayer, t_ms: int, seq: int, slow: tuple[str, ...]) -> int:
+    """Every model in use, those in ``slow`` asked for once every 20 s and the others at 1 / s;
+    "late" asked for at 1 / s with 3 requests waiting; the last seq used."""
+    for e in heartbeats(t_ms - 1000, 1000):
+        r.fold(e)
+    for name in NAMES[:4]:
+        seq += 1
+        arrivals = 3 if name in slow else 60
+        rps = arrivals / 60.0
+        _report(
+            r, name, t_ms - 500, seq, arrivals=arrivals, arrival_rate_rps=rps, active_sequences=2
+        )
+    seq += 1
+    _report(r, "late", t_ms - 400, seq, arrivals=60, arrival_rate_rps=1.0, queue_len=3)
+    return seq
+
+
+def test_a_model_displaces_no_second_neighbour_while_the_first_waits_for_an_idle_moment() -> None:
+    # m3 and m4 may each be displaced for "late"; the first one taken stays in use (its
+    # eviction waits, unconfirmed, for an idle moment), and later ticks take no other
+    r = _replayer()
+    seq = _all_resident(r, 0)
+    t_ms = T0_MS + 200_000
+    seq = _busy(r, t_ms, seq, slow=("m3", "m4"))
+    outs = _tick(r, t_ms)
+    first = [n for n, o in outs.items() if o.decision.reason == DecisionReason.EVICT_DISPLACE]
+    assert len(first) == 1, first
+    for k in range(1, 4):
+        t_ms += 5000
+        seq = _busy(r, t_ms, seq, slow=("m3", "m4"))
+        reasons = {n: o.decision.reason for n, o in _tick(r, t_ms).items()}
+        assert DecisionReason.EVICT_DISPLACE not in reasons.values(), (k, reasons)
+        assert reasons["late"] == DecisionReason.WAITING_FOR_ROOM
+        assert reasons[first[0]] == DecisionReason.TRANSITION_IN_FLIGHT
