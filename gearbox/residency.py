@@ -441,7 +441,7 @@ def _round(
     idle moment) displaces nothing else until that eviction ends: the victim's memory shows
     as held meanwhile, so the next round would take a second model in use on another GPU for
     the same replica, and a third (bench.multimodel farm seed 10: for one scale-out of
-    chat-13b, models in use on four GPUs displaced within 25 s; it took one GPU, and qa-7b and
+    chat-13b, models in use on five GPUs displaced within 25 s; it took one GPU, and qa-7b and
     sql-7b, evicted at their idle moment after that, were loaded again at once).
     """
     asked = {m.name: m.footprint.batch_size for m in models}
