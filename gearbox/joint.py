@@ -125,10 +125,12 @@ def _best_plan(
     blocks: Sequence[AtomicBlock],
     pool: Mapping[str, int],
     config: GearboxConfig,
+    current: DeploymentPlan | None = None,
 ) -> tuple[float, DeploymentPlan | None]:
     """The best SLO goodput (tok/s, no GPU credit, its learned TTFT factors applied)
     ``neighbour`` could restore on ``pool`` less the GPUs it holds, and the plan that does it
-    (None when none)."""
+    (None when none); from ``current``, as its own step would rank a move from it (its running
+    replicas kept or given up, new ones only on GPUs none of them holds)."""
     spare = {u: b for u, b in pool.items() if u not in neighbour.gpu_uuids}
     ranked = rank_candidates(
         snapshot,
@@ -137,6 +139,7 @@ def _best_plan(
         neighbour.load,
         config,
         deployment=neighbour.deployment,
+        current=current,
         available=spare,
     )
     best: tuple[float, DeploymentPlan] | None = None
@@ -342,8 +345,10 @@ def yield_cost(
 ) -> Yield | None:
     """What a switch to a plan on ``gpus`` costs ``neighbour`` when some of them are its own:
     it moves to its best plan on ``pool`` (the switching deployment's available memory with the
-    neighbour's GPUs at their total) less ``gpus``. None when the neighbour has no settled plan,
-    ``gpus`` takes none of it, or nothing is left it could serve on.
+    neighbour's GPUs at their total) less ``gpus``, from its current plan as its own step ranks
+    a move (make-before-break: new replicas only on GPUs none of its running ones holds). None
+    when the neighbour has no settled plan, ``gpus`` takes none of it, or nothing is left it
+    could serve on.
     """
     current = neighbour.plan
     taken = gpus & neighbour.gpu_uuids
@@ -355,11 +360,16 @@ def yield_cost(
         neighbour.deployment, neighbour.model, neighbour.load, frozenset(), neighbour.corrections
     )
     # NOTE: as the standby: a plan on a few roomy blocks that serves all it is offered is as
-    # good as any on the whole pool (only its transition may differ); rank the pool otherwise
+    # good as any on the whole pool (only its transition may differ); rank the pool otherwise.
+    # Ranked from its current plan: the runtime loads new replicas before it releases old ones,
+    # so the move cannot rebuild on GPUs its running replicas hold — counted on, its own step
+    # found no such plan and the handover waited out handover_wait_s and rolled back
+    # (bench/HISTORY.md, 2026-12-04 stop 36: a 70B whose one prefill/decode replica spans all
+    # ten of its GPUs)
     probe = _roomiest(blocks, left, frozenset(), PROBE_BLOCKS)
-    after, target = _best_plan(mover, snapshot, probe, left, plain)
+    after, target = _best_plan(mover, snapshot, probe, left, plain, current)
     if after < _offered(neighbour, plain) * (1 - _ROUNDING):
-        after, target = _best_plan(mover, snapshot, blocks, left, plain)
+        after, target = _best_plan(mover, snapshot, blocks, left, plain, current)
     if target is None:
         return None
     now = _learned(

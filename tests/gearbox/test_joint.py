@@ -419,3 +419,38 @@ def test_a_neighbour_moving_off_handed_over_gpus_is_charged_no_outage() -> None:
         ASSIST.plan, lost, ASSIST.load, _state(lost), DEFAULT_CONFIG, model=MODEL_7B_MHA
     )
     assert broken.reason is DecisionReason.FORCED_INFEASIBLE and "of outage" in broken.explanation
+
+
+def test_a_handover_never_counts_on_the_neighbour_rebuilding_where_its_replicas_run() -> None:
+    # the 70B's island is lost and nothing is spare; the 7B serves one TP8 replica over all of
+    # H. Four of H would restore the 70B if the 7B moved to the other four — which its running
+    # replica holds: the runtime loads new replicas before it releases old ones, so the 7B's
+    # own step finds no such plan and the handover would wait out handover_wait_s and roll back
+    h8 = tuple(f"H-g{i:02d}" for i in range(8))
+    cluster = make_cluster(
+        (DomainSpec("X", "nvlink", ("h100-sxm",) * 4), DomainSpec("H", "nvlink", ("h100-sxm",) * 8))
+    )
+    cluster = with_gpus(cluster, LOST4, healthy=False)
+    cluster = replace(
+        cluster,
+        gpus=tuple(replace(g, free_memory_bytes=0) if g.uuid in h8 else g for g in cluster.gpus),
+    )
+    wide = Neighbour(
+        "assist",
+        MODEL_7B_MHA,
+        make_load(1.0, prompt_tokens=700, output_tokens=210),
+        frozenset(h8),
+        plan=deployment(tp_plan(h8, MODEL_7B_MHA, block_id="H", domain_id="H"), name="assist"),
+    )
+    current = deployment(tp_plan(LOST4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
+    load = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=900.0)
+    result = decide(
+        current,
+        cluster,
+        load,
+        _state(cluster),
+        DEFAULT_CONFIG,
+        model=MODEL_70B_GQA,
+        neighbours=(wide,),
+    )
+    assert result.reason is DecisionReason.NO_FEASIBLE_PLAN and result.decision is None
