@@ -344,11 +344,11 @@ class GearboxSystem:
         # lives in the simulator's pool, so admission reads floors here, not from the ledger)
         self._floors: dict[str, int] = {}
         self._draining: set[str] = set()  # instances given back in use: no new request
-        # instances displaced (gearbox's displace rule) → until when they may still go: each is
-        # unloaded at the first tick it holds no request and none waits for its model, as the
-        # runtime's eviction waits for an idle moment (``ExecutorSettings.drain_timeout_s``)
-        self._displacing: dict[str, float] = {}
-        self._displaced_for: dict[str, str] = {}  # displaced instance → the model it is for
+        # instances displaced (gearbox's displace rule) → until when they may still go, and the
+        # model they make room for: each is unloaded at the first tick it holds no request and
+        # none waits for its model, as the runtime's eviction waits for an idle moment
+        # (``ExecutorSettings.drain_timeout_s``)
+        self._displacing: dict[str, tuple[float, str | None]] = {}
 
     # ---- residency ----------------------------------------------------------------------------
 
@@ -368,13 +368,12 @@ class GearboxSystem:
             inst = self.sim.instances.get(iid)
             if inst is not None and not inst.active:
                 self.sim.evict(inst)
-        for iid, until_s in sorted(self._displacing.items()):
+        for iid, (until_s, _) in sorted(self._displacing.items()):
             inst = self.sim.instances.get(iid)
             if inst is not None and self._idle(inst):
                 self.sim.evict(inst)
             elif inst is None or self.sim.now_s >= until_s:
                 del self._displacing[iid]
-                self._displaced_for.pop(iid, None)
         self._decide()
 
     def _idle(self, inst: Instance) -> bool:
@@ -399,9 +398,8 @@ class GearboxSystem:
         """The model as the live stream's on-demand view shows it (:mod:`streams.ondemand`)."""
         sim, name, now_s = self.sim, profile.name, self.sim.now_s
         instances = sim.instances_of(name)
-        evicting_for = next(
-            (self._displaced_for[i.iid] for i in instances if i.iid in self._displaced_for), None
-        )
+        making_room = (self._displacing.get(i.iid, (0.0, None))[1] for i in instances)
+        evicting_for = next((m for m in making_room if m is not None), None)
         if not instances:
             state = Residency.COLD
         elif any(i.iid in self._displacing for i in instances):
@@ -463,9 +461,7 @@ class GearboxSystem:
                 if self._idle(inst):
                     sim.evict(inst)
                 else:
-                    self._displacing[inst.iid] = until_s
-                    if verdict.for_model is not None:
-                        self._displaced_for[inst.iid] = verdict.for_model
+                    self._displacing[inst.iid] = (until_s, verdict.for_model)
             return any(i.iid not in self._displacing for i in gone)
         for inst in gone:
             if inst.active:  # NOTE: a drain (the runtime's scale-in): unloaded once it is empty
@@ -572,5 +568,4 @@ class GearboxSystem:
         self._floors.pop(instance.iid, None)
         self._draining.discard(instance.iid)
         self._displacing.pop(instance.iid, None)
-        self._displaced_for.pop(instance.iid, None)
         self._changed_s[instance.profile.name] = self.sim.now_s

@@ -318,14 +318,27 @@ ASSIST = Neighbour(
 )
 
 
+def _seventy_b_lost(
+    snapshot: TopologySnapshot, *neighbours: Neighbour, config: GearboxConfig = DEFAULT_CONFIG
+) -> DecideResult:
+    """The 70B of TP4 on the lost island X at 3 rps, decided on ``snapshot``."""
+    current = deployment(tp_plan(LOST4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
+    load = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=900.0)
+    return decide(
+        current,
+        snapshot,
+        load,
+        _state(snapshot),
+        config,
+        model=MODEL_70B_GQA,
+        neighbours=neighbours,
+    )
+
+
 def _seventy_b_forced(
     *neighbours: Neighbour, config: GearboxConfig = DEFAULT_CONFIG
 ) -> DecideResult:
-    current = deployment(tp_plan(LOST4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
-    load = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=900.0)
-    result = decide(
-        current, ISLAND, load, _state(ISLAND), config, model=MODEL_70B_GQA, neighbours=neighbours
-    )
+    result = _seventy_b_lost(ISLAND, *neighbours, config=config)
     assert result.reason is DecisionReason.FORCED_INFEASIBLE and result.decision is not None
     return result
 
@@ -356,17 +369,7 @@ def test_no_handover_from_a_neighbour_mid_switch_or_when_switched_off() -> None:
 def test_no_handover_leaves_a_neighbour_nowhere_to_serve() -> None:
     # the A100s out too: the 7B would have nowhere left to serve
     crowded = with_gpus(ISLAND, tuple(f"B-g{i:02d}" for i in range(4)), healthy=False)
-    current = deployment(tp_plan(LOST4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
-    load = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=900.0)
-    result = decide(
-        current,
-        crowded,
-        load,
-        _state(crowded),
-        DEFAULT_CONFIG,
-        model=MODEL_70B_GQA,
-        neighbours=(ASSIST,),
-    )
+    result = _seventy_b_lost(crowded, ASSIST)
     assert result.decision is not None and result.decision.takes_from is None
     assert result.decision.to_plan.gpu_uuids == frozenset(H4[2:])
 
@@ -442,15 +445,5 @@ def test_a_handover_never_counts_on_the_neighbour_rebuilding_where_its_replicas_
         frozenset(h8),
         plan=deployment(tp_plan(h8, MODEL_7B_MHA, block_id="H", domain_id="H"), name="assist"),
     )
-    current = deployment(tp_plan(LOST4, MODEL_70B_GQA, block_id="X", domain_id="X"), name="chat")
-    load = replace(make_load(3.0, active_sequences=5), ttft_p95_ms=900.0)
-    result = decide(
-        current,
-        cluster,
-        load,
-        _state(cluster),
-        DEFAULT_CONFIG,
-        model=MODEL_70B_GQA,
-        neighbours=(wide,),
-    )
+    result = _seventy_b_lost(cluster, wide)
     assert result.reason is DecisionReason.NO_FEASIBLE_PLAN and result.decision is None
