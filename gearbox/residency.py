@@ -13,8 +13,10 @@ state, demand and the GPUs they hold) and acts only for itself:
   KV, and a model whose weights nearly fill its card still serves with what is left.
 * **Round.** Cold models with requests (queued or held at the front end) are served in order —
   largest footprint first (big models need the big GPUs), then most requests waiting, then
-  name. Each is placed by :func:`gearbox.placement.place_model` (memory filter, the
-  ``oom_watermark`` fill across all models on the GPU, ``max_models_per_gpu``) on the GPUs its
+  name — except that a model the displace rule just made room for (a victim's eviction ended
+  within the victim's load window) goes before every other model, cold or scaling out. Each
+  is placed by :func:`gearbox.placement.place_model` (memory filter, the ``oom_watermark``
+  fill across all models on the GPU, ``max_models_per_gpu``) on the GPUs its
   pin domain allows, none on a node that holds a model it is anti-affine to (either model
   naming the other), the nodes of its affine models tried first, by ``config.strategy`` (spread:
   best score; pack: best fit, least room left under the watermark). Placed: its
@@ -27,7 +29,7 @@ state, demand and the GPUs they hold) and acts only for itself:
   waiting requests outweigh its expected loss — on any) is promised to it — its memory stays
   held until the runtime confirms, and the rest of the waiting model's footprint is promised
   on that GPU.
-  Then every resident model not evicted, most unmet demand first, is scaled by
+  Then every other resident model not evicted, most unmet demand first, is scaled by
   :func:`gearbox.scaling.scale_replicas` on what is left (its 429s for capacity and waiting
   requests over the load window against its arrivals): one more replica on a GPU without one
   (promised like a load; extra replicas, cold models and — its unmet demand as the backlog —
@@ -159,7 +161,8 @@ class OnDemandModel(Serialisable):
     refused: int = 0  # capacity refusals (429: watermark, queue full) over the load window
     window_s: float = 60.0  # the load window
     steady_s: float = math.inf  # since its replica set last changed (inf: never changed)
-    # EVICTING by the displace rule: the deployment it makes room for (None: none, or not so)
+    # EVICTING by the displace rule: the deployment it makes room for; COLD: the one its last
+    # eviction by that rule made room for (None: none, or not so)
     evicting_for: str | None = None
 
     @property
@@ -425,6 +428,16 @@ def _fitted(
     return replace(model, footprint=replace(fp, batch_size=batch))
 
 
+def _made_room(models: Sequence[OnDemandModel]) -> dict[str, list[str]]:
+    """Model → the models the displace rule evicted for it within their load window (each
+    victim cold since, its replica set changed less than ``window_s`` ago)."""
+    made: dict[str, list[str]] = {}
+    for m in models:
+        if m.state is Residency.COLD and m.evicting_for is not None and m.steady_s < m.window_s:
+            made.setdefault(m.evicting_for, []).append(m.name)
+    return made
+
+
 def _round(
     models: Sequence[OnDemandModel], snapshot: TopologySnapshot, config: PlacementConfig
 ) -> _Round:
@@ -443,6 +456,12 @@ def _round(
     the same replica, and a third (bench.multimodel farm seed 10: for one scale-out of
     chat-13b, models in use on five GPUs displaced within 25 s; it took one GPU, and qa-7b and
     sql-7b, evicted at their idle moment after that, were loaded again at once).
+
+    NOTE: a model the displace rule made room for goes first once its victims are gone: the
+    room was bought with a model in use, and cold models are placed before scale-outs, so
+    another model took it first (bench.multimodel farm, seeds 7-11: of each seed's 12-30
+    displacements that ended in an eviction, 7-22 had their GPU loaded with another model
+    first; the model they were for then displaced again, or went without).
     """
     asked = {m.name: m.footprint.batch_size for m in models}
     models = [_fitted(m, snapshot, config) for m in models]
@@ -450,9 +469,10 @@ def _round(
     residents = [_resident(m, u, snapshot.now_s, config) for m in models for u in m.gpu_uuids]
     victims: dict[str, tuple[str, PlacementDecision]] = {}
     placements: dict[str, tuple[PlacementDecision, str]] = {}
+    made = _made_room(models)
     waiting = sorted(
         (m for m in models if needs(m)),
-        key=lambda m: (-held_bytes(m, config), -m.queued_requests, m.name),
+        key=lambda m: (m.name not in made, -held_bytes(m, config), -m.queued_requests, m.name),
     )
     now_s = snapshot.now_s
     pending: dict[str, list[str]] = {}  # model → the displaced models making room for it
@@ -460,34 +480,48 @@ def _round(
         if m.state is Residency.EVICTING and m.evicting_for is not None:
             pending.setdefault(m.evicting_for, []).append(m.name)
     calm = replace(config, displace_in_use=False)
+    scales: dict[str, ScaleDecision] = {}
+    resident = sorted(
+        (m for m in models if m.state is Residency.RESIDENT),
+        key=lambda m: (m.name not in made, -_demand(m).unmet, m.name),
+    )
+
+    def scale(model: OnDemandModel) -> None:
+        """``model``'s scale decision on what the round left; a new replica is promised."""
+        nonlocal free, residents
+        allowed, _ = _allowed(model, models, free)
+        # NOTE: the round's residents go by deployment name (two may serve one model)
+        mine = replace(model.footprint, model_name=model.name)
+        rules = calm if model.name in pending else config
+        decision = scale_replicas(mine, _demand(model), allowed, residents, rules)
+        scales[model.name] = decision
+        if decision.placement is not None and decision.action is not ScaleAction.IN:
+            need = held_bytes(model, config)
+            free, residents = _promise(
+                model.name, decision.placement, need, free, residents, victims, now_s
+            )
+
+    for model in resident:
+        if model.name in made:
+            scale(model)
     for model in waiting:
         rules = calm if model.name in pending else config
         decision, note = _place(model, models, free, residents, rules)
         if model.name in pending:
             making = f"{', '.join(pending[model.name])} making room for it: no other displaced"
             note = "; ".join(n for n in (note, making) if n)
+        if model.name in made:
+            first = f"placed first: {', '.join(made[model.name])} displaced for it"
+            note = "; ".join(n for n in (note, first) if n)
         if (cut := model.footprint.batch_size) < asked[model.name]:
             fits = f"batch cut to {cut} of {asked[model.name]} sequences to fit under the watermark"
             note = "; ".join(n for n in (note, fits) if n)
         placements[model.name] = (decision, note)
         need = held_bytes(model, config)
         free, residents = _promise(model.name, decision, need, free, residents, victims, now_s)
-    scales: dict[str, ScaleDecision] = {}
-    resident = [m for m in models if m.state is Residency.RESIDENT]
-    for model in sorted(resident, key=lambda m: (-_demand(m).unmet, m.name)):
-        if model.name in victims:
-            continue
-        allowed, _ = _allowed(model, models, free)
-        # NOTE: the round's residents go by deployment name (two may serve one model)
-        mine = replace(model.footprint, model_name=model.name)
-        rules = calm if model.name in pending else config
-        scale = scale_replicas(mine, _demand(model), allowed, residents, rules)
-        scales[model.name] = scale
-        if scale.placement is not None and scale.action is not ScaleAction.IN:
-            need = held_bytes(model, config)
-            free, residents = _promise(
-                model.name, scale.placement, need, free, residents, victims, now_s
-            )
+    for model in resident:
+        if model.name not in made and model.name not in victims:
+            scale(model)
     return _Round(placements, victims, scales)
 
 

@@ -145,7 +145,9 @@ def _model(
         refused=load.num_ttft_refused,
         window_s=window.size_s,
         steady_s=now_s - changed_ms / 1000.0 if changed_ms >= 0 else math.inf,
-        evicting_for=evicting_for if state[0] is Residency.EVICTING else None,
+        # NOTE: cold after that eviction too: the round gives the room it made to that model
+        # first, within the load window (gearbox.residency)
+        evicting_for=evicting_for if state[0] in (Residency.EVICTING, Residency.COLD) else None,
     )
 
 

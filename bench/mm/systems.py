@@ -349,6 +349,9 @@ class GearboxSystem:
         # none waits for its model, as the runtime's eviction waits for an idle moment
         # (``ExecutorSettings.drain_timeout_s``)
         self._displacing: dict[str, tuple[float, str | None]] = {}
+        # per model unloaded by the displace rule: the model it made room for, until it loads
+        # again (the live plan state keeps its last decision's, :mod:`streams.ondemand`)
+        self._made_room: dict[str, str] = {}
 
     # ---- residency ----------------------------------------------------------------------------
 
@@ -402,6 +405,7 @@ class GearboxSystem:
         evicting_for = next((m for m in making_room if m is not None), None)
         if not instances:
             state = Residency.COLD
+            evicting_for = self._made_room.get(name)
         elif any(i.iid in self._displacing for i in instances):
             state = Residency.EVICTING
         elif all(i.is_ready(now_s) and i.iid not in self._draining for i in instances):
@@ -560,6 +564,7 @@ class GearboxSystem:
             instance.weight_bytes, kv, capacity, self.watermark
         )
         self._changed_s[instance.profile.name] = sim.now_s
+        self._made_room.pop(instance.profile.name, None)
         return True
 
     def on_unloaded(self, instance: Instance) -> None:
@@ -567,5 +572,7 @@ class GearboxSystem:
         self.vmm.unreserve_replica(instance.iid)
         self._floors.pop(instance.iid, None)
         self._draining.discard(instance.iid)
-        self._displacing.pop(instance.iid, None)
+        _, made_for = self._displacing.pop(instance.iid, (0.0, None))
+        if made_for is not None:
+            self._made_room[instance.profile.name] = made_for
         self._changed_s[instance.profile.name] = self.sim.now_s

@@ -39,6 +39,7 @@ from bench.mm.systems import (
 from bench.multimodel import main, results_text, run_seed
 from gearbox.config import GearboxConfig, PlacementConfig
 from gearbox.presets import GIB, MODEL_7B_MHA
+from gearbox.residency import Residency
 from runtime.engine.paging import KvAdmission, admission_tokens
 
 SHORT_S = 900.0
@@ -404,3 +405,20 @@ def test_ours_scales_out_a_model_its_replica_refuses_and_gives_the_extra_back_id
     fixed = one.run(GearboxSystem(one))  # the same system held at one replica
     assert fixed.scale_outs == 0
     assert metrics.goodput_requests > fixed.goodput_requests  # the second GPU served
+
+
+@pytest.mark.unit
+def test_ours_views_a_model_the_displace_rule_unloaded_as_made_room_for_until_it_loads() -> None:
+    # as the live plan state keeps its last decision's: whom the displacement was for, read by
+    # the round while the model is cold (gearbox.residency gives that room to it first)
+    sim = Simulator(make_single_gpu_scenario(()), PlacementConfig())
+    sim.system = system = GearboxSystem(sim)
+    system.deploy(sim.scenario.models)
+    (inst,) = sim.instances_of("chat-7b")
+    profile = inst.profile
+    system._displacing[inst.iid] = (sim.now_s + 60.0, "other")
+    sim.evict(inst)
+    view = system._view(profile, False)
+    assert (view.state, view.evicting_for) == (Residency.COLD, "other")
+    sim.load(profile, inst.gpu_uuid)
+    assert system._view(profile, False).evicting_for is None

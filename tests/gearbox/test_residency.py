@@ -508,3 +508,45 @@ def test_a_scale_out_a_displaced_model_still_makes_room_for_displaces_no_other(
     else:
         assert verdicts["v2"].reason is DecisionReason.EVICT_DISPLACE
         assert verdicts["v2"].for_model == "x"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("evicting_for", "steady_s"), [("x", 5.0), ("x", 60.0), ("other", 5.0), (None, 5.0)]
+)
+def test_the_room_a_displacement_made_goes_first_to_the_model_it_was_made_for(
+    evicting_for: str | None, steady_s: float
+) -> None:
+    # v was displaced from g0 for x's scale-out and has just gone; c, cold, waits too. Cold
+    # models are placed before scale-outs, so c would take g0 — unless v went for x within
+    # its load window (60 s)
+    v = _model("v", evicting_for=evicting_for, steady_s=steady_s)
+    x = _resident("x", "g1", idle_s=0.0, active=8, queued=5, arrival_rps=1.0, refused=40)
+    c = _model("c", queued=3, arrival_rps=0.5)
+    verdicts = residency_round([v, x, c], _snapshot(*TWO_GPUS), CONFIG)
+    if evicting_for == "x" and steady_s < 60.0:
+        assert verdicts["x"].action is ResidencyAction.SCALE_OUT, verdicts["x"].explanation
+        assert verdicts["x"].gpu_uuids == ("g0", "g1")
+        assert verdicts["c"].reason is DecisionReason.WAITING_FOR_ROOM
+    else:
+        assert verdicts["c"].action is ResidencyAction.LOAD
+        assert verdicts["c"].gpu_uuids == ("g0",)
+        assert verdicts["x"].action is ResidencyAction.HOLD, verdicts["x"].explanation
+
+
+@pytest.mark.unit
+def test_a_cold_model_a_displacement_made_room_for_is_placed_before_larger_ones() -> None:
+    # both wait for g0, the only free GPU; big goes first by footprint unless v was just
+    # displaced for small
+    v = _model("v", evicting_for="small", steady_s=5.0)
+    small = _model("small", queued=1, arrival_rps=0.5)
+    big = _model("big", replace(SMALL, model_name="big", model_bytes=20 * GIB), queued=3)
+    held = _resident("h", "g1", idle_s=0.0, active=1, arrival_rps=1.0)
+    verdicts = residency_round([v, small, big, held], _snapshot(*TWO_GPUS), CONFIG)
+    assert verdicts["small"].action is ResidencyAction.LOAD, verdicts["small"].explanation
+    assert "placed first: v displaced for it" in verdicts["small"].explanation
+    assert verdicts["big"].reason is DecisionReason.WAITING_FOR_ROOM
+    plain = residency_round(
+        [replace(v, evicting_for=None), small, big, held], _snapshot(*TWO_GPUS), CONFIG
+    )
+    assert plain["big"].action is ResidencyAction.LOAD

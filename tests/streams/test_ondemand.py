@@ -16,9 +16,10 @@ from gearbox.decisions import DecisionReason, Trigger
 from gearbox.residency import Residency
 from streams.deployments import resolve_deployments
 from streams.intake import Accepted, SourceTopic, admit
-from streams.ondemand import residency_of
+from streams.ondemand import on_demand_view, residency_of
 from streams.replay import Replayer
-from streams.step import StepOutput, TriggerInfo
+from streams.step import PlanState, StepOutput, TriggerInfo
+from streams.windows import HoppingWindow
 from tests.streams.builders import (
     T0_MS,
     cluster_envelopes,
@@ -303,3 +304,15 @@ def test_a_model_displaces_no_second_neighbour_while_the_first_waits_for_an_idle
         assert DecisionReason.EVICT_DISPLACE not in reasons.values(), (k, reasons)
         assert reasons["late"] == DecisionReason.WAITING_FOR_ROOM
         assert reasons[first[0]] == DecisionReason.TRANSITION_IN_FLIGHT
+
+
+@pytest.mark.parametrize("made_for", ["late", None])
+def test_the_view_names_whom_a_finished_displacement_made_room_for(made_for: str | None) -> None:
+    # m1's last decision was its eviction by the displace rule, for "late", and it ended 5 s
+    # ago: the round gives that room to "late" first, so the view keeps saying whom it was for
+    r = _replayer()
+    plans = {"m1": PlanState(evicting_for=made_for, changed_ms=T0_MS)}
+    window = HoppingWindow(60.0, 10.0)
+    view = on_demand_view(r.deployments, plans, {}, window, T0_MS / 1000 + 5.0, r.cfg.gearbox)
+    m1 = next(m for m in view if m.name == "m1")
+    assert (m1.state, m1.evicting_for, m1.steady_s) == (Residency.COLD, made_for, 5.0)
