@@ -511,7 +511,7 @@ def _round(
             making = f"{', '.join(pending[model.name])} making room for it: no other displaced"
             note = "; ".join(n for n in (note, making) if n)
         if model.name in made:
-            first = f"placed first: {', '.join(made[model.name])} displaced for it"
+            first = f"first in the round: {', '.join(made[model.name])} displaced for it"
             note = "; ".join(n for n in (note, first) if n)
         if (cut := model.footprint.batch_size) < asked[model.name]:
             fits = f"batch cut to {cut} of {asked[model.name]} sequences to fit under the watermark"

@@ -544,7 +544,7 @@ def test_a_cold_model_a_displacement_made_room_for_is_placed_before_larger_ones(
     held = _resident("h", "g1", idle_s=0.0, active=1, arrival_rps=1.0)
     verdicts = residency_round([v, small, big, held], _snapshot(*TWO_GPUS), CONFIG)
     assert verdicts["small"].action is ResidencyAction.LOAD, verdicts["small"].explanation
-    assert "placed first: v displaced for it" in verdicts["small"].explanation
+    assert "first in the round: v displaced for it" in verdicts["small"].explanation
     assert verdicts["big"].reason is DecisionReason.WAITING_FOR_ROOM
     plain = residency_round(
         [replace(v, evicting_for=None), small, big, held], _snapshot(*TWO_GPUS), CONFIG
