@@ -483,7 +483,7 @@ def _round(
     scales: dict[str, ScaleDecision] = {}
     resident = sorted(
         (m for m in models if m.state is Residency.RESIDENT),
-        key=lambda m: (m.name not in made, -_demand(m).unmet, m.name),
+        key=lambda m: (-_demand(m).unmet, m.name),
     )
 
     def scale(model: OnDemandModel) -> None:
