@@ -27,6 +27,9 @@ and the KV pool layout differ:
   (prompt + generated so far) plus ``tokens × decode_cycle_s(batch, mean context)``, times the
   number of instances on the GPU computing then (processes sharing a GPU time-slice it). A
   sequence arriving mid-step cuts the step at its next token, so it joins the batch then.
+* **Telemetry**: the snapshot a system reads gives each GPU's free memory and its utilisation as
+  NVML's busy fraction — the share of the last ``BUSY_WINDOW_S`` in which an engine step ran
+  there, as the live stream reads it — so engines time-slicing a GPU read it busy.
 * **Timeouts**: a sequence waiting (never admitted, or preempted and not resumed) longer than
   ``QUEUE_TIMEOUT_S`` gives up, as does a request no instance took for that long.
 * **Memory waits**: a system may answer a request with :class:`Wait` (ours, for a transient
@@ -66,6 +69,9 @@ CHUNK_TOKENS = 32  # decode tokens per simulated engine step at most
 QUEUE_TIMEOUT_S = 60.0  # a sequence waiting this long (unadmitted or preempted) gives up
 PLACE_RETRY_S = 5.0  # placement attempts per model at most this often
 GAP_WINDOW = 20  # arrivals in the mean-gap estimate handed to eviction
+# NOTE: the live stream reads a GPU's utilisation as NVML's busy fraction (time a kernel ran over
+# its last sample period, at most 1 s), so a GPU time-sliced by several engines reads busy
+BUSY_WINDOW_S = 1.0
 
 
 class _Kind(IntEnum):
@@ -263,6 +269,8 @@ class Simulator:
         self._footprints = tuple(footprint_of(m, self.config) for m in scenario.models)
         self._memory_waits: set[str] = set()  # models with a request waiting for memory
         self._wait_ends: set[tuple[str, float]] = set()  # (model, until_s) events pushed
+        # per GPU, the spans of engine steps that ended within the last BUSY_WINDOW_S
+        self._busy_spans: dict[str, deque[tuple[float, float]]] = {g: deque() for g in self.gpus}
 
     # ---- queries systems use ------------------------------------------------------------------
 
@@ -314,17 +322,32 @@ class Simulator:
         """The cluster as telemetry would report it now (``exclude``: marked unschedulable)."""
         gpus = []
         for gpu in self.gpus.values():
-            running = sum(len(i.running) for i in self.instances_on(gpu.uuid))
             gpus.append(
                 dataclasses.replace(
                     gpu,
                     free_memory_bytes=self.free_bytes(gpu.uuid),
-                    utilisation=min(1.0, running / MAX_BATCH),
+                    utilisation=self.busy_fraction(gpu.uuid),
                     schedulable=gpu.uuid not in exclude,
                     last_seen_s=self.now_s,
                 )
             )
         return dataclasses.replace(self.scenario.cluster, now_s=self.now_s, gpus=tuple(gpus))
+
+    def busy_fraction(self, gpu_uuid: str) -> float:
+        """Share of the last ``BUSY_WINDOW_S`` in which an engine step ran on the GPU (NVML's
+        utilisation, as the live stream reads it; time-sliced engines count once)."""
+        low_s = self.now_s - BUSY_WINDOW_S
+        spans = self._busy_spans[gpu_uuid]
+        while spans and spans[0][1] <= low_s:
+            spans.popleft()
+        running = [(i.step.start_s, self.now_s) for i in self.instances_on(gpu_uuid) if i.step]
+        busy_s, reach_s = 0.0, low_s
+        for start_s, end_s in sorted([*spans, *running]):
+            start_s = max(start_s, reach_s)
+            if end_s > start_s:
+                busy_s += end_s - start_s
+                reach_s = end_s
+        return min(1.0, busy_s / BUSY_WINDOW_S)
 
     def timing(self, profile: ModelProfile, gpu_uuid: str) -> ReplicaTiming:
         """The runtime's timing figures for the model on the GPU's class (cached per class)."""
@@ -638,6 +661,7 @@ class Simulator:
         assert step is not None
         start_s, tokens = step.start_s, step.tokens
         inst.step = None
+        self._busy_spans[inst.gpu_uuid].append((start_s, self.now_s))
         finished = False
         decode_gpu_s = tokens * step.cycle_s  # GPU time, before time-slicing stretched it
         self.metrics.step_gpu_s += step.prefill_s + decode_gpu_s

@@ -422,3 +422,22 @@ def test_ours_views_a_model_the_displace_rule_unloaded_as_made_room_for_until_it
     assert (view.state, view.evicting_for) == (Residency.COLD, "other")
     sim.load(profile, inst.gpu_uuid)
     assert system._view(profile, False).evicting_for is None
+
+
+@pytest.mark.unit
+def test_snapshot_reads_a_gpu_busy_as_nvml_does_not_by_batch_size() -> None:
+    # one sequence decoding nonstop keeps the GPU busy (NVML, as the live stream reads it),
+    # though it fills one slot of 32; once it is done the GPU reads idle
+    readings: list[tuple[float, float]] = []
+
+    class Watching(ModelAwareRoundRobin):
+        def on_tick(self) -> None:
+            (gpu,) = self.sim.snapshot().gpus
+            readings.append((self.sim.now_s, gpu.utilisation))
+
+    sim = Simulator(make_single_gpu_scenario((request(0, 100, 3000),)), PlacementConfig())
+    metrics = sim.run(Watching(sim))
+    assert metrics.served_requests == 1
+    during = [u for t, u in readings if 105.0 <= t < 100.0 + metrics.latency_s[0] - 1.0]
+    assert during and min(during) > 0.9
+    assert readings[-1][1] == 0.0 and readings[0][1] == 0.0
