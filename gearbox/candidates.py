@@ -148,8 +148,16 @@ def _tp_option(ctx: _Context, block: AtomicBlock, gpus: Sequence[Gpu], tp: int) 
     )
     memo: dict[StageShape, ReplicaCapacity] = {}
     copies = []
-    for start in range(0, len(gpus) - tp + 1, tp):
-        group = gpus[start : start + tp]
+    # NOTE: GPUs that cannot hold their share at this degree (another deployment's weights on
+    # them) are left out before the groups are cut: cut in place, one sank its whole group, and
+    # a block of six hoppers, one a neighbour's, offered no TP4 over the other five
+    room = [
+        g
+        for g in gpus
+        if min_tp_for_memory(ctx.available.get(g.uuid, 0), ctx.model, ctx.config) <= tp
+    ]
+    for start in range(0, len(room) - tp + 1, tp):
+        group = room[start : start + tp]
         cls, stage_shape = _group_shape(ctx, group, layers, block.link)
         shape = ReplicaShape((stage_shape,), (), None, None)
         if stage_shape not in memo:

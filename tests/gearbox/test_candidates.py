@@ -108,3 +108,17 @@ def test_option_count_grows_with_blocks_not_gpus() -> None:
 
     assert count(4, 8) == count(4, 16)  # twice the GPUs, same options
     assert count(8, 8) > count(4, 8)
+
+
+@pytest.mark.unit
+def test_a_gpu_without_room_does_not_sink_a_group() -> None:
+    # six hoppers, the fourth in order full with another deployment's weights: TP4 fits on the
+    # other five, and its copy leaves the full one out
+    snapshot = make_cluster((DomainSpec("A", "nvlink", ("h100-sxm",) * 6, gpus_per_node=3),))
+    blocks = build_blocks(snapshot, DEFAULT_CONFIG)
+    free = dict(available_memory(snapshot, frozenset()))
+    free["A-g03"] = 0
+    options = enumerate_options(blocks, snapshot, MODEL_70B_GQA, 1000, 200, free, DEFAULT_CONFIG)
+    tp4 = [o for o in options if o.kind is OptionKind.TP and o.gpus_per_copy == 4]
+    assert len(tp4) == 1 and len(tp4[0].copies) == 1
+    assert "A-g03" not in tp4[0].copies[0].gpu_groups[0]
