@@ -218,6 +218,10 @@ class System(Protocol):
         """Every ``TICK_S``, after the timeouts and before the engines step: scale replicas."""
         ...
 
+    def on_idle(self, instance: Instance) -> None:
+        """The instance's last sequence finished and nothing waits there (it may be unloaded)."""
+        ...
+
 
 def footprint_of(
     profile: ModelProfile, config: GearboxConfig, num_replicas: int = 1
@@ -678,6 +682,8 @@ class Simulator:
                 self._finish(inst, seq)
                 finished = True
         self._step(inst)
+        if finished and not inst.active and self.system is not None:
+            self.system.on_idle(inst)
         if finished:
             self._kick(inst.gpu_uuid)
             if self._memory_waits:

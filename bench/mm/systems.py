@@ -30,10 +30,11 @@ carried out: a cold model with requests loads as one replica (at start the live 
 requested), resident ones scale out or in by one, cold or idle ones are evicted for a waiting
 model — an eviction here is instant, so the round runs once more for the model it made room
 for — an extra replica in use given back for a model with no replica is drained as the runtime
-drains a removed replica: it takes no new request and is unloaded at the first tick it holds
-none; and a model displaced in use (gearbox's displace rule) keeps serving and is unloaded at
-the first tick it holds no request and none waits for it, as the runtime's eviction waits for
-an idle moment, or stays if none comes within the runtime's ``drain_timeout_s``. No rule
+drains a removed replica: it takes no new request and is unloaded when its last request ends;
+and a model displaced in use (gearbox's displace rule) keeps serving and is unloaded when its
+last request ends with none waiting for its model (or at a tick that finds it so), as the
+runtime's eviction waits for an idle moment, checked every executor tick (20 ms), or stays if
+none comes within the runtime's ``drain_timeout_s``. No rule
 unloads a request. Each model's footprint is
 the live one (:func:`gearbox.residency.replica_footprint`: weights, overhead and
 ``FOOTPRINT_BATCH`` sequences of its mean prompt + output), and each replica gets the VMM floor
@@ -205,6 +206,9 @@ class ModelAwareRoundRobin:
     def on_tick(self) -> None:
         """No scaling: a model keeps its catalogue's replica count."""
 
+    def on_idle(self, instance: Instance) -> None:
+        """Nothing is given back."""
+
 
 class NaiveRoundRobin(ModelAwareRoundRobin):
     """The article's round-robin: next GPU whatever it has loaded (see the module docstring)."""
@@ -309,6 +313,9 @@ class VllmLikeSystem:
     def on_tick(self) -> None:
         """Static: no scaling."""
 
+    def on_idle(self, instance: Instance) -> None:
+        """Nothing is given back."""
+
 
 class GearboxSystem:
     """The live residency round + the runtime's admission (see the module docstring)."""
@@ -345,8 +352,8 @@ class GearboxSystem:
         self._floors: dict[str, int] = {}
         self._draining: set[str] = set()  # instances given back in use: no new request
         # instances displaced (gearbox's displace rule) → until when they may still go, and the
-        # model they make room for: each is unloaded at the first tick it holds no request and
-        # none waits for its model, as the runtime's eviction waits for an idle moment
+        # model they make room for: each is unloaded at its first moment with no request and
+        # none waiting for its model (on_idle, on_tick), as the runtime's eviction waits for one
         # (``ExecutorSettings.drain_timeout_s``)
         self._displacing: dict[str, tuple[float, str | None]] = {}
         # per model unloaded by the displace rule: the model it made room for, until it loads
@@ -378,6 +385,15 @@ class GearboxSystem:
             elif inst is None or self.sim.now_s >= until_s:
                 del self._displacing[iid]
         self._decide()
+
+    def on_idle(self, instance: Instance) -> None:
+        """Its last request finished: a drained replica goes now, and a displaced one if no
+        request waits for its model — the runtime's executor checks every ``tick_s`` (20 ms),
+        not at the round's ticks."""
+        until_s, _ = self._displacing.get(instance.iid, (-math.inf, None))
+        displaced = self.sim.now_s < until_s and self._idle(instance)
+        if instance.iid in self._draining or displaced:
+            self.sim.evict(instance)
 
     def _idle(self, inst: Instance) -> bool:
         """No request runs or queues on the instance, and none waits for its model."""

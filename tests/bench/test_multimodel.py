@@ -441,3 +441,28 @@ def test_snapshot_reads_a_gpu_busy_as_nvml_does_not_by_batch_size() -> None:
     during = [u for t, u in readings if 105.0 <= t < 100.0 + metrics.latency_s[0] - 1.0]
     assert during and min(during) > 0.9
     assert readings[-1][1] == 0.0 and readings[0][1] == 0.0
+
+
+@pytest.mark.unit
+def test_ours_unloads_a_displaced_replica_when_its_last_request_ends_not_at_the_next_tick() -> None:
+    # as the runtime's executor does, which checks for the idle moment every 20 ms: displaced at
+    # the 100-s tick, busy with one request until ~102 s, unloaded then (the next tick is 105 s)
+    unloaded_s: list[float] = []
+
+    class Displacing(GearboxSystem):
+        def on_tick(self) -> None:
+            super().on_tick()
+            if self.sim.now_s == 100.0:
+                (inst,) = self.sim.instances_of("chat-7b")
+                self._displacing[inst.iid] = (self.sim.now_s + 60.0, "other")
+
+        def on_unloaded(self, instance: Instance) -> None:
+            unloaded_s.append(self.sim.now_s)
+            super().on_unloaded(instance)
+
+    sim = Simulator(make_single_gpu_scenario((request(0, 100, 60, 100.5),)), PlacementConfig())
+    metrics = sim.run(Displacing(sim))
+    assert metrics.served_requests == 1 and metrics.evicted_with_active == 0
+    finished_s = 100.5 + metrics.latency_s[0]
+    assert unloaded_s and unloaded_s[0] == pytest.approx(finished_s)
+    assert unloaded_s[0] < 105.0
