@@ -42,7 +42,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary position embedding of ``x [T, heads, head_dim]`` (rotate-half convention)."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.float32, device=x.device)
+    inv_freq = 1.0 / (theta ** (steps / dim))
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     half = dim // 2
