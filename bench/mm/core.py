@@ -341,17 +341,23 @@ class Simulator:
         """Share of the last ``BUSY_WINDOW_S`` in which an engine step ran on the GPU (NVML's
         utilisation, as the live stream reads it; time-sliced engines count once)."""
         low_s = self.now_s - BUSY_WINDOW_S
-        spans = self._busy_spans[gpu_uuid]
-        while spans and spans[0][1] <= low_s:
-            spans.popleft()
         running = [(i.step.start_s, self.now_s) for i in self.instances_on(gpu_uuid) if i.step]
         busy_s, reach_s = 0.0, low_s
-        for start_s, end_s in sorted([*spans, *running]):
+        for start_s, end_s in sorted([*self._recent_spans(gpu_uuid), *running]):
             start_s = max(start_s, reach_s)
             if end_s > start_s:
                 busy_s += end_s - start_s
                 reach_s = end_s
         return min(1.0, busy_s / BUSY_WINDOW_S)
+
+    def _recent_spans(self, gpu_uuid: str) -> deque[tuple[float, float]]:
+        """The GPU's ended step spans that reach into the last ``BUSY_WINDOW_S``: older ones are
+        dropped here, on every step's end too, so a system that never reads a snapshot (the
+        baselines) does not keep every step of the run."""
+        spans = self._busy_spans[gpu_uuid]
+        while spans and spans[0][1] <= self.now_s - BUSY_WINDOW_S:
+            spans.popleft()
+        return spans
 
     def timing(self, profile: ModelProfile, gpu_uuid: str) -> ReplicaTiming:
         """The runtime's timing figures for the model on the GPU's class (cached per class)."""
@@ -665,7 +671,7 @@ class Simulator:
         assert step is not None
         start_s, tokens = step.start_s, step.tokens
         inst.step = None
-        self._busy_spans[inst.gpu_uuid].append((start_s, self.now_s))
+        self._recent_spans(inst.gpu_uuid).append((start_s, self.now_s))
         finished = False
         decode_gpu_s = tokens * step.cycle_s  # GPU time, before time-slicing stretched it
         self.metrics.step_gpu_s += step.prefill_s + decode_gpu_s
