@@ -244,6 +244,10 @@ class TransitionExecutor:
                 detail += f" (not handed over within {self.settings.handover_wait_s:g} s)"
             return self._failed(job, detail)
         self._inventory.claim(gpus, deployment)
+        # NOTE: a forced switch after a GPU loss reuses the dead replica's surviving GPUs; its
+        # memory there is freed once the engine's death is noticed, so notice it first (else
+        # the reservation fails and the retry costs a backoff: 1 s of a 70B's 15.45-s shift)
+        self.core.reap_failed(now_s)
         for replica in job.added:
             timing = self._timing_for(replica)
             if timing is None:
@@ -409,6 +413,16 @@ class TransitionExecutor:
             # NOTE: prompts the old engine has not prefilled yet go to the new plan like queued
             # ones; kept, each would hold the cleanup for its whole output on the old replica
             self.core.requeue_prefilling(replica.plan_id, now_s)
+            # NOTE: so do long sequences the new plan had no room for when they were staged,
+            # as replays at its queue front (14.5 s of a 70B's 30.7-s shift in bench.fragmented)
+            unstaged = [
+                p.seq_id
+                for p in self.core.running_progress(replica.plan_id)
+                if p.remaining_tokens > self.settings.short_sequence_tokens
+            ]
+            replayed = self.core.requeue_running(replica.plan_id, unstaged, now_s)
+            job.tally.replayed += replayed
+            job.tally.skipped -= replayed
         self.core.serving_plan_id = job.effect.to_plan.plan_id
         t = job.tally
         return self._done(

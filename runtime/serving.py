@@ -35,7 +35,7 @@ it back cost more goodput than it saved, bench/HISTORY.md 2026-12-02).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gearbox.plans import ExecutionPlan
@@ -404,9 +404,7 @@ class ServingCore:
 
     def step(self, now_s: float) -> None:
         """Admit queued sequences into ready engines and run them up to ``now_s``."""
-        for rid, slot in self._slots.items():
-            if self.router.role(rid) is not ReplicaRole.FAILED and slot.engine.health() is not None:
-                self._fail_replica(rid, now_s)
+        self.reap_failed(now_s)
         if self._held:
             self._release_held(now_s)
         for seq_id, live in list(self._unplaced.items()):
@@ -484,6 +482,13 @@ class ServingCore:
         self.completions.append(done)
         self.window.on_completion(done)
         self.ownership_events.append(OwnershipEvent(OwnershipKind.FINISHED, req, rid))
+
+    def reap_failed(self, now_s: float) -> None:
+        """Notice engines that died since the last step: free their memory and queue their
+        sequences elsewhere."""
+        for rid, slot in self._slots.items():
+            if self.router.role(rid) is not ReplicaRole.FAILED and slot.engine.health() is not None:
+                self._fail_replica(rid, now_s)
 
     def _fail_replica(self, rid: str, now_s: float) -> None:
         """An engine died: its memory is gone; its sequences wait for replay elsewhere."""
@@ -613,16 +618,24 @@ class ServingCore:
         if slot is None:
             return 0
         waiting = {
-            p.seq_id: p
+            p.seq_id
             for p in slot.engine.progress()
             if p.state is SeqState.WAITING and p.seq_id not in self._staged
         }
-        for seq_id in sorted(self.router.running(source) & waiting.keys()):
-            live = self._live[seq_id]
-            live.generated = max(live.generated, waiting[seq_id].generated_tokens)
-            slot.engine.drop([seq_id])
-            self.router.mark_waiting(seq_id, self._ctx(live))
+        self._to_waiting(slot, sorted(self.router.running(source) & waiting))
         return self.move_queued(source, now_s)
+
+    def requeue_running(self, source: str, seq_ids: Iterable[str], now_s: float) -> int:
+        """Re-route these of the replica's decoding sequences (not being handed over) as replays:
+        each re-prefills its prompt and generated tokens where it is queued; returns how many of
+        them were decoding there."""
+        slot = self._slots.get(source)
+        if slot is None:
+            return 0
+        running = sorted({p.seq_id for p in self.running_progress(source)} & set(seq_ids))
+        self._to_waiting(slot, running)
+        self.move_queued(source, now_s)
+        return len(running)
 
     def evacuate(self, source: str, now_s: float) -> int:
         """Move everything the replica owns elsewhere, running sequences as replays."""
@@ -632,14 +645,19 @@ class ServingCore:
         for seq_id, s in list(self._staged.items()):
             if source in (s.source, s.target):
                 self._unstage(seq_id, s)
+        self._to_waiting(slot, self.router.running(source))
+        return self.move_queued(source, now_s)
+
+    def _to_waiting(self, slot: _Slot, seq_ids: Iterable[str]) -> None:
+        """Drop these sequences from the slot's engine, in the given order; each waits to
+        replay what it has."""
         progress = {p.seq_id: p for p in slot.engine.progress()}
-        for seq_id in self.router.running(source):
+        for seq_id in seq_ids:
             live = self._live[seq_id]
             if seq_id in progress:
                 live.generated = max(live.generated, progress[seq_id].generated_tokens)
             slot.engine.drop([seq_id])
             self.router.mark_waiting(seq_id, self._ctx(live))
-        return self.move_queued(source, now_s)
 
     def unplace_all(self, source: str) -> int:
         """Take every sequence the replica owns out of the route table into the holding area

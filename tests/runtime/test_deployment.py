@@ -305,6 +305,30 @@ def test_sequences_still_prefilling_at_the_freeze_are_handed_over_not_drained() 
     assert validate_log(h.outputs.records) == []
 
 
+def test_long_sequences_the_new_plan_has_no_room_for_are_replayed_not_drained() -> None:
+    # The new replica (48 GB) cannot take every long sequence's KV when the switch stages
+    # them: those left over are replayed at its queue front at the swap, so the old replica
+    # drains at once instead of after their whole outputs (the drain timeout here).
+    h = Harness(make_runtime())
+    _placed(h, make_plan(A0))
+    admitted = _load(h, 60, prompt=1500, output=3000)
+    h.advance(1.0)
+    small = make_replica(["C0"], gpu_class="l40s")
+    h.decide(2, make_plan(small), make_plan(A0).plan_id)
+    h.until(lambda: h.rt.state.active is None, 60)
+    switch = _switch_record(h, 2)
+    replayed = int(switch.detail.split("replayed ")[1].split(",")[0])
+    assert replayed > 0 and switch.detail.endswith("left to finish on old 0"), switch.detail
+    cleanup = next(
+        r
+        for r in h.outputs.records
+        if r.transition_seq == 2 and r.phase is C and r.status is PhaseStatus.COMPLETED
+    )
+    assert cleanup.duration_ms is not None and cleanup.duration_ms < 1000, cleanup.duration_ms
+    _finish_all(h, admitted, limit_s=3600)
+    assert validate_log(h.outputs.records) == []
+
+
 def test_a_sequence_that_ends_before_its_hand_over_starts_is_skipped() -> None:
     # A switch plans its hand-overs once (longest first) and starts one per poll here; answers
     # shorter than the client's cap (the simulated stop) end meanwhile: skipped, not staged.

@@ -6,8 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from flexpipe.schemas import ClusterEvent, ClusterEventType, TransitionPhase
+from flexpipe.schemas import ClusterEvent, ClusterEventType, PhaseStatus, TransitionPhase
 from gearbox import DEFAULT_CONFIG, MODEL_7B_MHA
+from gearbox.decisions import DecisionReason
+from gearbox.presets import MODEL_70B_GQA
 from runtime.deployment import RuntimeSettings
 from runtime.executor import KvPolicy
 from runtime.host import DecisionOutcome, RuntimeHost
@@ -151,3 +153,24 @@ def test_on_demand_claims_share_a_gpu_and_any_other_claim_owns_it_whole() -> Non
     inv.release(["A0"], "b")
     inv.claim(["A0"], "whole")
     assert inv.problems(["A0"], "a") == ("A0: claimed by whole",)
+
+
+def test_a_forced_switch_onto_a_dead_replicas_surviving_gpus_prepares_at_once() -> None:
+    # A 70B TP4 replica loses one GPU; the forced switch, delivered before the runtime's next
+    # step, reuses two of its surviving GPUs at TP2 (70 GB a GPU beside the dead replica's
+    # 35 GB reservation). The prepare notices the death first, so its first attempt loads.
+    host = _host()
+    h = Harness(host.runtimes[DEPLOYMENT])
+    tp4 = make_replica(["A0", "A1", "A2", "A3"], model=MODEL_70B_GQA)
+    tp2 = make_replica(["A0", "A1"], model=MODEL_70B_GQA)
+    host.adopt({DEPLOYMENT: make_plan(tp4)}, h.now_s)
+    h.until(lambda: h.rt.state.active is None and h.rt.state.serving is not None, 60)
+    host.on_cluster_event(_event(ClusterEventType.PREEMPT, "A3"))
+    forced = make_decision(2, make_plan(tp2), from_plan_id=make_plan(tp4).plan_id,
+                           reason=DecisionReason.FORCED_INFEASIBLE)  # fmt: skip
+    assert host.on_decision(forced, h.now_s) is DecisionOutcome.FED
+    h.ack()  # the log acknowledges the prepare's start at once: the phase starts now
+    h.until(lambda: h.rt.state.active is None, 120)
+    assert h.rt.state.serving_plan_id == make_plan(tp2).plan_id
+    prepares = [r for r in h.phases if r[0] == 2 and r[1] is TransitionPhase.PREPARE]
+    assert [r[2] for r in prepares] == [PhaseStatus.STARTED, PhaseStatus.COMPLETED], prepares
