@@ -294,6 +294,12 @@ class PlacementConfig(Serialisable):
     # eviction_reload_factor times its own (gearbox.placement's displace rule); False: only idle
     # models are ever evicted (the article's rule)
     displace_in_use: bool = True
+    # sequences of a model's nominal length (× memory_k) an on-demand replica's VMM floor
+    # guarantees it on a shared GPU beyond its weights and overhead (gearbox.residency's
+    # kv_floor_tokens). 0: none — every replica's KV competes under the GPU's one watermark, so a
+    # long prompt may use room a quiet neighbour is not using (bench/HISTORY.md, 2026-12-04,
+    # stop 39: the footprint's 8 held it off and bought no requests within the SLOs)
+    kv_floor_batch: int = 0
 
     def __post_init__(self) -> None:
         _check_bounds(self, _PLACEMENT_BOUNDS)
@@ -324,6 +330,7 @@ _PLACEMENT_BOUNDS: dict[str, tuple[float, float]] = {
     "cold_after_s": (0.0, 7 * 86_400.0),
     "scale_out_unmet_share": (0.0, 1.0),
     "max_replicas_per_model": (1, 1024),
+    "kv_floor_batch": (0, 1024),
 }
 
 DEFAULT_CONFIG = GearboxConfig()

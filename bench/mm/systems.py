@@ -38,11 +38,13 @@ none comes within the runtime's ``drain_timeout_s``. No rule
 unloads a request. Each model's footprint is
 the live one (:func:`gearbox.residency.replica_footprint`: weights, overhead and
 ``FOOTPRINT_BATCH`` sequences of its mean prompt + output), and each replica gets the VMM floor
-the runtime's serving core gives an on-demand replica (weights + that KV, at most the
-watermark's share of the GPU). Admission mirrors :meth:`runtime.serving.ServingCore.submit`
-without knowing any output length: candidates least loaded first, the engine's context limit on
-prompt + stated ``max_tokens``, the queue cap, then the runtime's ``check_watermark`` on the GPU
-as the VMM ledger shows it with floors (:func:`runtime.vmm.manager.floored_memory`) and the KV
+the runtime's serving core gives an on-demand replica (weights +
+:func:`gearbox.residency.kv_floor_tokens` of KV — none by default, ``placement.kv_floor_batch``
+— at most the watermark's share of the GPU). Admission mirrors
+:meth:`runtime.serving.ServingCore.submit` without knowing any output length: candidates least
+loaded first, the engine's context limit on prompt + stated ``max_tokens``, the queue cap, then
+the runtime's ``check_watermark`` on the GPU as the VMM ledger shows it with floors
+(:func:`runtime.vmm.manager.floored_memory`) and the KV
 the request is admitted with (its prompt's blocks under incremental admission) — ready replicas
 least loaded first, the first passing takes it, else a 429 naming the rule; those rules are the
 runtime's own (:mod:`runtime.admission`). A watermark refusal that is only transient (the

@@ -466,3 +466,35 @@ def test_ours_unloads_a_displaced_replica_when_its_last_request_ends_not_at_the_
     finished_s = 100.5 + metrics.latency_s[0]
     assert unloaded_s and unloaded_s[0] == pytest.approx(finished_s)
     assert unloaded_s[0] < 105.0
+
+
+def make_shared_h100_scenario() -> Scenario:
+    """One H100 80 GB, two 7B models: chat-7b with long prompts, quiet-7b asked for nothing."""
+    cluster = make_cluster()
+    h100 = next(g for g in cluster.gpus if g.gpu_class.name != "a10-24g")
+    traffic = TrafficProfile(0.0, 0.0, 600.0, 120.0, 2000, 600, 0.0)
+    models = tuple(ModelProfile(n, MODEL_7B_MHA, 1, 4, 2048, traffic) for n in ("chat-7b", "q"))
+    return Scenario(0, 400.0, dataclasses.replace(cluster, gpus=(h100,)), models, (), ())
+
+
+@pytest.mark.unit
+def test_ours_lets_a_long_prompt_use_kv_room_a_quiet_neighbour_does_not_use() -> None:
+    # both 7Bs resident (2 × 14.6 GiB of the watermark's 68 GiB); chat-7b already holds 40k
+    # tokens of KV (19.5 GiB), and one more prompt of 16k tokens (7.8 GiB) fits under the
+    # watermark (61.9 GiB). By default a replica's floor is its weights
+    # (placement.kv_floor_batch = 0); with the footprint's batch as a floor, q's unused
+    # 1.3 × 8 × 2,600 tokens of KV (13.2 GiB) are held against it and it is refused.
+    def route(config: PlacementConfig) -> object:
+        sim = Simulator(make_shared_h100_scenario(), config)
+        sim.system = system = GearboxSystem(sim, memory_wait_s=0.0)
+        (gpu,) = sim.gpus
+        chat, _ = (sim.load(p, gpu) for p in sim.profiles.values())
+        assert chat is not None
+        running = Seq(request(0, 40_000, 100), 0.0)
+        assert sim._grow(chat, running, 40_000)
+        chat.running[running.request_id] = running
+        sim.now_s = 100.0  # both loaded
+        return system.route(request(1, 16_000, 100))
+
+    assert isinstance(route(PlacementConfig()), Instance)
+    assert route(PlacementConfig(kv_floor_batch=8)) == "throttled_watermark"

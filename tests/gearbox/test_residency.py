@@ -24,6 +24,7 @@ from gearbox.residency import (
     ResidencyAction,
     decide_residency,
     held_bytes,
+    kv_floor_tokens,
     residency_round,
     room,
 )
@@ -550,3 +551,10 @@ def test_a_cold_model_a_displacement_made_room_for_is_placed_before_larger_ones(
         [replace(v, evicting_for=None), small, big, held], _snapshot(*TWO_GPUS), CONFIG
     )
     assert plain["big"].action is ResidencyAction.LOAD
+
+
+@pytest.mark.unit
+def test_a_replicas_kv_floor_is_none_by_default_and_the_configured_batch_otherwise() -> None:
+    # the runtime's VMM floor for an on-demand replica: its weights, plus this much KV
+    assert kv_floor_tokens(1000, PlacementConfig()) == 0
+    assert kv_floor_tokens(1000, PlacementConfig(kv_floor_batch=8)) == 10_400  # 1.3 × 8 × 1000
