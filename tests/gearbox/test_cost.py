@@ -279,3 +279,48 @@ def test_a_prompt_waits_on_the_decode_iterations_around_its_prefill() -> None:
     # half the time busy: P(residual > t) = 0.5 × (1 − t / cycle) = 5 % at t = 0.9 × cycle
     half = math.log(2.0)
     assert cost._iteration_wait_p95_s(half, cycle, split) == pytest.approx(0.9 * cycle)
+
+
+@pytest.mark.unit
+def test_the_replica_estimate_memo_misses_whenever_any_input_differs() -> None:
+    # estimate_replica is memoised; every input must be part of the key: a warm memo answers
+    # each variation exactly as a fresh computation does.
+    fresh = cost._estimate_replica.__wrapped__
+    shape = _unified(_stage(1, 32, A100))
+    base = (shape, MODEL_7B_MHA, 800, 200, 5.0, DEFAULT_CONFIG, None, 1.0)
+    variations = [
+        base,
+        (_unified(_stage(2, 32, A100)), *base[1:]),
+        (_unified(_stage(2, 32, A100, PCIE)), *base[1:]),
+        (shape, MODEL_70B_GQA, *base[2:]),
+        (*base[:2], 1600, *base[3:]),
+        (*base[:3], 400, *base[4:]),
+        (*base[:4], 3.0, *base[5:]),
+        (*base[:5], dataclasses.replace(DEFAULT_CONFIG, mbu_decode=0.5), *base[6:]),
+        (*base[:6], 4000, 1.0),
+        (*base[:6], None, 1.5),
+    ]
+    cost.clear_caches()
+    for args in variations + variations:  # the second round answers from the memo
+        memo = estimate_replica(*args[:6], tail_prompt_tokens=args[6], prompt_scv=args[7])
+        assert memo == fresh(*args)
+    assert cost._estimate_replica.cache_info().hits == len(variations)
+    assert len({fresh(*args) for args in variations}) == len(variations)
+
+
+@pytest.mark.unit
+def test_the_replica_estimate_memo_keeps_an_int_rate_and_minus_zero_apart() -> None:
+    fresh = cost._estimate_replica.__wrapped__
+    shape = _unified(_stage(1, 32, A100))
+    args = (shape, MODEL_7B_MHA, 800, 200)
+    cost.clear_caches()
+    for rate in (2.0, 2, 0.0, -0.0, 0, -0.0):
+        memo = estimate_replica(*args, rate, DEFAULT_CONFIG)
+        expected = fresh(*args, rate, DEFAULT_CONFIG, None, 1.0)
+        assert memo == expected
+        assert [type(v) for v in dataclasses.astuple(memo)] == [
+            type(v) for v in dataclasses.astuple(expected)
+        ]
+        assert [math.copysign(1.0, v) for v in dataclasses.astuple(memo)] == [
+            math.copysign(1.0, v) for v in dataclasses.astuple(expected)
+        ]
