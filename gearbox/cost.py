@@ -509,29 +509,13 @@ def estimate_replica(
     rate apart from the equal float; −0.0, equal to 0.0 as a key but not in every result's
     sign, is computed afresh.
     """
-    if (arrival_rps == 0.0 and math.copysign(1.0, arrival_rps) < 0.0) or (
-        prompt_scv == 0.0 and math.copysign(1.0, prompt_scv) < 0.0
-    ):
-        return _estimate_replica.__wrapped__(
-            shape,
-            model,
-            prompt_tokens,
-            output_tokens,
-            arrival_rps,
-            config,
-            tail_prompt_tokens,
-            prompt_scv,
-        )
-    return _estimate_replica(
-        shape,
-        model,
-        prompt_tokens,
-        output_tokens,
-        arrival_rps,
-        config,
-        tail_prompt_tokens,
+    args = (
+        shape, model, prompt_tokens, output_tokens, arrival_rps, config, tail_prompt_tokens,
         prompt_scv,
-    )
+    )  # fmt: skip
+    if any(v == 0.0 and math.copysign(1.0, v) < 0.0 for v in (arrival_rps, prompt_scv)):
+        return _estimate_replica.__wrapped__(*args)
+    return _estimate_replica(*args)
 
 
 @functools.lru_cache(maxsize=65_536, typed=True)

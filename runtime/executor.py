@@ -415,12 +415,8 @@ class TransitionExecutor:
             self.core.requeue_prefilling(replica.plan_id, now_s)
             # NOTE: so do long sequences the new plan had no room for when they were staged,
             # as replays at its queue front (14.5 s of a 70B's 30.7-s shift in bench.fragmented)
-            unstaged = [
-                p.seq_id
-                for p in self.core.running_progress(replica.plan_id)
-                if p.remaining_tokens > self.settings.short_sequence_tokens
-            ]
-            replayed = self.core.requeue_running(replica.plan_id, unstaged, now_s)
+            short = self.settings.short_sequence_tokens
+            replayed = self.core.requeue_running(replica.plan_id, short, now_s)
             job.tally.replayed += replayed
             job.tally.skipped -= replayed
         self.core.serving_plan_id = job.effect.to_plan.plan_id

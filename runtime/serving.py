@@ -625,17 +625,21 @@ class ServingCore:
         self._to_waiting(slot, sorted(self.router.running(source) & waiting))
         return self.move_queued(source, now_s)
 
-    def requeue_running(self, source: str, seq_ids: Iterable[str], now_s: float) -> int:
-        """Re-route these of the replica's decoding sequences (not being handed over) as replays:
-        each re-prefills its prompt and generated tokens where it is queued; returns how many of
-        them were decoding there."""
+    def requeue_running(self, source: str, min_remaining_tokens: int, now_s: float) -> int:
+        """Re-route the replica's decoding sequences (not being handed over) with more than
+        ``min_remaining_tokens`` to go as replays: each re-prefills its prompt and generated
+        tokens where it is queued; returns the count."""
         slot = self._slots.get(source)
         if slot is None:
             return 0
-        running = sorted({p.seq_id for p in self.running_progress(source)} & set(seq_ids))
-        self._to_waiting(slot, running)
+        long = sorted(
+            p.seq_id
+            for p in self.running_progress(source)
+            if p.remaining_tokens > min_remaining_tokens
+        )
+        self._to_waiting(slot, long)
         self.move_queued(source, now_s)
-        return len(running)
+        return len(long)
 
     def evacuate(self, source: str, now_s: float) -> int:
         """Move everything the replica owns elsewhere, running sequences as replays."""
