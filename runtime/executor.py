@@ -411,12 +411,11 @@ class TransitionExecutor:
             self.core.set_role(replica.plan_id, ReplicaRole.DRAINING)
             self.core.close_admission(replica.plan_id)
             # NOTE: prompts the old engine has not prefilled yet go to the new plan like queued
-            # ones; kept, each would hold the cleanup for its whole output on the old replica
-            self.core.requeue_prefilling(replica.plan_id, now_s)
-            # NOTE: so do long sequences the new plan had no room for when they were staged,
-            # as replays at its queue front (14.5 s of a 70B's 30.7-s shift in bench.fragmented)
+            # ones, and long sequences the new plan had no room for when they were staged as
+            # replays; kept, each would hold the cleanup for its whole output on the old replica
+            # (14.5 s of a 70B's 30.7-s shift in bench.fragmented)
             short = self.settings.short_sequence_tokens
-            replayed = self.core.requeue_running(replica.plan_id, short, now_s)
+            replayed = self.core.requeue_unstaged(replica.plan_id, short, now_s)
             job.tally.replayed += replayed
             job.tally.skipped -= replayed
         self.core.serving_plan_id = job.effect.to_plan.plan_id

@@ -611,31 +611,25 @@ class ServingCore:
                 moved += 1
         return moved
 
-    def requeue_prefilling(self, source: str, now_s: float) -> int:
-        """Re-route the replica's sequences that are inside its engine but not yet decoding
-        (and not being handed over), as queued ones; returns the count moved."""
+    def requeue_unstaged(self, source: str, min_remaining_tokens: int, now_s: float) -> int:
+        """Re-route what would hold the replica's drain, of the sequences not being handed over:
+        those inside its engine not yet decoding, as queued ones, then those decoding with more
+        than ``min_remaining_tokens`` to go, as replays (each re-prefills its prompt and
+        generated tokens where it is queued). Returns how many decoding ones were replayed."""
         slot = self._slots.get(source)
         if slot is None:
             return 0
-        waiting = {
-            p.seq_id
-            for p in slot.engine.progress()
-            if p.state is SeqState.WAITING and p.seq_id not in self._staged
-        }
-        self._to_waiting(slot, sorted(self.router.running(source) & waiting))
-        return self.move_queued(source, now_s)
-
-    def requeue_running(self, source: str, min_remaining_tokens: int, now_s: float) -> int:
-        """Re-route the replica's decoding sequences (not being handed over) with more than
-        ``min_remaining_tokens`` to go as replays: each re-prefills its prompt and generated
-        tokens where it is queued; returns the count."""
-        slot = self._slots.get(source)
-        if slot is None:
-            return 0
+        owned = self.router.running(source)
+        progress = [
+            p for p in slot.engine.progress() if p.seq_id in owned and p.seq_id not in self._staged
+        ]
+        waiting = sorted(p.seq_id for p in progress if p.state is SeqState.WAITING)
+        self._to_waiting(slot, waiting)
+        self.move_queued(source, now_s)
         long = sorted(
             p.seq_id
-            for p in self.running_progress(source)
-            if p.remaining_tokens > min_remaining_tokens
+            for p in progress
+            if p.state is SeqState.RUNNING and p.remaining_tokens > min_remaining_tokens
         )
         self._to_waiting(slot, long)
         self.move_queued(source, now_s)
