@@ -342,6 +342,14 @@ class RuntimeConfig(_Section):
         "then 429 throttled_watermark; None = half each deployment's TTFT SLO "
         "(runtime.admission); 0 = refused at once",
     )
+    ttft_deadline_s: float | None = Field(
+        None,
+        ge=0.0,
+        description="runtime s a new request may go without a first token (queued or "
+        "prefilling) before it is refused with 429 ttft_deadline: past its TTFT SLO it cannot "
+        "count as goodput and would delay every later request; None = each deployment's TTFT "
+        "SLO; 0 = never (it waits as long as the queue takes)",
+    )
     engine: Literal["sim", "torch"] = Field(
         "sim",
         description="sim: SimEngine (default); torch: the torch reference engine (a small "

@@ -34,6 +34,7 @@ __all__ = [
     "memory_wait_until_s",
     "screen",
     "transient",
+    "ttft_deadline_s",
     "worst_refusal",
 ]
 
@@ -98,6 +99,12 @@ MEMORY_WAIT_SHARE_OF_TTFT_SLO = 0.5
 def default_memory_wait_s(ttft_slo_s: float) -> float:
     """How long a transient watermark refusal may wait for memory by default."""
     return MEMORY_WAIT_SHARE_OF_TTFT_SLO * ttft_slo_s
+
+
+def ttft_deadline_s(configured_s: float | None, ttft_slo_s: float) -> float:
+    """How long a new request may go without a first token before it is refused: the
+    configured deadline, by default (``None``) the deployment's TTFT SLO (0: never refused)."""
+    return ttft_slo_s if configured_s is None else configured_s
 
 
 def first_token_s(timing: ReplicaTiming, prompt_tokens: int) -> float:

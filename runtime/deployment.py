@@ -86,7 +86,7 @@ class Outbox:
     ownership: list[OwnershipEvent] = field(default_factory=list)
     completions: list[Completion] = field(default_factory=list)
     resolved: list[Resolved] = field(default_factory=list)
-    refused: list[tuple[str, Reason]] = field(default_factory=list)  # held requests, refused
+    refused: list[tuple[str, Reason]] = field(default_factory=list)  # held or late, refused
 
 
 class DeploymentRuntime:

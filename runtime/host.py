@@ -74,6 +74,7 @@ class RuntimeHost:
         hold_s: Mapping[str, float] | None = None,
         kv_floor_tokens: Mapping[str, int] | None = None,
         memory_wait_s: Mapping[str, float] | None = None,
+        ttft_deadline_s: Mapping[str, float] | None = None,
     ) -> None:
         self.pool = pool or SimGpuPool()
         # NOTE: on-demand deployments (those that hold requests for a load) share GPUs' memory
@@ -102,6 +103,10 @@ class RuntimeHost:
         for d, wait_s in (memory_wait_s or {}).items():
             if d in self.runtimes:
                 self.runtimes[d].core.memory_wait_s = wait_s
+        # A new request with no first token this long after its arrival is refused (0: never).
+        for d, deadline_s in (ttft_deadline_s or {}).items():
+            if d in self.runtimes:
+                self.runtimes[d].core.ttft_deadline_s = deadline_s
         # On a shared GPU each on-demand replica is guaranteed its footprint's KV (a VMM floor).
         for d, tokens in (kv_floor_tokens or {}).items():
             if d in self.runtimes:

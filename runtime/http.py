@@ -37,6 +37,7 @@ _STATUS_FOR = {
     Reason.REJECTED_OOM_RISK: 429,
     Reason.QUEUE_FULL: 429,
     Reason.MODEL_LOADING: 429,
+    Reason.TTFT_DEADLINE: 429,
     Reason.NO_SERVING_PLAN: 503,
     Reason.TOO_LONG: 400,
     Reason.DUPLICATE_REQUEST: 409,

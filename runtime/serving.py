@@ -30,10 +30,16 @@ first refusal (:func:`runtime.admission.memory_wait_until_s`); then it is refuse
 ``THROTTLED_WATERMARK``. The watermark and the VMM commit still gate its admission. Held
 requests are retried oldest first; a later request is not held behind them (measured: holding
 it back cost more goodput than it saved, bench/HISTORY.md 2026-12-02).
+
+TTFT deadline (``ttft_deadline_s`` > 0): a new request with no first token that long after its
+arrival, still queued or prefilling, is refused with ``TTFT_DEADLINE`` (``refused``) and leaves
+no trace (queue, engine, KV commit); one held for a load is exempt, its client waiting for the
+load by design.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -145,8 +151,12 @@ class ServingCore:
         self.kv_floor_tokens: int | None = None
         # how long a transient watermark refusal may wait for memory (0: refused at once)
         self.memory_wait_s = 0.0
+        # how long a new request may go without a first token before it is refused (0: no limit)
+        self.ttft_deadline_s = 0.0
+        self._fresh: list[tuple[float, str]] = []  # (arrival, id) of admitted new requests
         self._held: dict[str, _Hold] = {}  # request id → its hold, in arrival order
-        self.refused: list[tuple[str, Reason]] = []  # held requests refused since the drain
+        # held requests refused, and requests past their TTFT deadline, since the drain
+        self.refused: list[tuple[str, Reason]] = []
 
     # ---- replica lifecycle ---------------------------------------------------------------------
 
@@ -272,6 +282,10 @@ class ServingCore:
         elif (until_s := self._memory_wait(reason.reason, soonest_s, now_s, now_s)) is not None:
             self._held[rid] = _Hold(request, until_s, Reason.HELD_FOR_MEMORY, now_s)
             reason = Admission(rid, True, Reason.HELD_FOR_MEMORY)
+        elif reason.reason is Reason.ADMITTED and self.ttft_deadline_s > 0.0:
+            # NOTE: not one held for a load: its client waits for the load (``hold_s``) by
+            # design (one held for memory joins when admitted: _release_held)
+            heapq.heappush(self._fresh, (request.arrival_s, rid))
         self.window.on_arrival(request, reason.reason)
         if not reason.admitted:
             self.rejections[reason.reason] += 1
@@ -295,6 +309,8 @@ class ServingCore:
         for rid, hold in held.items():
             admission, soonest_s = self._try_admit(hold.request, now_s)
             if admission.admitted:
+                if hold.why is Reason.HELD_FOR_MEMORY and self.ttft_deadline_s > 0.0:
+                    heapq.heappush(self._fresh, (hold.request.arrival_s, rid))
                 continue
             if admission.reason is Reason.NO_SERVING_PLAN and now_s < hold.until_s:
                 self._held[rid] = hold  # NOTE: in arrival order, as before
@@ -414,6 +430,39 @@ class ServingCore:
             if self.router.role(rid) in _RUNS and slot.engine.is_ready(now_s):
                 self._feed(rid, slot, now_s)
                 self._absorb(rid, slot.engine.step(now_s))
+        if self._fresh:
+            self._refuse_late(now_s)
+
+    def _refuse_late(self, now_s: float) -> None:
+        """Refuse (``TTFT_DEADLINE``) the new requests with no first token ``ttft_deadline_s``
+        after their arrival, queued or still prefilling."""
+        # NOTE: past its TTFT SLO a request can no longer count as goodput; left in the queue
+        # it delays every later one (a saturated 70B queued 100 s: bench/HISTORY.md stop 40)
+        # and its client waits for an answer it will not use in time
+        cutoff = now_s - self.ttft_deadline_s
+        while self._fresh and self._fresh[0][0] <= cutoff:
+            _, seq_id = heapq.heappop(self._fresh)
+            live = self._live.get(seq_id)
+            owner = self.router.owner(seq_id)
+            if (
+                live is None
+                or owner is None
+                or live.first_token_s is not None
+                or live.generated
+                or seq_id in self._staged
+            ):
+                continue
+            if seq_id in self.router.running(owner):
+                self._slots[owner].engine.drop([seq_id])
+            del self._live[seq_id]
+            self.router.finish(seq_id)
+            self._release(owner, seq_id)
+            self.ownership_events.append(
+                OwnershipEvent(OwnershipKind.FINISHED, live.request, owner)
+            )
+            self.refused.append((seq_id, Reason.TTFT_DEADLINE))
+            self.rejections[Reason.TTFT_DEADLINE] += 1
+            self.window.on_refused(Reason.TTFT_DEADLINE)
 
     def _feed(self, rid: str, slot: _Slot, now_s: float) -> None:
         # NOTE: a full engine takes nothing: asked before the queue is copied (a busy replica's

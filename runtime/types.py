@@ -40,6 +40,9 @@ class Reason(StrEnum):
     # a transient watermark refusal waits for memory (runtime.admission, memory_wait_s), then
     # is admitted or refused THROTTLED_WATERMARK
     HELD_FOR_MEMORY = "held_for_memory"
+    # no first token within the deployment's TTFT deadline (ServingCore.ttft_deadline_s) of its
+    # arrival: refused while still queued or prefilling
+    TTFT_DEADLINE = "ttft_deadline"
 
 
 # Refusals for want of room on the serving plan: the request was fine, the plan could not take
@@ -47,7 +50,12 @@ class Reason(StrEnum):
 # sample (streams.load); a bad request (too long, a duplicate, an unknown deployment) or one
 # with no plan to judge (none loaded, a model still loading) says nothing about the plan's TTFT.
 CAPACITY_REFUSALS = frozenset(
-    {Reason.THROTTLED_WATERMARK, Reason.REJECTED_OOM_RISK, Reason.QUEUE_FULL}
+    {
+        Reason.THROTTLED_WATERMARK,
+        Reason.REJECTED_OOM_RISK,
+        Reason.QUEUE_FULL,
+        Reason.TTFT_DEADLINE,
+    }
 )
 
 

@@ -43,7 +43,7 @@ from gearbox.model import ModelSpec
 from gearbox.plans import DeploymentPlan
 from gearbox.presets import LINK_CLASSES
 from gearbox.residency import kv_floor_tokens
-from runtime.admission import default_memory_wait_s
+from runtime.admission import default_memory_wait_s, ttft_deadline_s
 from runtime.clock import SimClock
 from runtime.deployment import DeploymentRuntime, EngineFactory, Outbox, RuntimeSettings
 from runtime.engine.paging import KvAdmission
@@ -158,6 +158,10 @@ class RuntimeWorker:
                     if self.rc.memory_wait_s is not None
                     else default_memory_wait_s(d.slo_ms(cfg.gearbox)[0] / 1000.0)
                 )
+                for d in cfg.deployments
+            },
+            ttft_deadline_s={
+                d.name: ttft_deadline_s(self.rc.ttft_deadline_s, d.slo_ms(cfg.gearbox)[0] / 1000.0)
                 for d in cfg.deployments
             },
             kv_floor_tokens={

@@ -35,6 +35,7 @@ from bench.sim.systems import SystemSpec
 from flexpipe.config import FlexPipeConfig
 from flexpipe.schemas import GearTransition
 from gearbox import DeploymentPlan, Trigger
+from runtime.admission import ttft_deadline_s
 from runtime.deployment import EngineFactory, RuntimeSettings
 from runtime.engine.sim import SimEngine
 from runtime.engine.simgpu import SimGpuPool
@@ -192,6 +193,12 @@ class Simulation:
             models=self.cfg.catalog.model_specs(),
             engine_factories={n: self._engine_factory(n) for n in names},
             routers=routers,
+            ttft_deadline_s={
+                d.name: ttft_deadline_s(
+                    self.cfg.runtime.ttft_deadline_s, self.metrics[d.name].ttft_slo_s
+                )
+                for d in self.cfg.deployments
+            },
         )
         self.world = World(self.cfg, scenario, seed, self.host)
         self.runtimes = self.host.runtimes
@@ -359,8 +366,9 @@ class Simulation:
             metrics.on_completion(done, self.kinds.get(done.request_id, RequestKind.CHAT))
             offered = self._offered.get(done.request_id, 0)
             self.lost_tokens[name] += offered - (metrics.goodput_tokens - good)
-        for request_id, _ in out.refused:
+        for request_id, reason in out.refused:
             self.lost_tokens[name] += self._offered.get(request_id, 0)
+            metrics.on_refused(reason, t_s)
         for record in out.records:
             self._note_record(name, t_s, record)
 

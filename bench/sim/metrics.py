@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from runtime.types import Admission, Completion, Reason, RequestKind
+from runtime.types import CAPACITY_REFUSALS, Admission, Completion, RequestKind
 
 _LOG_RATIO = math.log(1.02)
 _MIN_MS = 1e-3
@@ -51,6 +51,18 @@ def weight(histogram: Histogram) -> float:
     return sum(histogram.values())
 
 
+def censored_quantile_ms(histogram: Histogram, q: float, beyond: int) -> tuple[float | None, bool]:
+    """The ``q`` quantile of the histogram's samples plus ``beyond`` samples larger than any of
+    them (requests refused for want of room, as :mod:`streams.load` counts them), and whether
+    it is only a lower bound: when its rank falls among those ``beyond``, the largest sample's
+    value (``None`` without samples) — the quantile lies past it."""
+    total = weight(histogram)
+    target = q * (total + max(0, beyond))
+    if target <= total:
+        return quantile_ms(histogram, target / total if total > 0 else q), False
+    return (bucket_value_ms(max(histogram)) if histogram else None), beyond > 0
+
+
 def quantile_ms(histogram: Histogram, q: float) -> float | None:
     """The ``q`` quantile (nearest rank on weights), ``None`` when empty."""
     total = weight(histogram)
@@ -76,6 +88,8 @@ class DeploymentMetrics:
     completions: Counter[int] = field(default_factory=Counter)
     tokens: Counter[int] = field(default_factory=Counter)  # prompt + output of completions
     rejections: Counter[str] = field(default_factory=Counter)
+    # per minute: requests refused for want of room (runtime.types.CAPACITY_REFUSALS)
+    capacity_refused: Counter[int] = field(default_factory=Counter)
     chat_ttft: Histogram = field(default_factory=dict)
     summarisation_ttft: Histogram = field(default_factory=dict)
     replays: int = 0
@@ -107,9 +121,16 @@ class DeploymentMetrics:
         """A submitted request, admitted or not."""
         minute = self._minute(arrival_s)
         self.arrivals[minute] += 1
-        if admission.reason is not Reason.ADMITTED:
-            self.rejected[minute] += 1
-            self.rejections[admission.reason.value] += 1
+        if not admission.admitted:
+            self.on_refused(admission.reason, arrival_s)
+
+    def on_refused(self, reason: str, t_s: float) -> None:
+        """A request refused: at arrival, or later (held, or past its TTFT deadline)."""
+        minute = self._minute(t_s)
+        self.rejected[minute] += 1
+        self.rejections[str(reason)] += 1
+        if reason in CAPACITY_REFUSALS:
+            self.capacity_refused[minute] += 1
 
     def on_completion(self, done: Completion, kind: RequestKind) -> None:
         """A finished request."""
@@ -137,6 +158,13 @@ class DeploymentMetrics:
         first, last = math.floor(start_s / 60.0), math.ceil(end_s / 60.0)
         return merge(series[m] for m in range(first, last) if m in series)
 
+    def refused_in(self, start_s: float, end_s: float) -> int:
+        """Capacity refusals in the minutes :meth:`window` covers."""
+        first, last = math.floor(start_s / 60.0), math.ceil(end_s / 60.0)
+        return sum(
+            self.capacity_refused[m] for m in range(first, last) if m in self.capacity_refused
+        )
+
 
 def combined(parts: Sequence[DeploymentMetrics]) -> DeploymentMetrics:
     """One deployment's metrics over several runs recorded on one clock (the oracle's
@@ -153,6 +181,7 @@ def combined(parts: Sequence[DeploymentMetrics]) -> DeploymentMetrics:
         for counter, more in (
             (out.arrivals, part.arrivals),
             (out.rejected, part.rejected),
+            (out.capacity_refused, part.capacity_refused),
             (out.completions, part.completions),
             (out.tokens, part.tokens),
         ):

@@ -148,6 +148,7 @@ def headline(
         "shift_s_7b_p95": rnd(p95_of(_shift_totals(flex, small)), 2),
         "estimator_error_p95": flex["estimator_error"]["p95"],
         "estimator_error_median": flex["estimator_error"]["median"],
+        "estimator_censored_ticks": flex["estimator_error"].get("censored"),
         "throughput_ratio": _ratio(flex["tokens"], fixed["tokens"]),
         "p95_peak_ratio": _ratio(flex_peak, steady),
         "p95_peak_vs_fixed": _ratio(flex_peak, fixed_event.get("peak_p95_ms")),
@@ -222,6 +223,7 @@ def aggregate(
         "oracle_goodput_of_offered": _median(col("oracle_goodput_of_offered")),
         "estimator_error_p95": _median(col("estimator_error_p95")),
         "estimator_error_median": _median(col("estimator_error_median")),
+        "estimator_censored_ticks": _median(col("estimator_censored_ticks")),
     }
     return out
 

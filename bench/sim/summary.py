@@ -14,12 +14,16 @@ Definitions used in the report (stated once, here):
   switch (canary, KV hand-over, route-table swap) and cleanup (drain); "the shift" is the switch
   phase, during which both plans serve and KV moves (the article's 3–5 s / 8–15 s);
 * post-preemption TTFT p95 — over the requests whose first token came out in the
-  ``AFTER_S`` after the event, against the ``BEFORE_S`` before it;
+  ``AFTER_S`` after the event, against the ``BEFORE_S`` before it; requests refused for want of
+  room in a window count as TTFTs beyond every sample there (as :mod:`streams.load` counts
+  them: a plan that sheds its excess must not look faster than one that serves it), and a p95
+  that falls among them is a lower bound (``..._censored``);
 * SLO goodput — prompt + output tokens of requests within both SLOs (see
   :mod:`bench.sim.metrics`) over the tokens offered (every arrival's prompt + requested output);
 * estimator error — per decision tick, |gearbox's TTFT p95 estimate for the serving plan −
   the TTFT p95 observed in the ``ESTIMATE_WINDOW_S`` after the tick| / observed (minute
-  granularity: the window starts at the tick's minute);
+  granularity: the window starts at the tick's minute; refusals for want of room counted as
+  above, see :func:`estimator_errors`);
 * flaps — executed voluntary shifts (not forced by lost GPUs) that start less than
   ``FLAP_WINDOW_S`` after the same deployment's previous executed shift; reversals — executed
   shifts straight back to the plan the previous one left, within the window. Decisions whose
@@ -36,7 +40,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench.sim.des import DecisionLog, RunResult, TransitionLog
-from bench.sim.metrics import DeploymentMetrics, Histogram, merge, quantile_ms, weight
+from bench.sim.metrics import (
+    DeploymentMetrics,
+    Histogram,
+    censored_quantile_ms,
+    merge,
+    quantile_ms,
+    weight,
+)
 from sim.spec import Scenario
 
 MIN_SAMPLES = 20
@@ -83,13 +94,26 @@ def _served_share(metrics: DeploymentMetrics, event_s: float, end_s: float) -> d
     }
 
 
-def _around(metrics: DeploymentMetrics, event_s: float) -> dict[str, float | None]:
-    """TTFT p95 over ``AFTER_S`` after an event and over ``BEFORE_S`` before it."""
-    after = metrics.window(metrics.ttft, event_s, event_s + AFTER_S)
-    before = metrics.window(metrics.ttft, event_s - BEFORE_S, event_s)
+def window_ttft_p95(
+    metrics: DeploymentMetrics, start_s: float, end_s: float
+) -> tuple[float | None, bool]:
+    """TTFT p95 of the requests whose first token came out in ``[start_s, end_s)`` and of
+    those refused for want of room then (beyond every sample), and whether it is only a lower
+    bound (:func:`bench.sim.metrics.censored_quantile_ms`)."""
+    h = metrics.window(metrics.ttft, start_s, end_s)
+    return censored_quantile_ms(h, 0.95, metrics.refused_in(start_s, end_s))
+
+
+def _around(metrics: DeploymentMetrics, event_s: float) -> dict[str, Any]:
+    """TTFT p95 over ``AFTER_S`` after an event and over ``BEFORE_S`` before it (a lower
+    bound when ``..._censored``)."""
+    after, after_censored = window_ttft_p95(metrics, event_s, event_s + AFTER_S)
+    before, before_censored = window_ttft_p95(metrics, event_s - BEFORE_S, event_s)
     return {
-        "ttft_p95_after_ms": rnd(quantile_ms(after, 0.95)),
-        "ttft_p95_before_ms": rnd(quantile_ms(before, 0.95)),
+        "ttft_p95_after_ms": rnd(after),
+        "ttft_p95_after_censored": after_censored,
+        "ttft_p95_before_ms": rnd(before),
+        "ttft_p95_before_censored": before_censored,
     }
 
 
@@ -193,29 +217,43 @@ def deployment_summary(
 
 
 def estimator_errors(result: RunResult) -> list[float]:
+    """:func:`estimator_ticks`' errors, the ticks with an unknown error left out."""
+    return [e for e in estimator_ticks(result) if e is not None]
+
+
+def estimator_ticks(result: RunResult) -> list[float | None]:
     """Per decision tick and deployment: |estimated − observed| / observed TTFT p95, where the
     estimate is gearbox's for the serving plan at the tick and the observation the p95 of the
-    requests whose first token came out in the ``ESTIMATE_WINDOW_S`` after it (ticks with fewer
-    than ``MIN_SAMPLES`` such requests are left out)."""
-    out = []
+    requests whose first token came out in the ``ESTIMATE_WINDOW_S`` after it and of those
+    refused for want of room then (:func:`window_ttft_p95`). Ticks with fewer than
+    ``MIN_SAMPLES`` such requests are left out. ``None`` for a tick whose observed p95 is only a
+    lower bound that the estimate reaches (its error is unknown: the summary counts these as
+    ``censored``); an estimate below such a bound counts its distance to the bound (a lower
+    bound of its error)."""
+    out: list[float | None] = []
     for d in result.decisions:
         if d.est_ttft_p95_ms is None:
             continue
         metrics = result.metrics[d.deployment]
-        h = metrics.window(metrics.ttft, d.t_s, d.t_s + ESTIMATE_WINDOW_S)
-        observed = quantile_ms(h, 0.95)
-        if observed is None or weight(h) < MIN_SAMPLES:
+        end_s = d.t_s + ESTIMATE_WINDOW_S
+        observed, censored = window_ttft_p95(metrics, d.t_s, end_s)
+        if observed is None or weight(metrics.window(metrics.ttft, d.t_s, end_s)) < MIN_SAMPLES:
+            continue
+        if censored and d.est_ttft_p95_ms >= observed:
+            out.append(None)
             continue
         out.append(abs(d.est_ttft_p95_ms - observed) / observed)
     return out
 
 
-def _error_summary(errors: Sequence[float]) -> dict[str, Any]:
-    if not errors:
-        return {"ticks": 0, "median": None, "p95": None}
-    ordered = sorted(errors)
+def _error_summary(ticks: Sequence[float | None]) -> dict[str, Any]:
+    censored = sum(1 for e in ticks if e is None)
+    ordered = sorted(e for e in ticks if e is not None)
+    if not ordered:
+        return {"ticks": 0, "censored": censored, "median": None, "p95": None}
     return {
         "ticks": len(ordered),
+        "censored": censored,
         "median": rnd(statistics.median(ordered), 3),
         "p95": rnd(ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)], 3),
     }
@@ -383,5 +421,5 @@ def system_summary(result: RunResult, scenario: Scenario, duration_s: float) -> 
         "first_response": _first_response(shifts, result.preemptions, duration_s),
         "observed_delays_s": [rnd(seen - t, 3) for t, seen in result.observed_s],
         "violations": result.violations,
-        "estimator_error": _error_summary(estimator_errors(result)),
+        "estimator_error": _error_summary(estimator_ticks(result)),
     }
