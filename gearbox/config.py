@@ -289,7 +289,14 @@ class PlacementConfig(Serialisable):
     # left waiting over the window reach this share of its arrivals (and at least
     # eviction_reload_factor of them: a stray refusal does not buy a load)
     scale_out_unmet_share: float = 0.05
-    max_replicas_per_model: int = 4  # scale-out stops here: one hot model never takes the fleet
+    # scale-out stops at the larger of these two: a fixed number of replicas, or this share of
+    # the GPUs the model may use (its pin domain and anti-affinity allow) — one hot model never
+    # takes more than half the fleet, and a large fleet's top model is not held to a small one's
+    # count (bench/HISTORY.md, 2026-12-04, stop 40: on farm's 12 GPUs the top model under Zipf
+    # popularity carries about a third of the load, and at 4 replicas it refused the long
+    # prompts of 7.6 % of the offered tokens). 0: the fixed number alone
+    max_replicas_per_model: int = 4
+    max_replica_share: float = 0.5
     # a model's last replica in use may be drained for a model whose waiting demand is
     # eviction_reload_factor times its own (gearbox.placement's displace rule); False: only idle
     # models are ever evicted (the article's rule)
@@ -330,6 +337,7 @@ _PLACEMENT_BOUNDS: dict[str, tuple[float, float]] = {
     "cold_after_s": (0.0, 7 * 86_400.0),
     "scale_out_unmet_share": (0.0, 1.0),
     "max_replicas_per_model": (1, 1024),
+    "max_replica_share": (0.0, 1.0),
     "kv_floor_batch": (0, 1024),
 }
 

@@ -11,7 +11,13 @@ from gearbox import ModelFootprint, ResidentModel, TopologySnapshot, place_model
 from gearbox.config import PlacementConfig, PlacementStrategy
 from gearbox.placement import EvictionRule, PlacementStatus
 from gearbox.presets import GIB, LINK_CLASSES
-from gearbox.scaling import ReplicaDemand, ScaleAction, ScaleReason, scale_replicas
+from gearbox.scaling import (
+    ReplicaDemand,
+    ScaleAction,
+    ScaleReason,
+    max_replicas,
+    scale_replicas,
+)
 from tests.gearbox.builders import NOW_S, make_gpu
 
 pytestmark = pytest.mark.unit
@@ -91,10 +97,27 @@ def test_no_second_scale_out_on_the_refusals_that_asked_for_the_first() -> None:
 
 def test_scale_out_stops_at_the_maximum() -> None:
     snapshot = _cluster(*((f"g{i}", f"n{i}", 70.0) for i in range(6)))
-    capped = replace(CONFIG, max_replicas_per_model=2)
-    residents = [_replica("g0", active=30), _replica("g1", active=30)]
+    capped = replace(CONFIG, max_replicas_per_model=2)  # half of 6 GPUs is more: 3
+    residents = [_replica(f"g{i}", active=30) for i in range(3)]
     decision = scale_replicas(HOT, _demand(200, 80), snapshot, residents, capped)
     assert decision.reason is ScaleReason.AT_MAX_REPLICAS
+    fixed = replace(capped, max_replica_share=0.0)  # the fixed number alone
+    held = scale_replicas(HOT, _demand(200, 80), snapshot, residents[:2], fixed)
+    assert held.reason is ScaleReason.AT_MAX_REPLICAS
+
+
+def test_the_maximum_follows_the_fleet_a_hot_model_may_hold_half_of_a_large_one() -> None:
+    # on 12 GPUs a model at 4 replicas with unmet demand gets a fifth (half the fleet: 6); on
+    # 8 GPUs half is 4, the fixed number, and it holds
+    residents = [_replica(f"g{i}", active=30) for i in range(4)]
+    large = _cluster(*((f"g{i}", f"n{i}", 70.0) for i in range(12)))
+    grown = scale_replicas(HOT, _demand(200, 80), large, residents, CONFIG)
+    assert (grown.action, grown.reason) == (ScaleAction.OUT, ScaleReason.UNMET_DEMAND)
+    assert grown.gpu_uuid not in {r.gpu_uuid for r in residents}
+    small = _cluster(*((f"g{i}", f"n{i}", 70.0) for i in range(8)))
+    held = scale_replicas(HOT, _demand(200, 80), small, residents, CONFIG)
+    assert held.reason is ScaleReason.AT_MAX_REPLICAS
+    assert [max_replicas(CONFIG, n) for n in (2, 8, 9, 12, 27)] == [4, 4, 4, 6, 13]
 
 
 def test_no_room_proposes_evictions_the_unmet_demand_outweighs() -> None:
@@ -181,7 +204,8 @@ def test_pack_and_spread_choose_different_gpus() -> None:
 
 
 @pytest.mark.parametrize(
-    ("knob", "value"), [("scale_out_unmet_share", 1.5), ("max_replicas_per_model", 0)]
+    ("knob", "value"),
+    [("scale_out_unmet_share", 1.5), ("max_replicas_per_model", 0), ("max_replica_share", 1.5)],
 )
 def test_a_bad_scale_knob_names_its_key(knob: str, value: float) -> None:
     with pytest.raises(ValueError, match=knob):
