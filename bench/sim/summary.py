@@ -23,7 +23,7 @@ Definitions used in the report (stated once, here):
 * estimator error — per decision tick, |gearbox's TTFT p95 estimate for the serving plan −
   the TTFT p95 observed in the ``ESTIMATE_WINDOW_S`` after the tick| / observed (minute
   granularity: the window starts at the tick's minute; refusals for want of room counted as
-  above, see :func:`estimator_errors`);
+  above, see :func:`estimator_ticks`);
 * flaps — executed voluntary shifts (not forced by lost GPUs) that start less than
   ``FLAP_WINDOW_S`` after the same deployment's previous executed shift; reversals — executed
   shifts straight back to the plan the previous one left, within the window. Decisions whose

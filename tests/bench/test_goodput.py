@@ -9,7 +9,7 @@ import pytest
 from bench.sim.des import DecisionLog
 from bench.sim.metrics import DeploymentMetrics
 from bench.sim.report import aggregate, p95_of, targets
-from bench.sim.summary import tick_reason
+from bench.sim.summary import tick_reason, window_ttft_p95
 from flexpipe.config import FlexPipeConfig
 from runtime.types import Completion, RequestKind
 from sim.catalog import with_scenario
@@ -87,3 +87,25 @@ def test_held_by_hysteresis_is_split_from_gain_below_cost() -> None:
     assert tick_reason(tick("held_by_hysteresis", True)) == "held_by_hysteresis"
     assert tick_reason(tick("held_by_hysteresis", False)) == "gain_below_cost"
     assert tick_reason(tick("cooldown", False)) == "cooldown"
+
+
+def test_capacity_refusals_count_as_ttfts_beyond_every_sample() -> None:
+    """A window's TTFT p95 counts the requests refused for want of room (as the streams do): a
+    few move it up among the samples, more than 5 % make it a lower bound; other refusals (no
+    plan) say nothing about the plan's TTFT."""
+    m = DeploymentMetrics(ttft_slo_s=2.0, tbt_slo_s=0.15)
+    for i in range(100):  # first tokens 0.1-1.0 s, all in minute 0
+        m.on_completion(_done(f"r{i}", 0.1 + 0.9 * i / 99, 0.01), RequestKind.CHAT)
+    served_only = window_ttft_p95(m, 0.0, 60.0)
+    assert served_only[1] is False and served_only[0] == pytest.approx(955, rel=0.03)
+    for _ in range(3):
+        m.on_refused("ttft_deadline", 30.0)
+    m.on_refused("no_serving_plan", 30.0)
+    few = window_ttft_p95(m, 0.0, 60.0)
+    assert few[1] is False and (few[0] or 0.0) > (served_only[0] or 0.0)  # rank 98 of 100
+    assert m.rejections == {"ttft_deadline": 3, "no_serving_plan": 1}
+    for _ in range(5):
+        m.on_refused("throttled_watermark", 30.0)
+    many = window_ttft_p95(m, 0.0, 60.0)
+    assert many[1] is True and many[0] == pytest.approx(1000, rel=0.03)  # the largest sample
+    assert window_ttft_p95(m, 60.0, 120.0) == (None, False)
