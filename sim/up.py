@@ -322,6 +322,20 @@ def _failure(me: asyncio.Task[Any] | None, exc: asyncio.CancelledError) -> BaseE
     return cause if isinstance(cause, FlexPipeError) else FlexPipeError(f"stopped: {exc!r}")
 
 
+def torch_engine_config(cfg: FlexPipeConfig) -> FlexPipeConfig:
+    """The run's config when the torch engine serves: no TTFT deadline unless one is set.
+
+    NOTE: the stand-in model runs on this host's CPU at the run's speed, not on the simulated
+    deployments' GPUs: its first tokens say nothing about their TTFT SLOs, so no request is
+    refused for missing one (beside a benchmark, 2,549 of a 7B's 3,875 requests were, and the
+    70B's shift carried none across). An explicit ``runtime.ttft_deadline_s`` still applies.
+    """
+    if cfg.runtime.ttft_deadline_s is not None:
+        return cfg
+    runtime = cfg.runtime.model_copy(update={"ttft_deadline_s": 0.0})
+    return cfg.model_copy(update={"runtime": runtime})
+
+
 async def run_up(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
     """`flexpipe up`: see the module docstring."""
     wall0 = time.monotonic()
@@ -334,6 +348,7 @@ async def run_up(cfg: FlexPipeConfig, args: argparse.Namespace) -> int:
         from sim.torchup import TorchServing
 
         torch = TorchServing()
+        cfg = torch_engine_config(cfg)
     speed = args.speed or (CHAOS_SPEED if chaos else duration_s / DEFAULT_WALL_S)
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)

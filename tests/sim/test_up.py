@@ -28,6 +28,7 @@ from sim.record import RunRecord, SeenDecision
 from sim.scenario import load_scenario, scenario_path
 from sim.streamproc import TICK_FAILURES, metric_total, tick_failures_in_log
 from sim.summary import SequenceFacts
+from sim.up import torch_engine_config
 from tests.runtime.builders import make_context
 
 PREEMPT = "00:08:00"
@@ -242,3 +243,13 @@ async def test_the_ledger_calls_lost_only_what_stays_unaccounted() -> None:
     core.router.owned["done"] = "r2"  # a completed sequence owned again
     assert ledger.settle(worker)["chat"].owned_twice == 1
     await ledger.close()
+
+
+@pytest.mark.unit
+def test_the_torch_engine_runs_without_a_ttft_deadline_unless_one_is_set() -> None:
+    cfg = FlexPipeConfig()
+    assert cfg.runtime.ttft_deadline_s is None  # the SimEngine's runs: each TTFT SLO
+    assert torch_engine_config(cfg).runtime.ttft_deadline_s == 0.0
+    runtime = cfg.runtime.model_copy(update={"ttft_deadline_s": 5.0})
+    explicit = cfg.model_copy(update={"runtime": runtime})
+    assert torch_engine_config(explicit).runtime.ttft_deadline_s == 5.0
