@@ -452,11 +452,7 @@ class ServingCore:
                 or seq_id in self._staged
             ):
                 continue
-            if seq_id in self.router.running(owner):
-                self._slots[owner].engine.drop([seq_id])
-            del self._live[seq_id]
-            self.router.finish(seq_id)
-            self._release(owner, seq_id)
+            self._take_out(owner, seq_id)
             self.ownership_events.append(
                 OwnershipEvent(OwnershipKind.FINISHED, live.request, owner)
             )
@@ -710,17 +706,21 @@ class ServingCore:
         """Take every sequence the replica owns out of the route table into the holding area
         (no replica left to take them: e.g. a rolled-back first placement); returns the count.
         """
-        slot = self._slots.get(source)
         moved = 0
         for seq_id in self.router.owned(source):
-            live = self._live.pop(seq_id)
-            if slot is not None:
-                slot.engine.drop([seq_id])
-            self._release(source, seq_id)
-            self.router.finish(seq_id)
-            self._unplaced[seq_id] = live
+            self._unplaced[seq_id] = self._take_out(source, seq_id)
             moved += 1
         return moved
+
+    def _take_out(self, owner: str, seq_id: str) -> _Live:
+        """Remove a sequence from its owner: engine, KV commit, route table; returns its record."""
+        live = self._live.pop(seq_id)
+        slot = self._slots.get(owner)
+        if slot is not None:
+            slot.engine.drop([seq_id])  # (a queued one is not in the engine: ignored)
+        self._release(owner, seq_id)
+        self.router.finish(seq_id)
+        return live
 
     # ---- views ---------------------------------------------------------------------------------
 

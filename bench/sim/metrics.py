@@ -155,15 +155,17 @@ class DeploymentMetrics:
 
     def window(self, series: Mapping[int, Histogram], start_s: float, end_s: float) -> Histogram:
         """Histograms of the minutes starting in ``[start_s, end_s)``, merged."""
-        first, last = math.floor(start_s / 60.0), math.ceil(end_s / 60.0)
-        return merge(series[m] for m in range(first, last) if m in series)
+        return merge(series[m] for m in _minutes(start_s, end_s) if m in series)
 
     def refused_in(self, start_s: float, end_s: float) -> int:
         """Capacity refusals in the minutes :meth:`window` covers."""
-        first, last = math.floor(start_s / 60.0), math.ceil(end_s / 60.0)
-        return sum(
-            self.capacity_refused[m] for m in range(first, last) if m in self.capacity_refused
-        )
+        refused = self.capacity_refused
+        return sum(refused[m] for m in _minutes(start_s, end_s) if m in refused)
+
+
+def _minutes(start_s: float, end_s: float) -> range:
+    """The minutes starting in ``[start_s, end_s)``."""
+    return range(math.floor(start_s / 60.0), math.ceil(end_s / 60.0))
 
 
 def combined(parts: Sequence[DeploymentMetrics]) -> DeploymentMetrics:

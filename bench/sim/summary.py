@@ -236,8 +236,9 @@ def estimator_ticks(result: RunResult) -> list[float | None]:
             continue
         metrics = result.metrics[d.deployment]
         end_s = d.t_s + ESTIMATE_WINDOW_S
-        observed, censored = window_ttft_p95(metrics, d.t_s, end_s)
-        if observed is None or weight(metrics.window(metrics.ttft, d.t_s, end_s)) < MIN_SAMPLES:
+        h = metrics.window(metrics.ttft, d.t_s, end_s)  # (window_ttft_p95's, merged once)
+        observed, censored = censored_quantile_ms(h, 0.95, metrics.refused_in(d.t_s, end_s))
+        if observed is None or weight(h) < MIN_SAMPLES:
             continue
         if censored and d.est_ttft_p95_ms >= observed:
             out.append(None)

@@ -169,6 +169,12 @@ class Harness(SimDriver):
         """The ownership invariant holds."""
         assert self.rt.core.router.check_invariants() == []
 
+    def serve(self, plan: DeploymentPlan) -> Harness:
+        """Deliver decision 1 for ``plan`` and run until its transition is done."""
+        self.decide(1, plan)
+        self.until(lambda: self.rt.state.active is None, 30)
+        return self
+
     @property
     def phases(self) -> list[tuple[int, str, str, int]]:
         """(seq, phase, status, attempt) of every persisted record."""

@@ -16,9 +16,7 @@ PROMPT = 12_000
 
 
 def _serving(wait_s: float) -> Harness:
-    h = Harness(make_runtime())
-    h.decide(1, L40S)
-    h.until(lambda: h.rt.state.active is None, 30)
+    h = Harness(make_runtime()).serve(L40S)
     h.rt.core.memory_wait_s = wait_s
     return h
 

@@ -17,9 +17,7 @@ PROMPT = 1_000
 
 
 def _serving(deadline_s: float) -> Harness:
-    h = Harness(make_runtime())
-    h.decide(1, H100)
-    h.until(lambda: h.rt.state.active is None, 30)
+    h = Harness(make_runtime()).serve(H100)
     h.rt.core.ttft_deadline_s = deadline_s
     return h
 
