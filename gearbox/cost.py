@@ -51,8 +51,8 @@ Relative accuracy is the goal — decisions compare plans on the same formulas. 
   Statistics and Queueing Theory, §6; exact for M/G/1's mean wait by Pollaczek–Khinchine): the
   conditional wait scales by (1 + c²)/2, c² the squared coefficient of variation of the prefill
   time — the prompts' c² × (slope × mean / prefill time of the mean)², the slope read between the
-  mean and the p95 prompt (fixed costs do not vary with length). Engines here prefill each
-  prompt whole (no chunking): a long prompt holds the prefill server for its whole prefill.
+  mean and the p95 prompt (fixed costs do not vary with length). A long prompt holds the
+  prefill server for its whole prefill, chunked or not (chunks of one prompt run in turn).
   The two are not summed at their p95s: the TTFT p95 is the larger of the p95 prompt's prefill
   and a mean prompt's prefill plus the queue's p95 wait — the long prompts set it at light
   load, the queue near saturation. Their sum (the p95 prompt waiting at the wait's p95) is a
@@ -71,6 +71,11 @@ Relative accuracy is the goal — decisions compare plans on the same formulas. 
 * TBT p95 = the decode step at the Little's-law batch, plus one prefill stall when at least 5 %
   of steps carry a new prompt (continuous batching stalls decode on prefill — Sarathi-Serve;
   disaggregated decode does not — Zhong et al. 2024, DistServe).
+* Chunked prefill (Sarathi-Serve, Agrawal et al. 2024): a unified replica prefills at most
+  ``prefill_chunk_tokens`` per iteration, so the stall is one chunk's prefill, not a whole long
+  prompt's; a prompt of n chunks spans n iterations, so its TTFT adds n − 1 decode steps. The
+  chunks of a prompt add up to its whole prefill (the engine times a chunk as its share of it),
+  so capacity is unchanged.
 * Utilisation is capped at 0.99, so saturated estimates stay finite (and ``max_latency_ms``
   caps them).
 """
@@ -389,6 +394,41 @@ def prefill_scv(
     return prompt_scv * (slope * prompt_tokens / mean_s) ** 2 if mean_s > 0 else prompt_scv
 
 
+MIN_PREFILL_CHUNK_TOKENS = 256  # below this a chunk's GEMMs stop being compute-bound
+_CHUNK_UNIT = 64  # chunk sizes are multiples of the timing's token bucket
+_MAX_CHUNK_UNITS = 512  # 32,768 tokens: no prompt here is longer
+
+
+@functools.lru_cache(maxsize=16_384)
+def prefill_chunk_tokens(shape: ReplicaShape, model: ModelSpec, config: GearboxConfig) -> int:
+    """Prompt tokens a unified replica prefills per iteration (chunked prefill, module notes):
+    the most, in 64-token steps, whose prefill takes at most ``prefill_chunk_tbt_share`` of the
+    TBT SLO, and at least ``MIN_PREFILL_CHUNK_TOKENS``. 0 = whole prompts: a prefill/decode
+    split replica (its decode never waits on a prefill) or a share of 0 (memoised)."""
+    if shape.handoff_link is not None or config.prefill_chunk_tbt_share <= 0:
+        return 0
+    budget_s = config.prefill_chunk_tbt_share * config.tbt_slo_ms / 1e3
+
+    def fits(units: int) -> bool:
+        latency, _ = pipeline_prefill_s(
+            shape.prefill, shape.pp_link, model, units * _CHUNK_UNIT, config
+        )
+        return latency <= budget_s
+
+    lo, hi = 0, _MAX_CHUNK_UNITS  # fits(lo) or lo == 0; the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return max(MIN_PREFILL_CHUNK_TOKENS, lo * _CHUNK_UNIT)
+
+
+def chunked_prefill_steps(prompt_tokens: int, chunk_tokens: int) -> int:
+    """Iterations a prompt's prefill spans (1 with whole prompts, ``chunk_tokens`` 0)."""
+    if chunk_tokens <= 0:
+        return 1
+    return max(1, -(-prompt_tokens // chunk_tokens))
+
+
 @functools.lru_cache(maxsize=65_536)
 def replica_capacity(
     shape: ReplicaShape,
@@ -535,17 +575,6 @@ def _estimate_replica(
     if not cap.feasible:
         return ReplicaEstimate(0.0, 0.0, 0.0, config.max_latency_ms, config.max_latency_ms)
     mu, lam = cap.capacity_rps, min(arrival_rps, cap.capacity_rps)
-    prefill_s, scv = cap.prefill_latency_s, prompt_scv
-    if tail_prompt_tokens is not None:
-        prefill_s, _ = prefill_latency_s(shape, model, tail_prompt_tokens, config)
-        scv = prefill_scv(shape, model, prompt_tokens, tail_prompt_tokens, prompt_scv, config)
-    prefill_wait_s = _wait_p95_s(lam, 1.0 / cap.prefill_occupancy_s, 1, scv)
-    if tail_prompt_tokens is not None:
-        # NOTE: the p95 prompt's prefill and the queue's p95 wait are not added: a prompt at
-        # the length p95 that also waits at the wait p95 is a ~1-in-400 request (module notes)
-        queued_s = cap.prefill_latency_s + prefill_wait_s
-        prefill_wait_s = max(0.0, queued_s - prefill_s)
-    wait_s = _wait_p95_s(lam, mu, cap.max_batch) + prefill_wait_s
     context = prompt_tokens + output_tokens / 2
     stages = shape.decode_pipeline
     batch = 1
@@ -553,9 +582,28 @@ def _estimate_replica(
         cycle = pipeline_decode_cycle_s(stages, shape.pp_link, model, batch, context, config)
         batch = min(cap.max_batch, max(1, round(lam * output_tokens * cycle)))
     cycle = pipeline_decode_cycle_s(stages, shape.pp_link, model, batch, context, config)
+    # NOTE: a chunked prompt's later chunks each ride an iteration with a decode step.
+    chunk = prefill_chunk_tokens(shape, model, config)
+    mean_chunks = chunked_prefill_steps(prompt_tokens, chunk)
+    mean_prefill_s = cap.prefill_latency_s + (mean_chunks - 1) * cycle
+    prefill_s, scv = mean_prefill_s, prompt_scv
+    if tail_prompt_tokens is not None:
+        prefill_s, _ = prefill_latency_s(shape, model, tail_prompt_tokens, config)
+        prefill_s += (chunked_prefill_steps(tail_prompt_tokens, chunk) - 1) * cycle
+        scv = prefill_scv(shape, model, prompt_tokens, tail_prompt_tokens, prompt_scv, config)
+    prefill_wait_s = _wait_p95_s(lam, 1.0 / cap.prefill_occupancy_s, 1, scv)
+    if tail_prompt_tokens is not None:
+        # NOTE: the p95 prompt's prefill and the queue's p95 wait are not added: a prompt at
+        # the length p95 that also waits at the wait p95 is a ~1-in-400 request (module notes)
+        queued_s = mean_prefill_s + prefill_wait_s
+        prefill_wait_s = max(0.0, queued_s - prefill_s)
+    wait_s = _wait_p95_s(lam, mu, cap.max_batch) + prefill_wait_s
     stall = 0.0
     if shape.handoff_link is None:
-        stall = cap.prefill_occupancy_s * min(1.0, lam * cycle / _P95_TAIL)
+        stall = cap.prefill_occupancy_s
+        if chunk and prompt_tokens > chunk:
+            stall, _ = pipeline_prefill_s(shape.prefill, shape.pp_link, model, chunk, config)
+        stall *= min(1.0, lam * cycle / _P95_TAIL)
     iteration_s = _iteration_wait_p95_s(lam * output_tokens * cycle, cycle, shape)
     return ReplicaEstimate(
         capacity_rps=mu,
@@ -590,5 +638,6 @@ def clear_caches() -> None:
     """Drop the cost memos (they are pure; clearing only costs time). Used by benchmarks."""
     pipeline_decode_cycle_s.cache_clear()
     prefill_latency_s.cache_clear()
+    prefill_chunk_tokens.cache_clear()
     replica_capacity.cache_clear()
     _estimate_replica.cache_clear()

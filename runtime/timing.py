@@ -17,7 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gearbox.config import GearboxConfig
-from gearbox.cost import ReplicaShape, pipeline_decode_cycle_s, pipeline_prefill_s, replica_shape
+from gearbox.cost import (
+    ReplicaShape,
+    pipeline_decode_cycle_s,
+    pipeline_prefill_s,
+    prefill_chunk_tokens,
+    replica_shape,
+)
 from gearbox.model import ModelSpec
 from gearbox.plans import ExecutionPlan
 
@@ -97,6 +103,11 @@ class ReplicaTiming:
         if value is None:
             value = self._prefill_memo[key] = _prefill_s(self.shape, self.model, key, self.config)
         return value
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """Prompt tokens per iteration with chunked prefill; 0 = whole prompts (gearbox.cost)."""
+        return prefill_chunk_tokens(self.shape, self.model, self.config)
 
     def decode_cycle_s(self, batch: int, context_tokens: float) -> float:
         """One decode step for ``batch`` sequences of mean context ``context_tokens``."""

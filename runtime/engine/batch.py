@@ -39,6 +39,8 @@ class SeqRecord:
     v0: int = 0  # decode counter when it (re)started running
     stage_after_prefill: bool = False
     ready_at_s: float = 0.0  # admission (waiting) or KV arrival (importing)
+    prefilled: int = 0  # prompt tokens prefilled by earlier chunks (waiting only)
+    chunk: int = 0  # prompt tokens the iteration being planned prefills
     finish_v: int = 0  # decode counter at which it finishes (running only)
     heap_serial: int = 0  # its live entry in the finish heap (older entries are stale)
     # While running: the decode counter up to which its held KV pages are known to cover its

@@ -111,6 +111,8 @@ class SimEngine:
         self._kv_shares = tuple((u, b) for u, b in timing.kv_bytes_per_token_per_gpu.items() if b)
         self._kv_total_per_token = timing.model.kv_bytes_per_token
         self._split = timing.plan.is_disaggregated  # prefill and decode stages run concurrently
+        # NOTE: a split replica's decode never waits on a prefill: its prompts go whole.
+        self._chunk_tokens = 0 if self._split else timing.prefill_chunk_tokens
         self._inflight_done_s = 0.0
         self.stats = EngineStats()
         self._observer = observer
@@ -496,16 +498,22 @@ class SimEngine:
         if not self._waiting:  # (the usual case: asked at every step boundary)
             return []
         picked: list[SeqRecord] = []
-        budget = self._max_prefill_tokens
+        chunking = self._chunk_tokens > 0
+        budget = min(self._max_prefill_tokens, self._chunk_tokens or self._max_prefill_tokens)
         inflight = {id(r) for r in self._prefilling}
         for q in self._waiting.values():
             # NOTE: a sequence joins the first iteration that starts after its admission.
             if q.ready_at_s <= clock_s and id(q) not in inflight:
-                tokens = q.spec.prompt_tokens + q.gen0
-                if picked and tokens > budget:
+                tokens = q.spec.prompt_tokens + q.gen0 - q.prefilled
+                if chunking:
+                    if budget <= 0:
+                        break
+                    tokens = min(tokens, budget)  # the rest in the next iterations
+                elif picked and tokens > budget:
                     break
                 if not self._hold_admission(q):
                     break  # the head of the line waits for its pages, as vLLM's FCFS does
+                q.chunk = tokens
                 picked.append(q)
                 budget -= tokens
         return picked
@@ -569,7 +577,7 @@ class SimEngine:
         sid = q.spec.seq_id
         self._batch.stop(q, SeqState.WAITING)
         self._free_kv(q.kv0)
-        q.kv0 = 0
+        q.kv0 = q.prefilled = 0
         self._pager.release(sid)
         self._waiting = {sid: q, **self._waiting}
         acc.preempted.append(sid)
@@ -579,8 +587,7 @@ class SimEngine:
         self, picked: list[SeqRecord], clock: float, now_s: float, acc: StepAcc
     ) -> float | None:
         """One iteration with prefills (exact); None if it ends after ``now_s``."""
-        t = self._clock_timing
-        duration = sum(t.prefill_s(q.spec.prompt_tokens + q.gen0) for q in picked)
+        duration = sum(self._chunk_s(q) for q in picked)
         if self._batch:
             self._grow_batch(1, acc)
         n = len(self._batch)
@@ -594,8 +601,17 @@ class SimEngine:
         else:
             self._count_busy(duration, 1, acc)
         for q in picked:
-            self._complete_prefill(q, end, acc)
+            if q.prefilled + q.chunk < q.spec.prompt_tokens + q.gen0:
+                self._prefill_chunk(q, acc)  # (no OOM wait: it fails, as a whole prompt would)
+            else:
+                self._complete_prefill(q, end, acc)
         return end
+
+    def _chunk_s(self, q: SeqRecord) -> float:
+        """The true time of ``q``'s chunk: its share of the whole prompt's prefill."""
+        total = q.spec.prompt_tokens + q.gen0
+        whole = self._clock_timing.prefill_s(total)
+        return whole if q.chunk >= total else whole * q.chunk / total
 
     def _decode_run(self, clock: float, now_s: float, acc: StepAcc, partial: bool) -> float | None:
         """Advance decode-only iterations up to the next finish, admission or ``now_s``.
@@ -660,18 +676,28 @@ class SimEngine:
             acc.finished.append(Finished(q.spec.seq_id, end_s, batch.generated(q)))
             self._drop([q.spec.seq_id])
 
+    def _prefill_chunk(self, q: SeqRecord, acc: StepAcc) -> bool:
+        """Account ``q``'s chunk: its KV, tokens and FLOPs; False (it failed) when its KV does
+        not fit."""
+        done, n = q.prefilled, q.chunk
+        if not self._alloc_kv(n):
+            acc.failed.append(Failed(q.spec.seq_id, EngineFault.OUT_OF_MEMORY, q.gen0))
+            self._drop([q.spec.seq_id])
+            return False
+        q.kv0 += n
+        q.prefilled = done + n
+        acc.prefill_tokens += n
+        self.stats.prefill_tokens += n
+        attention = self._attention_flops * ((done + n) ** 2 - done**2)
+        self.stats.model_flops += n * self._flops_per_token + attention
+        return True
+
     def _complete_prefill(self, q: SeqRecord, end_s: float, acc: StepAcc) -> None:
         sid = q.spec.seq_id
-        del self._waiting[sid]
-        tokens = q.spec.prompt_tokens + q.gen0
-        if not self._alloc_kv(tokens):
-            acc.failed.append(Failed(sid, EngineFault.OUT_OF_MEMORY, q.gen0))
-            del self._records[sid]
+        if not self._prefill_chunk(q, acc):
             return
-        q.kv0 = tokens
-        acc.prefill_tokens += tokens
-        self.stats.prefill_tokens += tokens
-        self.stats.model_flops += tokens * self._flops_per_token + self._attention_flops * tokens**2
+        del self._waiting[sid]
+        q.prefilled = 0
         if q.stage_after_prefill:
             q.state = SeqState.STAGED
             return

@@ -16,6 +16,7 @@ from gearbox.cost import (
     estimate_replica,
     min_tp_for_memory,
     pipeline_decode_cycle_s,
+    prefill_chunk_tokens,
     prefill_latency_s,
     prefill_scv,
     replica_capacity,
@@ -129,6 +130,40 @@ def test_disaggregated_decode_has_no_prefill_stall() -> None:
     tbt_unified = estimate_replica(unified, MODEL_70B_GQA, 4000, 100, rate, DEFAULT_CONFIG)
     tbt_split = estimate_replica(split, MODEL_70B_GQA, 4000, 100, rate, DEFAULT_CONFIG)
     assert tbt_split.tbt_p95_ms < tbt_unified.tbt_p95_ms
+
+
+CHUNKED = dataclasses.replace(DEFAULT_CONFIG, prefill_chunk_tbt_share=0.5)
+
+
+@pytest.mark.unit
+def test_a_prefill_chunk_fits_its_share_of_the_tbt_slo() -> None:
+    shape = _unified(_stage(8, 80))
+    chunk = prefill_chunk_tokens(shape, MODEL_70B_GQA, CHUNKED)
+    budget_s = CHUNKED.prefill_chunk_tbt_share * CHUNKED.tbt_slo_ms / 1e3
+    assert chunk % 64 == 0 and chunk >= cost.MIN_PREFILL_CHUNK_TOKENS
+    assert prefill_latency_s(shape, MODEL_70B_GQA, chunk, CHUNKED)[0] <= budget_s
+    assert prefill_latency_s(shape, MODEL_70B_GQA, chunk + 64, CHUNKED)[0] > budget_s
+    # a looser TBT SLO gives longer chunks; a split replica and a share of 0 prefill whole
+    loose = dataclasses.replace(CHUNKED, tbt_slo_ms=600.0)
+    assert prefill_chunk_tokens(shape, MODEL_70B_GQA, loose) > chunk
+    assert prefill_chunk_tokens(shape, MODEL_70B_GQA, DEFAULT_CONFIG) == 0  # off by default
+    split = ReplicaShape((_stage(8, 80),), (_stage(4, 80, A100, RDMA),), None, RDMA)
+    assert prefill_chunk_tokens(split, MODEL_70B_GQA, CHUNKED) == 0
+    # a replica too slow for the budget still prefills the floor's worth per iteration
+    slow = _unified(_stage(4, 80, A100, RDMA))
+    assert prefill_chunk_tokens(slow, MODEL_70B_GQA, CHUNKED) == cost.MIN_PREFILL_CHUNK_TOKENS
+
+
+@pytest.mark.unit
+def test_chunked_prefill_trades_a_long_prompts_ttft_for_the_batchs_tbt() -> None:
+    shape = _unified(_stage(4, 80, A100, RDMA))
+    cap = replica_capacity(shape, MODEL_70B_GQA, 6000, 300, DEFAULT_CONFIG)
+    rate = 0.5 * cap.capacity_rps
+    chunked = estimate_replica(shape, MODEL_70B_GQA, 6000, 300, rate, CHUNKED)
+    whole = estimate_replica(shape, MODEL_70B_GQA, 6000, 300, rate, DEFAULT_CONFIG)
+    assert chunked.capacity_rps == whole.capacity_rps  # the chunks add up to the whole prefill
+    assert chunked.tbt_p95_ms < whole.tbt_p95_ms
+    assert chunked.ttft_p95_ms > whole.ttft_p95_ms  # later chunks ride decode iterations
 
 
 @pytest.mark.unit

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from gearbox.config import DEFAULT_CONFIG
+from gearbox.config import DEFAULT_CONFIG, GearboxConfig
 from gearbox.presets import MODEL_7B_MHA
 from runtime.engine.base import EngineFault, SeqSpec, SeqState
 from runtime.engine.sim import SimEngine
@@ -15,12 +17,16 @@ from tests.runtime.builders import make_replica
 pytestmark = pytest.mark.unit
 
 
+CHUNKED = dataclasses.replace(DEFAULT_CONFIG, prefill_chunk_tbt_share=0.5)
+
+
 def _engine(
-    gpus: tuple[str, ...] = ("G0",), pool: SimGpuPool | None = None, gpu_class: str = "h100-sxm"
+    gpus: tuple[str, ...] = ("G0",),
+    pool: SimGpuPool | None = None,
+    gpu_class: str = "h100-sxm",
+    config: GearboxConfig = DEFAULT_CONFIG,
 ) -> tuple[SimEngine, SimGpuPool, ReplicaTiming]:
-    timing = ReplicaTiming.build(
-        make_replica(gpus, gpu_class=gpu_class), MODEL_7B_MHA, DEFAULT_CONFIG
-    )
+    timing = ReplicaTiming.build(make_replica(gpus, gpu_class=gpu_class), MODEL_7B_MHA, config)
     pool = pool or SimGpuPool()
     engine = SimEngine(timing, pool)
     for i in range(len(timing.plan.stages)):
@@ -50,6 +56,30 @@ def test_iterations_are_timed_by_gearbox_cost_model() -> None:
     assert out.finished[0].t_s == pytest.approx(t0 + timing.prefill_s(1000) + 2 * step, rel=1e-3)
     assert out.finished[0].output_tokens == 3
     assert engine.is_drained() and engine.kv_bytes() == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_the_running_batch() -> None:
+    """Chunked prefill: a prompt longer than the replica's chunk spans several iterations, each
+    also decoding the running batch, so no decode step waits on the whole prompt."""
+    engine, _, timing = _engine(gpu_class="a100-80g", config=CHUNKED)
+    chunk = timing.prefill_chunk_tokens
+    assert 0 < chunk < 4000
+    t0 = 100.0
+    engine.admit(SeqSpec("chat", 100, 200), t0)
+    first = engine.step(t0 + 1.0)  # the chat sequence is decoding
+    assert [f.seq_id for f in first.first_tokens] == ["chat"]
+    engine.admit(SeqSpec("long", 4000, 2), t0 + 1.0)
+    out = engine.step(t0 + 10.0)
+    steps = -(-4000 // chunk)
+    chunk_s = timing.prefill_s(4000) * chunk / 4000
+    # every iteration carrying a chunk also decodes: none is longer than a chunk plus a step
+    longest = max(out.decode_step_s)
+    assert longest <= chunk_s + timing.decode_cycle_s(1, 400) + 1e-9
+    assert longest < timing.prefill_s(4000)
+    # the long prompt's first token comes after all its chunks, each with a decode step
+    ttft = next(f.t_s for f in out.first_tokens if f.seq_id == "long") - (t0 + 1.0)
+    assert ttft >= timing.prefill_s(4000) + (steps - 1) * timing.decode_cycle_s(1, 100)
+    assert out.prefill_tokens == 4000
 
 
 def test_a_sequence_never_starts_before_it_was_admitted() -> None:

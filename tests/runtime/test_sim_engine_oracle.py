@@ -8,6 +8,7 @@ sequences paused for a hand-over and resumed, and dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections import Counter
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gearbox import DEFAULT_CONFIG, ModelSpec
+from gearbox import DEFAULT_CONFIG, GearboxConfig, ModelSpec
 from gearbox.plans import ExecutionPlan, StageRole
 from gearbox.presets import LINK_CLASSES, MODEL_7B_MHA, MODEL_70B_GQA
 from runtime.engine.base import Engine, SeqSpec
@@ -39,9 +40,14 @@ class Outcome:
     tbt: Counter[float] = field(default_factory=Counter)  # decode iterations by duration
 
 
-def make_timing(model: ModelSpec, gpus: int, gpu_class: str) -> ReplicaTiming:
+CHUNKED = dataclasses.replace(DEFAULT_CONFIG, prefill_chunk_tbt_share=0.5)
+
+
+def make_timing(
+    model: ModelSpec, gpus: int, gpu_class: str, config: GearboxConfig = DEFAULT_CONFIG
+) -> ReplicaTiming:
     replica = make_replica([f"g{i}" for i in range(gpus)], model=model, gpu_class=gpu_class)
-    return ReplicaTiming.build(replica, model, DEFAULT_CONFIG)
+    return ReplicaTiming.build(replica, model, config)
 
 
 def make_split_timing(model: ModelSpec) -> ReplicaTiming:
@@ -102,13 +108,20 @@ def drive(engine: Engine, requests: list[tuple[float, SeqSpec]], seed: int) -> O
 
 
 @pytest.mark.parametrize(
-    ("model", "gpus", "gpu_class", "rps"),
-    [(MODEL_7B_MHA, 1, "a100-80g", 3.0), (MODEL_70B_GQA, 4, "h100-sxm", 4.0)],
+    ("model", "gpus", "gpu_class", "rps", "config"),
+    [
+        (MODEL_7B_MHA, 1, "a100-80g", 3.0, DEFAULT_CONFIG),
+        (MODEL_70B_GQA, 4, "h100-sxm", 4.0, DEFAULT_CONFIG),
+        # chunked prefill: most prompts here are longer than the chunk (~800 / ~1,000 tokens)
+        (MODEL_7B_MHA, 1, "a100-80g", 3.0, CHUNKED),
+        (MODEL_70B_GQA, 4, "h100-sxm", 4.0, CHUNKED),
+    ],
 )
 def test_event_engine_matches_sim_engine(
-    model: ModelSpec, gpus: int, gpu_class: str, rps: float
+    model: ModelSpec, gpus: int, gpu_class: str, rps: float, config: GearboxConfig
 ) -> None:
-    timing = make_timing(model, gpus, gpu_class)
+    timing = make_timing(model, gpus, gpu_class, config)
+    assert (timing.prefill_chunk_tokens > 0) is (config is CHUNKED)
     requests = make_requests(seed=11, rps=rps, count=400)
     reference = drive(TokenSimEngine(timing, SimGpuPool()), requests, seed=5)
     fast = drive(SimEngine(timing, SimGpuPool()), requests, seed=5)

@@ -51,6 +51,8 @@ class _Seq:
     kv_tokens: int = 0  # tokens whose KV is allocated
     stage_after_prefill: bool = False  # a replay: hold after prefill until activated
     ready_at_s: float = 0.0  # KV import completion; for waiting sequences, their admission
+    prefilled: int = 0  # prompt tokens prefilled by earlier chunks
+    chunk: int = 0  # prompt tokens the iteration being planned prefills
 
 
 class TokenSimEngine:
@@ -80,6 +82,7 @@ class TokenSimEngine:
         self._kv_per_token = timing.kv_bytes_per_token_per_gpu
         self._kv_total_per_token = timing.model.kv_bytes_per_token
         self._split = timing.plan.is_disaggregated  # prefill and decode stages run concurrently
+        self._chunk_tokens = 0 if self._split else timing.prefill_chunk_tokens
         self._inflight: list[str] = []  # the split prefill stage's current batch
         self._inflight_done_s = 0.0
 
@@ -337,23 +340,32 @@ class TokenSimEngine:
 
     def _pick_prefill(self, clock_s: float) -> list[str]:
         picked: list[str] = []
-        budget = self._max_prefill_tokens
+        chunking = self._chunk_tokens > 0
+        budget = min(self._max_prefill_tokens, self._chunk_tokens or self._max_prefill_tokens)
         for sid, q in self._seqs.items():
             # NOTE: a sequence joins the first iteration that starts after its admission.
             due = q.state is SeqState.WAITING and q.ready_at_s <= clock_s
             if due and sid not in self._inflight:
-                tokens = q.spec.prompt_tokens + q.generated
-                if picked and tokens > budget:
+                tokens = q.spec.prompt_tokens + q.generated - q.prefilled
+                if chunking:
+                    if budget <= 0:
+                        break
+                    tokens = min(tokens, budget)
+                elif picked and tokens > budget:
                     break
+                q.chunk = tokens
                 picked.append(sid)
                 budget -= tokens
         return picked
 
+    def _chunk_s(self, q: _Seq) -> float:
+        total = q.spec.prompt_tokens + q.generated
+        whole = self.timing.prefill_s(total)
+        return whole if q.chunk >= total else whole * q.chunk / total
+
     def _iteration_s(self, prefill: list[str], decode: list[str]) -> float:
         t = self.timing
-        prefill_s = sum(
-            t.prefill_s(self._seqs[s].spec.prompt_tokens + self._seqs[s].generated) for s in prefill
-        )
+        prefill_s = sum(self._chunk_s(self._seqs[s]) for s in prefill)
         if not decode:
             return prefill_s
         mean_context = sum(self._seqs[s].kv_tokens for s in decode) / len(decode)
@@ -382,13 +394,17 @@ class TokenSimEngine:
 
     def _finish_prefill(self, sid: str, end_s: float, acc: _Acc) -> None:
         q = self._seqs[sid]
-        tokens = q.spec.prompt_tokens + q.generated
+        tokens = q.chunk or q.spec.prompt_tokens + q.generated
         if not self._alloc_kv(tokens):
             acc.failed.append(Failed(sid, EngineFault.OUT_OF_MEMORY, q.generated))
-            del self._seqs[sid]
+            self.drop([sid])
             return
-        q.kv_tokens = tokens
+        q.kv_tokens += tokens
+        q.prefilled += tokens
         acc.prefill_tokens += tokens
+        if q.prefilled < q.spec.prompt_tokens + q.generated:
+            return  # more chunks to come
+        q.prefilled = 0
         if q.stage_after_prefill:
             q.state = SeqState.STAGED
             return
