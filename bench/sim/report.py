@@ -133,6 +133,7 @@ def headline(
     by_dep = [d["goodput_of_offered"] for d in flex["deployments"].values()]
     ratios = post_preemption_ratios(flex, big)
     oracle = systems.get("oracle", {})
+    oracle_ratios = post_preemption_ratios(oracle, big) if oracle else []
     return {
         "perturbation_spread": spread,
         "goodput_vs_oracle": _ratio(flex["goodput_tokens"], oracle.get("goodput_tokens"), 4),
@@ -144,6 +145,9 @@ def headline(
             (v for v in by_dep if v is not None), default=None
         ),
         "post_preemption_ttft_p95_ratio": rnd(statistics.median(ratios), 3) if ratios else None,
+        "oracle_post_preemption_ttft_p95_ratio": (
+            rnd(statistics.median(oracle_ratios), 3) if oracle_ratios else None
+        ),
         "shift_s_70b_p95": rnd(p95_of(_shift_totals(flex, big)), 2),
         "shift_s_7b_p95": rnd(p95_of(_shift_totals(flex, small)), 2),
         "estimator_error_p95": flex["estimator_error"]["p95"],
@@ -196,6 +200,9 @@ def aggregate(
         return [h.get(key) for h in heads]
 
     ratios = [r for _, sy in runs for r in post_preemption_ratios(sy["flexpipe"], big)]
+    oracle_ratios = [
+        r for _, sy in runs if "oracle" in sy for r in post_preemption_ratios(sy["oracle"], big)
+    ]
     shifts_big = [v for _, sy in runs for v in _shift_totals(sy["flexpipe"], big)]
     shifts_small = [v for _, sy in runs for v in _shift_totals(sy["flexpipe"], small)]
     out: dict[str, Any] = {
@@ -210,6 +217,7 @@ def aggregate(
             col("goodput_of_offered_by_deployment_min")
         ),
         "post_preemption_ttft_p95_ratio": _median(ratios),
+        "oracle_post_preemption_ttft_p95_ratio": _median(oracle_ratios),
         "shift_s_70b_p95": rnd(p95_of(shifts_big), 2),
         "shift_s_7b_p95": rnd(p95_of(shifts_small), 2),
         "flaps_flexpipe": _median(col("flaps_flexpipe")),
@@ -249,6 +257,11 @@ def targets(head: Mapping[str, Any]) -> list[dict[str, Any]]:
     if oracle_share is not None and oracle_share < 0.93:
         # The issue's exception: the bound is out of reach in this world; said, not moved.
         share["note"] = f"the oracle's own share is {oracle_share}, below the bound"
+    after = check("post_preemption_ttft_p95_ratio", "<=", 2.0)
+    oracle_after = head.get("oracle_post_preemption_ttft_p95_ratio")
+    if oracle_after is not None and oracle_after > 2.0:
+        # not an exception the issue grants: the target stays missed, with what the world allows
+        after["note"] = f"the oracle's own ratio is {oracle_after}, above the bound"
     return [
         check("goodput_vs_oracle", ">=", 0.90),
         check("goodput_vs_oracle_min", ">=", 0.85),
@@ -256,7 +269,7 @@ def targets(head: Mapping[str, Any]) -> list[dict[str, Any]]:
         check("goodput_of_offered_by_deployment_min", ">=", 0.90),
         check("goodput_ratio_vs_fixed", ">=", 1.0),
         check("goodput_ratio_vs_fixed_min", ">=", 1.0),
-        check("post_preemption_ttft_p95_ratio", "<=", 2.0),
+        after,
         check("estimator_error_p95", "<=", 0.5),
         check("flaps_flexpipe", "<=", 1),
         {
