@@ -75,7 +75,10 @@ Relative accuracy is the goal — decisions compare plans on the same formulas. 
   ``prefill_chunk_tokens`` per iteration, so the stall is one chunk's prefill, not a whole long
   prompt's; a prompt of n chunks spans n iterations, so its TTFT adds n − 1 decode steps. The
   chunks of a prompt add up to its whole prefill (the engine times a chunk as its share of it),
-  so capacity is unchanged.
+  so capacity is taken as unchanged. It is not when chunks are short against the decode step:
+  a replica then needs more iterations for its prompts than for its outputs, and each pays a
+  whole decode step (the engines here do not fuse the two) — why it is off by default
+  (``prefill_chunk_tbt_share``, gearbox.config).
 * Utilisation is capped at 0.99, so saturated estimates stay finite (and ``max_latency_ms``
   caps them).
 """

@@ -3,7 +3,10 @@ a simulated world's ground truth (``step_timing``, e.g. :mod:`sim.truth`).
 
 It serves requests without a GPU. An iteration prefills the waiting prompts that fit a token
 budget and advances every running sequence by one token, taking the time
-:class:`runtime.timing.ReplicaTiming` computes for that batch on the replica's hardware. A
+:class:`runtime.timing.ReplicaTiming` computes for that batch on the replica's hardware. With
+chunked prefill (``prefill_chunk_tbt_share``, off by default) a unified replica's budget is its
+chunk and the last prompt may be split, its rest prefilled in the next iterations, each chunk
+timed as its share of the whole prompt's prefill (its KV allocated as it is prefilled). A
 prefill/decode-split replica runs its two stages on different GPUs, concurrently: its prefill
 stage takes a batch of waiting prompts whenever it is idle (at a decode-step boundary), and each
 prompt joins the decode batch at the first step boundary after its prefill (KV hand-off
