@@ -413,10 +413,7 @@ def prefill_chunk_tokens(shape: ReplicaShape, model: ModelSpec, config: GearboxC
     budget_s = config.prefill_chunk_tbt_share * config.tbt_slo_ms / 1e3
 
     def fits(units: int) -> bool:
-        latency, _ = pipeline_prefill_s(
-            shape.prefill, shape.pp_link, model, units * _CHUNK_UNIT, config
-        )
-        return latency <= budget_s
+        return prefill_latency_s(shape, model, units * _CHUNK_UNIT, config)[0] <= budget_s
 
     lo, hi = 0, _MAX_CHUNK_UNITS  # fits(lo) or lo == 0; the answer is in [lo, hi]
     while lo < hi:
@@ -605,7 +602,7 @@ def _estimate_replica(
     if shape.handoff_link is None:
         stall = cap.prefill_occupancy_s
         if chunk and prompt_tokens > chunk:
-            stall, _ = pipeline_prefill_s(shape.prefill, shape.pp_link, model, chunk, config)
+            stall, _ = prefill_latency_s(shape, model, chunk, config)
         stall *= min(1.0, lam * cycle / _P95_TAIL)
     iteration_s = _iteration_wait_p95_s(lam * output_tokens * cycle, cycle, shape)
     return ReplicaEstimate(

@@ -100,8 +100,13 @@ def window_ttft_p95(
     """TTFT p95 of the requests whose first token came out in ``[start_s, end_s)`` and of
     those refused for want of room then (beyond every sample), and whether it is only a lower
     bound (:func:`bench.sim.metrics.censored_quantile_ms`)."""
-    h = metrics.window(metrics.ttft, start_s, end_s)
-    return censored_quantile_ms(h, 0.95, metrics.refused_in(start_s, end_s))
+    samples, refused = _ttft_window(metrics, start_s, end_s)
+    return censored_quantile_ms(samples, 0.95, refused)
+
+
+def _ttft_window(metrics: DeploymentMetrics, start_s: float, end_s: float) -> tuple[Histogram, int]:
+    """The window's TTFT samples, merged, and its capacity refusals."""
+    return metrics.window(metrics.ttft, start_s, end_s), metrics.refused_in(start_s, end_s)
 
 
 def _around(metrics: DeploymentMetrics, event_s: float) -> dict[str, Any]:
@@ -236,9 +241,9 @@ def estimator_ticks(result: RunResult) -> list[float | None]:
             continue
         metrics = result.metrics[d.deployment]
         end_s = d.t_s + ESTIMATE_WINDOW_S
-        h = metrics.window(metrics.ttft, d.t_s, end_s)  # (window_ttft_p95's, merged once)
-        observed, censored = censored_quantile_ms(h, 0.95, metrics.refused_in(d.t_s, end_s))
-        if observed is None or weight(h) < MIN_SAMPLES:
+        samples, refused = _ttft_window(metrics, d.t_s, end_s)  # (merged once: weighed below)
+        observed, censored = censored_quantile_ms(samples, 0.95, refused)
+        if observed is None or weight(samples) < MIN_SAMPLES:
             continue
         if censored and d.est_ttft_p95_ms >= observed:
             out.append(None)

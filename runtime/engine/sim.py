@@ -116,6 +116,7 @@ class SimEngine:
         self._split = timing.plan.is_disaggregated  # prefill and decode stages run concurrently
         # NOTE: a split replica's decode never waits on a prefill: its prompts go whole.
         self._chunk_tokens = 0 if self._split else timing.prefill_chunk_tokens
+        self._prefill_budget = min(max_prefill_tokens, self._chunk_tokens or max_prefill_tokens)
         self._inflight_done_s = 0.0
         self.stats = EngineStats()
         self._observer = observer
@@ -501,8 +502,7 @@ class SimEngine:
         if not self._waiting:  # (the usual case: asked at every step boundary)
             return []
         picked: list[SeqRecord] = []
-        chunking = self._chunk_tokens > 0
-        budget = min(self._max_prefill_tokens, self._chunk_tokens or self._max_prefill_tokens)
+        chunking, budget = self._chunk_tokens > 0, self._prefill_budget
         inflight = {id(r) for r in self._prefilling}
         for q in self._waiting.values():
             # NOTE: a sequence joins the first iteration that starts after its admission.

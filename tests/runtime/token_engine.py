@@ -83,6 +83,7 @@ class TokenSimEngine:
         self._kv_total_per_token = timing.model.kv_bytes_per_token
         self._split = timing.plan.is_disaggregated  # prefill and decode stages run concurrently
         self._chunk_tokens = 0 if self._split else timing.prefill_chunk_tokens
+        self._prefill_budget = min(max_prefill_tokens, self._chunk_tokens or max_prefill_tokens)
         self._inflight: list[str] = []  # the split prefill stage's current batch
         self._inflight_done_s = 0.0
 
@@ -340,8 +341,7 @@ class TokenSimEngine:
 
     def _pick_prefill(self, clock_s: float) -> list[str]:
         picked: list[str] = []
-        chunking = self._chunk_tokens > 0
-        budget = min(self._max_prefill_tokens, self._chunk_tokens or self._max_prefill_tokens)
+        chunking, budget = self._chunk_tokens > 0, self._prefill_budget
         for sid, q in self._seqs.items():
             # NOTE: a sequence joins the first iteration that starts after its admission.
             due = q.state is SeqState.WAITING and q.ready_at_s <= clock_s
