@@ -7,6 +7,10 @@ demand × ``capacity_headroom`` (at least one replica, each block used by one op
 * ``efficiency`` — most requests per second per GPU first (frees GPUs);
 * ``stability`` — blocks least likely to shrink first, then efficiency;
 * ``capacity`` — largest total option first (fewest blocks);
+* ``frugal`` — copies of one option covering demand on the fewest GPUs, at the three smallest
+  GPU counts (most requests per GPU among equals): at low load a small replica, where
+  ``efficiency``, ranking by capacity per GPU at a full batch, can take a bigger one it does
+  not need — and the next sizes, as the smallest may cover demand but miss the SLOs;
 * ``incremental`` — keep the current deployment's still-feasible replicas, trimming the weakest
   when over-provisioned or topping up by efficiency when short (the cheapest switch).
 
@@ -104,6 +108,30 @@ def _fill(
     return tuple(taken)
 
 
+def _frugal(options: Sequence[ReplicaOption], demand_rps: float) -> list[tuple[Unit, ...]]:
+    """Copies of one option covering demand, on the fewest GPUs: the ``_FRUGAL_SIZES``
+    smallest GPU counts any option reaches, each by its most requests per GPU.
+
+    Capacity alone does not say which of them keeps the SLOs (the ranking's estimate does), so
+    a few sizes are offered, not only the smallest."""
+    best: dict[int, tuple[float, str, ReplicaOption, int]] = {}
+    for option in options:
+        covered, count = 0.0, 0
+        for copy in option.copies:
+            count += 1
+            covered += copy.capacity.capacity_rps
+            if covered >= demand_rps:
+                break
+        if covered < demand_rps:
+            continue
+        gpus = count * option.gpus_per_copy
+        key = (-covered / gpus, option.label, option, count)
+        if gpus not in best or key[:2] < best[gpus][:2]:
+            best[gpus] = key
+    sizes = sorted(best)[:_FRUGAL_SIZES]
+    return [option_units(best[g][2])[: best[g][3]] for g in sizes]
+
+
 def _trim(kept: Sequence[Unit], demand_rps: float) -> tuple[Unit, ...]:
     units = sorted(kept, key=lambda u: (u.capacity.capacity_rps, u.key))
     total = sum(u.capacity.capacity_rps for u in units)
@@ -113,6 +141,7 @@ def _trim(kept: Sequence[Unit], demand_rps: float) -> tuple[Unit, ...]:
 
 
 _STRATEGIES = ("latency", "efficiency", "stability", "capacity")
+_FRUGAL_SIZES = 3  # smallest deployments offered by ``frugal``
 _FIXED_KEYS_MAX = 16_384  # NOTE: a few decisions' worth of options for many models
 
 # Each option's sort keys that do not depend on the decision's stability factors, by the
@@ -214,6 +243,7 @@ def assemble(
     """
     orders = _orders(options, stability, output_tokens)
     by_strategy = [Assembly(name, _fill(order, demand_rps)) for name, order in orders.items()]
+    by_strategy += [Assembly("frugal", units) for units in _frugal(options, demand_rps)]
     if kept:
         capacity = sum(u.capacity.capacity_rps for u in kept)
         if capacity >= demand_rps:

@@ -99,7 +99,10 @@ class GearboxConfig(Serialisable):
     min_pp_link_gbps: float = 5.0  # inter-block link needed for pipeline parallelism
     min_pd_link_gbps: float = 10.0  # inter-block link needed for a prefill/decode KV hand-off
     max_pd_prefill_blocks: int = 2  # strongest blocks tried as prefill pools
-    memory_utilisation: float = 0.9  # share of GPU memory a plan may use (vLLM default 0.9)
+    # share of GPU memory a plan may use: the runtime's admission watermark (runtime.throttle),
+    # past which KV is refused 429, not vLLM's 0.9 — at 0.9 a plan counted on 4.3 GB a GPU of KV
+    # the runtime refuses, most of a 70B's on two 80 GB GPUs (fragmented-short seed 8, stop 42)
+    memory_utilisation: float = 0.85
     runtime_overhead_bytes: int = 2 * _GIB  # CUDA context, activations, NCCL buffers per GPU
     min_kv_reserve_tokens: int = 4096  # KV a replica must hold at least (sets minimum TP)
     max_batch_sequences: int = 256  # decode batch cap (vLLM max_num_seqs default 256)
@@ -123,14 +126,9 @@ class GearboxConfig(Serialisable):
     # Chunked prefill (Sarathi-Serve, Agrawal et al. 2024): a unified replica's iteration
     # prefills at most the prompt tokens that take this share of the TBT SLO (at least
     # gearbox.cost.MIN_PREFILL_CHUNK_TOKENS), a long prompt over several iterations, so the
-    # decode steps riding with them stay near the SLO; 0 = whole prompts, the behaviour before.
-    # NOTE: off by default. The simulated engine times an iteration as its prefill plus a whole
-    # decode step (no fusing of the two into one forward pass), so a short chunk pays a full
-    # step: at 0.5, bench.fragmented's 8-hour seed 11 had the 70B on a 12-GPU A100/L40S plan
-    # whose chunk was the 256-token floor; its TBT misses fell 9,774 -> 3,353 but its prefill
-    # starved (TTFT-deadline refusals 4,457 -> 9,919) and its goodput of offered fell
-    # 0.879 -> 0.869. The engines here do not split a prompt unless this is set.
-    prefill_chunk_tbt_share: float = 0.0
+    # decode steps riding with them stay near the SLO; 0 = whole prompts. Half the SLO leaves
+    # the other half to the decode step the chunk rides with (gearbox.cost: fused iterations).
+    prefill_chunk_tbt_share: float = 0.5
     slo_weight: float = 0.5  # share of served tokens lost at zero SLO attainment
     backlog_drain_s: float = 60.0  # queued requests count as demand spread over this time
     # NOTE: replica capacities are memoised per (prompt, output) profile; a window mean that

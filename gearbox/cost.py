@@ -64,21 +64,28 @@ Relative accuracy is the goal — decisions compare plans on the same formulas. 
   end of the decode iteration in progress; on a unified replica the iteration that carries the
   prefill also decodes the running batch, and its first token comes out at that iteration's end.
   TTFT p95 adds the iteration in progress at its p95 (uniform residual, busy with the
-  probability a Poisson batch of the Little's-law mean is non-empty) and, unified, one decode
-  step. Without them the 7B on two hoppers in mixed-failures (seed 7) was estimated 12 ms
-  against 40–55 ms observed, and the learned correction, carried from the plan before, took
-  ~25 min to close the gap.
+  probability a Poisson batch of the Little's-law mean is non-empty). Without it the 7B on two
+  hoppers in mixed-failures (seed 7) was estimated 12 ms against 40–55 ms observed, and the
+  learned correction, carried from the plan before, took ~25 min to close the gap.
+* Fused iterations (vLLM's mixed batches; Sarathi-Serve's "decode-maximal batching", Agrawal
+  et al. 2024): the prompt tokens and the running batch's decode tokens go through one forward
+  pass, so the weights are read once for both. The prompts' side is compute (their prefill plus
+  the decode tokens' FLOPs, costed as a prefill of that many tokens); the decode step's is
+  mostly the weight and KV read; the iteration takes the longer of the two plus
+  (1 − ``roofline_overlap``) of the shorter (``fused_iteration_s``). Unified capacity follows:
+  per request, the longer of its prefill plus its iterations' decode compute and its
+  iterations' decode steps, its iterations the more of output ÷ batch and prompt ÷ chunk — a
+  chunk short against the prompts needs an iteration per chunk, each paying a decode step (the
+  70B on a 12-GPU A100/L40S pipeline, chunk at the 256-token floor). The torch engine packs
+  its prompts and decodes into one launch too (runtime.engine.torch).
 * TBT p95 = the decode step at the Little's-law batch, plus one prefill stall when at least 5 %
   of steps carry a new prompt (continuous batching stalls decode on prefill — Sarathi-Serve;
-  disaggregated decode does not — Zhong et al. 2024, DistServe).
-* Chunked prefill (Sarathi-Serve, Agrawal et al. 2024): a unified replica prefills at most
-  ``prefill_chunk_tokens`` per iteration, so the stall is one chunk's prefill, not a whole long
-  prompt's; a prompt of n chunks spans n iterations, so its TTFT adds n − 1 decode steps. The
-  chunks of a prompt add up to its whole prefill (the engine times a chunk as its share of it),
-  so capacity is taken as unchanged. It is not when chunks are short against the decode step:
-  a replica then needs more iterations for its prompts than for its outputs, and each pays a
-  whole decode step (the engines here do not fuse the two) — why it is off by default
-  (``prefill_chunk_tbt_share``, gearbox.config).
+  disaggregated decode does not — Zhong et al. 2024, DistServe): the fused iteration's excess
+  over the decode step.
+* Chunked prefill (Sarathi-Serve): a unified replica prefills at most ``prefill_chunk_tokens``
+  per iteration, so the stall is one chunk's, not a whole long prompt's; a prompt of n chunks
+  spans n fused iterations, its TTFT the longer of its prefill plus n decode computes and n
+  decode steps (its prefill alone while nothing decodes).
 * Utilisation is capped at 0.99, so saturated estimates stay finite (and ``max_latency_ms``
   caps them).
 """
@@ -103,6 +110,7 @@ __all__ = [
     "allreduce_s",
     "clear_caches",
     "estimate_replica",
+    "fused_iteration_s",
     "layer_time_s",
     "max_layers_fitting",
     "memory_bucket",
@@ -422,6 +430,14 @@ def prefill_chunk_tokens(shape: ReplicaShape, model: ModelSpec, config: GearboxC
     return max(MIN_PREFILL_CHUNK_TOKENS, lo * _CHUNK_UNIT)
 
 
+def fused_iteration_s(prefill_s: float, decode_s: float, config: GearboxConfig) -> float:
+    """An iteration that prefills and decodes in one forward pass (module notes): ``prefill_s``
+    the prompt tokens' time plus the decode tokens' compute, ``decode_s`` the decode step alone
+    (mostly reading weights and KV); the two overlap as compute and memory time do."""
+    longer, shorter = max(prefill_s, decode_s), min(prefill_s, decode_s)
+    return longer + (1.0 - config.roofline_overlap) * shorter
+
+
 def chunked_prefill_steps(prompt_tokens: int, chunk_tokens: int) -> int:
     """Iterations a prompt's prefill spans (1 with whole prompts, ``chunk_tokens`` 0)."""
     if chunk_tokens <= 0:
@@ -452,7 +468,18 @@ def replica_capacity(
     cycle = pipeline_decode_cycle_s(decode_stages, shape.pp_link, model, max_batch, context, config)
     decode_s_per_request = output_tokens * cycle / max_batch
     if shape.handoff_link is None:
-        capacity = 1.0 / (occupancy + decode_s_per_request)
+        # NOTE: prefills ride the decode iterations (fused, module notes); an iteration carries
+        # at most one chunk of prompt tokens, so short chunks need more iterations than outputs.
+        chunk = prefill_chunk_tokens(shape, model, config)
+        iterations = output_tokens / max_batch
+        if chunk:
+            iterations = max(iterations, prompt_tokens / chunk)
+        _, decode_compute_s = pipeline_prefill_s(
+            shape.prefill, shape.pp_link, model, max_batch, config
+        )
+        capacity = 1.0 / fused_iteration_s(
+            occupancy + iterations * decode_compute_s, iterations * cycle, config
+        )
     else:
         handoff = _handoff_s(shape.handoff_link, model, prompt_tokens, config)
         latency += handoff
@@ -513,17 +540,18 @@ def _wait_p95_s(arrival_rps: float, service_rps: float, servers: int, scv: float
     return math.log(p_wait / _P95_TAIL) * (1 + scv) / 2 / (service_rps * (1 - rho))
 
 
-def _iteration_wait_p95_s(decoding: float, cycle_s: float, shape: ReplicaShape) -> float:
-    """What a prompt waits on the decode iterations around its prefill, at the p95 (module
-    notes): the rest of the iteration in progress when it arrives and, on a unified replica,
-    the decode step of the iteration that carries its prefill. ``decoding`` is the mean number
-    of sequences decoding (Little's law); the batch is taken as Poisson, so it is busy with
-    probability 1 − e^(−decoding)."""
-    busy = 1.0 - math.exp(-decoding)
+def _busy(decoding: float) -> float:
+    """Probability a decode batch of Poisson size, mean ``decoding``, is not empty."""
+    return 1.0 - math.exp(-decoding)
+
+
+def _iteration_wait_p95_s(decoding: float, cycle_s: float) -> float:
+    """What a prompt waits for the decode iteration in progress when it arrives, at the p95
+    (module notes). ``decoding`` is the mean number of sequences decoding (Little's law)."""
+    busy = _busy(decoding)
     if busy <= _P95_TAIL:
         return 0.0
-    rest_s = cycle_s * (1.0 - _P95_TAIL / busy)  # the residual of a step is uniform over it
-    return rest_s if shape.handoff_link is not None else rest_s + cycle_s
+    return cycle_s * (1.0 - _P95_TAIL / busy)  # the residual of a step is uniform over it
 
 
 def estimate_replica(
@@ -582,14 +610,25 @@ def _estimate_replica(
         cycle = pipeline_decode_cycle_s(stages, shape.pp_link, model, batch, context, config)
         batch = min(cap.max_batch, max(1, round(lam * output_tokens * cycle)))
     cycle = pipeline_decode_cycle_s(stages, shape.pp_link, model, batch, context, config)
-    # NOTE: a chunked prompt's later chunks each ride an iteration with a decode step.
+    decoding = lam * output_tokens * cycle  # sequences decoding, Little's law
     chunk = prefill_chunk_tokens(shape, model, config)
-    mean_chunks = chunked_prefill_steps(prompt_tokens, chunk)
-    mean_prefill_s = cap.prefill_latency_s + (mean_chunks - 1) * cycle
+    unified_busy = shape.handoff_link is None and _busy(decoding) > _P95_TAIL
+    decode_compute_s = 0.0
+    if unified_busy:
+        decode_compute_s, _ = prefill_latency_s(shape, model, batch, config)
+
+    def prefill_span_s(prompt: int, latency_s: float) -> float:
+        # NOTE: each of a prompt's chunks rides an iteration that decodes the batch (fused).
+        if not unified_busy:
+            return latency_s
+        n = chunked_prefill_steps(prompt, chunk)
+        return fused_iteration_s(latency_s + n * decode_compute_s, n * cycle, config)
+
+    mean_prefill_s = prefill_span_s(prompt_tokens, cap.prefill_latency_s)
     prefill_s, scv = mean_prefill_s, prompt_scv
     if tail_prompt_tokens is not None:
-        prefill_s, _ = prefill_latency_s(shape, model, tail_prompt_tokens, config)
-        prefill_s += (chunked_prefill_steps(tail_prompt_tokens, chunk) - 1) * cycle
+        tail_s, _ = prefill_latency_s(shape, model, tail_prompt_tokens, config)
+        prefill_s = prefill_span_s(tail_prompt_tokens, tail_s)
         scv = prefill_scv(shape, model, prompt_tokens, tail_prompt_tokens, prompt_scv, config)
     prefill_wait_s = _wait_p95_s(lam, 1.0 / cap.prefill_occupancy_s, 1, scv)
     if tail_prompt_tokens is not None:
@@ -600,11 +639,13 @@ def _estimate_replica(
     wait_s = _wait_p95_s(lam, mu, cap.max_batch) + prefill_wait_s
     stall = 0.0
     if shape.handoff_link is None:
-        stall = cap.prefill_occupancy_s
+        carried = cap.prefill_occupancy_s
         if chunk and prompt_tokens > chunk:
-            stall, _ = prefill_latency_s(shape, model, chunk, config)
+            carried, _ = prefill_latency_s(shape, model, chunk, config)
+        compute_s, _ = prefill_latency_s(shape, model, batch, config)
+        stall = fused_iteration_s(carried + compute_s, cycle, config) - cycle
         stall *= min(1.0, lam * cycle / _P95_TAIL)
-    iteration_s = _iteration_wait_p95_s(lam * output_tokens * cycle, cycle, shape)
+    iteration_s = _iteration_wait_p95_s(decoding, cycle)
     return ReplicaEstimate(
         capacity_rps=mu,
         capacity_tok_s=mu * tokens_per_request,

@@ -897,12 +897,13 @@ def _joint_choice(
         # a voluntary switch keeps the credit its gain was judged with
         return s.summary.gain_tokens - s.summary.cost_tokens
 
-    def order(s: _Scored, net: float) -> tuple[float, float, str]:
-        return (-net, s.cost.transition_s, s.summary.plan_id)
+    def order(s: _Scored, net: float) -> tuple[float, float, int, str]:
+        # NOTE: on a tie the fewer GPUs: whoever needs GPUs next finds the rest
+        return (-net, s.cost.transition_s, s.plan.num_gpus, s.summary.plan_id)
 
     # NOTE: a standby loss is >= 0, so once a plan's net before it cannot beat the best net
     # so far no later one can: the neighbours are ranked only for the sets that could win
-    best, best_key = weighed[0], (math.inf, math.inf, "")
+    best, best_key = weighed[0], (math.inf, math.inf, 0, "")
     for s in sorted(weighed, key=lambda s: order(s, before_loss(s))):
         if order(s, before_loss(s)) > best_key:
             break

@@ -3,8 +3,11 @@ a simulated world's ground truth (``step_timing``, e.g. :mod:`sim.truth`).
 
 It serves requests without a GPU. An iteration prefills the waiting prompts that fit a token
 budget and advances every running sequence by one token, taking the time
-:class:`runtime.timing.ReplicaTiming` computes for that batch on the replica's hardware. With
-chunked prefill (``prefill_chunk_tbt_share``, off by default) a unified replica's budget is its
+:class:`runtime.timing.ReplicaTiming` computes for that batch on the replica's hardware. The
+prompts and the decode tokens go through one forward pass, as vLLM's and Sarathi-Serve's mixed
+batches do: such an iteration takes :func:`gearbox.cost.fused_iteration_s` of the prompts'
+prefill plus the decode tokens' compute (timed as a prefill of that many tokens) and the decode
+step. With chunked prefill (``prefill_chunk_tbt_share``) a unified replica's budget is its
 chunk and the last prompt may be split, its rest prefilled in the next iterations, each chunk
 timed as its share of the whole prompt's prefill (its KV allocated as it is prefilled). A
 prefill/decode-split replica runs its two stages on different GPUs, concurrently: its prefill
@@ -43,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from gearbox.cost import fused_iteration_s
 from runtime.engine.base import (
     EngineFault,
     Failed,
@@ -595,7 +599,10 @@ class SimEngine:
             self._grow_batch(1, acc)
         n = len(self._batch)
         if n:
-            duration += self._step_s(n, self._batch.mean_context())
+            # NOTE: one forward pass carries the prompts and the batch's decode tokens (fused).
+            step_s = self._step_s(n, self._batch.mean_context())
+            prompts_s = duration + self._clock_timing.prefill_s(n)
+            duration = fused_iteration_s(prompts_s, step_s, self.timing.config)
         if clock + duration > now_s:
             return None
         end = clock + duration

@@ -55,7 +55,8 @@ def top_gpus_by_phase(name: str, deployment: str) -> tuple[int, ...]:
 
 def test_steady_boundary_noise_crosses_gearboxs_plan_boundary_every_phase() -> None:
     gpus = top_gpus_by_phase("steady-boundary", "chat-13b")
-    assert gpus == (4, 2) * 6  # high phases above the boundary, low ones below
+    high, low = gpus[0::2], gpus[1::2]  # the phases alternate above and below the mean
+    assert min(high) > max(low)  # every high phase above the boundary, every low one below
 
 
 def test_steady_noisy_noise_never_crosses_a_plan_boundary() -> None:

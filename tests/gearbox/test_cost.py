@@ -132,7 +132,8 @@ def test_disaggregated_decode_has_no_prefill_stall() -> None:
     assert tbt_split.tbt_p95_ms < tbt_unified.tbt_p95_ms
 
 
-CHUNKED = dataclasses.replace(DEFAULT_CONFIG, prefill_chunk_tbt_share=0.5)
+CHUNKED = DEFAULT_CONFIG  # chunked prefill is on by default
+WHOLE = dataclasses.replace(DEFAULT_CONFIG, prefill_chunk_tbt_share=0.0)
 
 
 @pytest.mark.unit
@@ -146,7 +147,8 @@ def test_a_prefill_chunk_fits_its_share_of_the_tbt_slo() -> None:
     # a looser TBT SLO gives longer chunks; a split replica and a share of 0 prefill whole
     loose = dataclasses.replace(CHUNKED, tbt_slo_ms=600.0)
     assert prefill_chunk_tokens(shape, MODEL_70B_GQA, loose) > chunk
-    assert prefill_chunk_tokens(shape, MODEL_70B_GQA, DEFAULT_CONFIG) == 0  # off by default
+    assert CHUNKED.prefill_chunk_tbt_share == 0.5
+    assert prefill_chunk_tokens(shape, MODEL_70B_GQA, WHOLE) == 0
     split = ReplicaShape((_stage(8, 80),), (_stage(4, 80, A100, RDMA),), None, RDMA)
     assert prefill_chunk_tokens(split, MODEL_70B_GQA, CHUNKED) == 0
     # a replica too slow for the budget still prefills the floor's worth per iteration
@@ -160,10 +162,36 @@ def test_chunked_prefill_trades_a_long_prompts_ttft_for_the_batchs_tbt() -> None
     cap = replica_capacity(shape, MODEL_70B_GQA, 6000, 300, DEFAULT_CONFIG)
     rate = 0.5 * cap.capacity_rps
     chunked = estimate_replica(shape, MODEL_70B_GQA, 6000, 300, rate, CHUNKED)
-    whole = estimate_replica(shape, MODEL_70B_GQA, 6000, 300, rate, DEFAULT_CONFIG)
-    assert chunked.capacity_rps == whole.capacity_rps  # the chunks add up to the whole prefill
+    whole = estimate_replica(shape, MODEL_70B_GQA, 6000, 300, rate, WHOLE)
     assert chunked.tbt_p95_ms < whole.tbt_p95_ms
-    assert chunked.ttft_p95_ms > whole.ttft_p95_ms  # later chunks ride decode iterations
+    assert chunked.ttft_p95_ms > whole.ttft_p95_ms  # each chunk rides a decode iteration
+
+
+@pytest.mark.unit
+def test_prefills_ride_the_decode_iterations_until_short_chunks_need_more_of_them() -> None:
+    """Fused iterations: a unified replica's capacity is set by the longer of its prefill work
+    (plus the decode tokens' compute) and its decode steps, not their sum; with chunks too short
+    for the prompts it needs an iteration per chunk, each paying a decode step."""
+    shape = _unified(_stage(1, 32, A100))
+    model, prompt, output = MODEL_7B_MHA, 800, 200
+    whole = replica_capacity(shape, model, prompt, output, WHOLE)
+    cycle = cost.pipeline_decode_cycle_s(
+        shape.prefill, None, model, whole.max_batch, prompt + output / 2, WHOLE
+    )
+    _, compute_s = cost.pipeline_prefill_s(shape.prefill, None, model, whole.max_batch, WHOLE)
+    per_request = output / whole.max_batch
+    expected = max(whole.prefill_occupancy_s + per_request * compute_s, per_request * cycle)
+    assert 1.0 / whole.capacity_rps == pytest.approx(expected)
+    assert 1.0 / whole.capacity_rps < whole.prefill_occupancy_s + per_request * cycle
+    # the 256-token floor on a slow replica: a 6,000-token prompt spans 24 iterations
+    slow = _unified(_stage(4, 80, A100, RDMA))
+    floor = replica_capacity(slow, MODEL_70B_GQA, 6000, 30, CHUNKED)
+    assert prefill_chunk_tokens(slow, MODEL_70B_GQA, CHUNKED) == cost.MIN_PREFILL_CHUNK_TOKENS
+    assert floor.capacity_rps < replica_capacity(slow, MODEL_70B_GQA, 6000, 30, WHOLE).capacity_rps
+    # a slower roofline overlap adds the shorter side back
+    serial = dataclasses.replace(WHOLE, roofline_overlap=0.0)
+    assert cost.fused_iteration_s(0.1, 0.02, WHOLE) == pytest.approx(0.1)
+    assert cost.fused_iteration_s(0.1, 0.02, serial) == pytest.approx(0.12)
 
 
 @pytest.mark.unit
@@ -195,13 +223,13 @@ def test_heavy_tailed_prompts_lengthen_the_ttft_p95_not_the_capacity() -> None:
 @pytest.mark.unit
 def test_the_long_prompts_or_the_queue_set_the_ttft_p95_never_both() -> None:
     shape = _unified(_stage(1, 32, A100))
-    cap = replica_capacity(shape, MODEL_7B_MHA, 800, 200, DEFAULT_CONFIG)
-    longest, _ = prefill_latency_s(shape, MODEL_7B_MHA, 4000, DEFAULT_CONFIG)
-    scv = prefill_scv(shape, MODEL_7B_MHA, 800, 4000, 1.5, DEFAULT_CONFIG)
+    cap = replica_capacity(shape, MODEL_7B_MHA, 800, 200, WHOLE)
+    longest, _ = prefill_latency_s(shape, MODEL_7B_MHA, 4000, WHOLE)
+    scv = prefill_scv(shape, MODEL_7B_MHA, 800, 4000, 1.5, WHOLE)
 
     def at(share: float, tail: int | None, prompt_scv: float) -> float:
         rate = share * cap.capacity_rps
-        args = (shape, MODEL_7B_MHA, 800, 200, rate, DEFAULT_CONFIG)
+        args = (shape, MODEL_7B_MHA, 800, 200, rate, WHOLE)
         return estimate_replica(*args, tail_prompt_tokens=tail, prompt_scv=prompt_scv).ttft_p95_ms
 
     # Light load: the p95 prompt's own prefill, no queue wait on top (only the iterations
@@ -292,28 +320,30 @@ def test_a_lightly_loaded_replica_has_its_unloaded_ttft() -> None:
     slots = cap.max_batch  # its decode slots, 9 % busy, rarely all taken
     assert cost._erlang_c(slots, slots * rate / cap.capacity_rps) < 0.05
     light = estimate_replica(shape, MODEL_7B_MHA, 800, 200, rate, DEFAULT_CONFIG)
-    # no queue wait: the prefill and the decode iterations around it (one sequence decoding)
+    # no queue wait: the iteration in progress, then the prefill in an iteration that also
+    # decodes the one running sequence (fused: one decode token's compute on top)
     decoding = rate * 200 * cap.unloaded_tbt_s
-    iterations = cost._iteration_wait_p95_s(decoding, cap.unloaded_tbt_s, shape)
-    assert light.ttft_p95_ms == pytest.approx((cap.prefill_latency_s + iterations) * 1e3)
+    in_progress = cost._iteration_wait_p95_s(decoding, cap.unloaded_tbt_s)
+    one_token, _ = prefill_latency_s(shape, MODEL_7B_MHA, 1, DEFAULT_CONFIG)
+    span = cost.fused_iteration_s(
+        cap.prefill_latency_s + one_token, cap.unloaded_tbt_s, DEFAULT_CONFIG
+    )
+    assert light.ttft_p95_ms == pytest.approx((span + in_progress) * 1e3)
 
 
 @pytest.mark.unit
 def test_a_prompt_waits_on_the_decode_iterations_around_its_prefill() -> None:
-    """The engine starts a prefill at the end of the iteration in progress; on a unified replica
-    the iteration carrying it also decodes the batch (runtime.engine.sim)."""
-    unified = _unified(_stage(1, 32, A100))
-    split = dataclasses.replace(unified, decode=(_stage(1, 32, A100),), handoff_link=NVLINK)
+    """The engine starts a prefill at the end of the iteration in progress (runtime.engine.sim);
+    the iteration carrying it on a unified replica is the prefill's span (fused, above)."""
     cycle = 0.020
     # nothing decoding (or the batch empty 95 % of the time): no iteration to wait on
-    assert cost._iteration_wait_p95_s(0.0, cycle, unified) == 0.0
-    assert cost._iteration_wait_p95_s(0.05, cycle, unified) == 0.0
-    # always busy: the p95 residual of a uniform step is 0.95 of it, plus one decode step
-    assert cost._iteration_wait_p95_s(50.0, cycle, split) == pytest.approx(0.95 * cycle)
-    assert cost._iteration_wait_p95_s(50.0, cycle, unified) == pytest.approx(1.95 * cycle)
+    assert cost._iteration_wait_p95_s(0.0, cycle) == 0.0
+    assert cost._iteration_wait_p95_s(0.05, cycle) == 0.0
+    # always busy: the p95 residual of a uniform step is 0.95 of it
+    assert cost._iteration_wait_p95_s(50.0, cycle) == pytest.approx(0.95 * cycle)
     # half the time busy: P(residual > t) = 0.5 × (1 − t / cycle) = 5 % at t = 0.9 × cycle
     half = math.log(2.0)
-    assert cost._iteration_wait_p95_s(half, cycle, split) == pytest.approx(0.9 * cycle)
+    assert cost._iteration_wait_p95_s(half, cycle) == pytest.approx(0.9 * cycle)
 
 
 @pytest.mark.unit

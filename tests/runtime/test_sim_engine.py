@@ -17,7 +17,7 @@ from tests.runtime.builders import make_replica
 pytestmark = pytest.mark.unit
 
 
-CHUNKED = dataclasses.replace(DEFAULT_CONFIG, prefill_chunk_tbt_share=0.5)
+WHOLE = dataclasses.replace(DEFAULT_CONFIG, prefill_chunk_tbt_share=0.0)
 
 
 def _engine(
@@ -61,7 +61,7 @@ def test_iterations_are_timed_by_gearbox_cost_model() -> None:
 def test_a_long_prompt_is_prefilled_in_chunks_beside_the_running_batch() -> None:
     """Chunked prefill: a prompt longer than the replica's chunk spans several iterations, each
     also decoding the running batch, so no decode step waits on the whole prompt."""
-    engine, _, timing = _engine(gpu_class="a100-80g", config=CHUNKED)
+    engine, _, timing = _engine(gpu_class="a100-80g")  # chunked by default
     chunk = timing.prefill_chunk_tokens
     assert 0 < chunk < 4000
     t0 = 100.0
@@ -72,14 +72,33 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_the_running_batch() -> None
     out = engine.step(t0 + 10.0)
     steps = -(-4000 // chunk)
     chunk_s = timing.prefill_s(4000) * chunk / 4000
-    # every iteration carrying a chunk also decodes: none is longer than a chunk plus a step
+    # every iteration carrying a chunk also decodes the chat sequence in the same forward
+    # pass: a chunk plus one decode token's compute, not a chunk plus a whole decode step
+    fused = timing.prefill_s(1)
     longest = max(out.decode_step_s)
-    assert longest <= chunk_s + timing.decode_cycle_s(1, 400) + 1e-9
+    assert longest <= chunk_s + fused + 1e-9
+    assert longest < chunk_s + timing.decode_cycle_s(1, 100)
     assert longest < timing.prefill_s(4000)
-    # the long prompt's first token comes after all its chunks, each with a decode step
+    # the long prompt's first token comes after all its chunks, each carrying a decode token
     ttft = next(f.t_s for f in out.first_tokens if f.seq_id == "long") - (t0 + 1.0)
-    assert ttft >= timing.prefill_s(4000) + (steps - 1) * timing.decode_cycle_s(1, 100)
+    in_progress = timing.decode_cycle_s(1, 400)  # the chat iteration it arrived during
+    assert timing.prefill_s(4000) <= ttft <= timing.prefill_s(4000) + steps * fused + in_progress
     assert out.prefill_tokens == 4000
+
+
+def test_an_iteration_with_a_prompt_decodes_the_batch_in_the_same_forward_pass() -> None:
+    """Fused iterations: a whole prompt's iteration also advances the running batch, taking
+    the longer of the prompt's prefill (plus the decode tokens' compute) and the decode step."""
+    engine, _, timing = _engine(gpu_class="a100-80g", config=WHOLE)
+    t0 = 100.0
+    engine.admit(SeqSpec("chat", 100, 500), t0)
+    engine.step(t0 + 0.5)  # the chat sequence is decoding
+    engine.admit(SeqSpec("prompt", 2000, 2), t0 + 0.5)
+    out = engine.step(t0 + 5.0)
+    mixed = max(out.decode_step_s)
+    prefill, step = timing.prefill_s(2000), timing.decode_cycle_s(1, 150)
+    assert mixed == pytest.approx(prefill + timing.prefill_s(1))
+    assert mixed < prefill + step  # an unfused iteration would pay both
 
 
 def test_a_sequence_never_starts_before_it_was_admitted() -> None:

@@ -40,7 +40,7 @@ class Outcome:
     tbt: Counter[float] = field(default_factory=Counter)  # decode iterations by duration
 
 
-CHUNKED = dataclasses.replace(DEFAULT_CONFIG, prefill_chunk_tbt_share=0.5)
+WHOLE = dataclasses.replace(DEFAULT_CONFIG, prefill_chunk_tbt_share=0.0)
 
 
 def make_timing(
@@ -110,18 +110,18 @@ def drive(engine: Engine, requests: list[tuple[float, SeqSpec]], seed: int) -> O
 @pytest.mark.parametrize(
     ("model", "gpus", "gpu_class", "rps", "config"),
     [
+        (MODEL_7B_MHA, 1, "a100-80g", 3.0, WHOLE),
+        (MODEL_70B_GQA, 4, "h100-sxm", 4.0, WHOLE),
+        # chunked prefill: most prompts here are longer than the chunk (~800 / ~1,000 tokens)
         (MODEL_7B_MHA, 1, "a100-80g", 3.0, DEFAULT_CONFIG),
         (MODEL_70B_GQA, 4, "h100-sxm", 4.0, DEFAULT_CONFIG),
-        # chunked prefill: most prompts here are longer than the chunk (~800 / ~1,000 tokens)
-        (MODEL_7B_MHA, 1, "a100-80g", 3.0, CHUNKED),
-        (MODEL_70B_GQA, 4, "h100-sxm", 4.0, CHUNKED),
     ],
 )
 def test_event_engine_matches_sim_engine(
     model: ModelSpec, gpus: int, gpu_class: str, rps: float, config: GearboxConfig
 ) -> None:
     timing = make_timing(model, gpus, gpu_class, config)
-    assert (timing.prefill_chunk_tokens > 0) is (config is CHUNKED)
+    assert (timing.prefill_chunk_tokens > 0) is (config is DEFAULT_CONFIG)
     requests = make_requests(seed=11, rps=rps, count=400)
     reference = drive(TokenSimEngine(timing, SimGpuPool()), requests, seed=5)
     fast = drive(SimEngine(timing, SimGpuPool()), requests, seed=5)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gearbox.cost import fused_iteration_s
 from runtime.engine.base import (
     EngineFault,
     Failed,
@@ -369,7 +370,10 @@ class TokenSimEngine:
         if not decode:
             return prefill_s
         mean_context = sum(self._seqs[s].kv_tokens for s in decode) / len(decode)
-        return prefill_s + t.decode_cycle_s(len(decode), mean_context)
+        if not prefill:
+            return t.decode_cycle_s(len(decode), mean_context)
+        prefill_s += t.prefill_s(len(decode))  # the decode tokens' compute, in the same pass
+        return fused_iteration_s(prefill_s, t.decode_cycle_s(len(decode), mean_context), t.config)
 
     def _run_iteration(
         self, prefill: list[str], decode: list[str], end_s: float, duration_s: float, acc: _Acc
