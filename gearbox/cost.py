@@ -612,10 +612,10 @@ def _estimate_replica(
     cycle = pipeline_decode_cycle_s(stages, shape.pp_link, model, batch, context, config)
     decoding = lam * output_tokens * cycle  # sequences decoding, Little's law
     chunk = prefill_chunk_tokens(shape, model, config)
-    unified_busy = shape.handoff_link is None and _busy(decoding) > _P95_TAIL
-    decode_compute_s = 0.0
-    if unified_busy:
-        decode_compute_s, _ = prefill_latency_s(shape, model, batch, config)
+    unified = shape.handoff_link is None
+    unified_busy = unified and _busy(decoding) > _P95_TAIL
+    # the batch's decode tokens' compute in a fused iteration (unified replicas only)
+    decode_compute_s = prefill_latency_s(shape, model, batch, config)[0] if unified else 0.0
 
     def prefill_span_s(prompt: int, latency_s: float) -> float:
         # NOTE: each of a prompt's chunks rides an iteration that decodes the batch (fused).
@@ -638,12 +638,11 @@ def _estimate_replica(
         prefill_wait_s = max(0.0, queued_s - prefill_s)
     wait_s = _wait_p95_s(lam, mu, cap.max_batch) + prefill_wait_s
     stall = 0.0
-    if shape.handoff_link is None:
+    if unified:
         carried = cap.prefill_occupancy_s
         if chunk and prompt_tokens > chunk:
             carried, _ = prefill_latency_s(shape, model, chunk, config)
-        compute_s, _ = prefill_latency_s(shape, model, batch, config)
-        stall = fused_iteration_s(carried + compute_s, cycle, config) - cycle
+        stall = fused_iteration_s(carried + decode_compute_s, cycle, config) - cycle
         stall *= min(1.0, lam * cycle / _P95_TAIL)
     iteration_s = _iteration_wait_p95_s(decoding, cycle)
     return ReplicaEstimate(

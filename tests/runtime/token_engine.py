@@ -71,7 +71,6 @@ class TokenSimEngine:
         self.timing = timing
         self._pool = pool
         self._max_batch = max_batch or timing.config.max_batch_sequences
-        self._max_prefill_tokens = max_prefill_tokens
         for uuid, total in timing.memory_bytes_per_gpu.items():
             pool.ensure(uuid, total)
         self._shard_ready_at: dict[int, float] = {}
