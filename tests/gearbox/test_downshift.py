@@ -231,10 +231,13 @@ def test_record_demand_keeps_a_running_maximum() -> None:
 
 
 def test_a_switch_under_pressure_remembers_the_plan_it_left() -> None:
-    pressed = _decide(make_load(0.5, active_sequences=5, queue_len=2_000), VALUED)
+    # NOTE: a 10-minute horizon: over 5 the 20-GPU plan's gain on the queue is 1.14 × its
+    # switch cost, under the 1.4 hysteresis
+    eager = replace(VALUED, gain_horizon_s=600.0)
+    pressed = _decide(make_load(0.5, active_sequences=5, queue_len=2_000), eager)
     assert pressed.reason is DecisionReason.SWITCH_GAIN and pressed.decision is not None
     assert pressed.state.pressured == (PressuredPlan(_tp8().plan_id, NOW_S),)
-    calm = _decide(make_load(0.5, active_sequences=5), VALUED)
+    calm = _decide(make_load(0.5, active_sequences=5), eager)
     assert calm.reason is DecisionReason.SWITCH_GAIN and calm.state.pressured == ()
 
 

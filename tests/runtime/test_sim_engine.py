@@ -106,7 +106,8 @@ def test_an_iteration_with_a_prompt_decodes_the_batch_in_the_same_forward_pass()
 def test_a_saturated_fused_engine_serves_more_than_the_unfused_sum() -> None:
     """Kept full (a new request whenever a slot frees), the engine fuses each prompt's prefill
     with a decode step, so it completes more requests a second than prefill plus decode time
-    would allow; gearbox's capacity (gearbox.cost) is an upper bound on what it serves."""
+    would allow; gearbox's capacity (gearbox.cost) is what it serves, within 10 % (spreading each
+    prompt's prefill over the decode-only iterations too said 11.4 rps, 40 % over)."""
     replica = make_replica(("G0",), gpu_class="a100-80g")
     timing = ReplicaTiming.build(replica, MODEL_7B_MHA, DEFAULT_CONFIG)
     capacity = replica_capacity(timing.shape, MODEL_7B_MHA, 800, 200, DEFAULT_CONFIG)
@@ -127,7 +128,7 @@ def test_a_saturated_fused_engine_serves_more_than_the_unfused_sum() -> None:
     step_s = timing.decode_cycle_s(capacity.max_batch, 900)
     unfused_rps = 1.0 / (timing.prefill_s(800) + 200 * step_s / capacity.max_batch)
     assert served_rps > 1.15 * unfused_rps
-    assert served_rps <= capacity.capacity_rps
+    assert served_rps == pytest.approx(capacity.capacity_rps, rel=0.1)
 
 
 def test_a_sequence_never_starts_before_it_was_admitted() -> None:
