@@ -86,6 +86,15 @@ class GearboxConfig(Serialisable):
     # the 70B preempted later found none; forced switches now weigh the other deployments'
     # standby (gearbox.joint). Both measured on all four scenarios: bench/HISTORY.md.
     downshift_lookback_s: float = 3600.0
+    # A voluntary downshift also needs this long of observed demand (gearbox.history.GearState
+    # observed_since_s): at start-up the lookback holds no peak yet, and a plan judged on an
+    # empty or light first window is one the first real load undoes. Kubernetes' HPA waits a
+    # 300 s scale-down stabilisation window for the same reason. NOTE: without it the demo
+    # (sim/scenarios/demo-shift.yaml) dropped assist-7b from four GPUs to one on its first
+    # decision, at zero observed load, and ran it over its TTFT SLO from 00:04 until it moved
+    # again at 00:05:15; chat-70b went from TP8 to TP2 at 00:00:15 in a CI run and had left
+    # the GPUs the 08:00 preemption takes. 0 = no wait (the behaviour before).
+    downshift_min_evidence_s: float = 300.0
     history_window_s: float = 3600.0  # samples older than this are dropped
     max_history_samples: int = 240  # per block
     min_shrink_steps: int = 2  # separate shrink events needed before a block counts as shrinking
@@ -224,6 +233,7 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "downshift_guard": (0, 1),
     "downshift_slo_margin": (0.01, 1.0),
     "downshift_lookback_s": (0.0, 7 * 86_400.0),
+    "downshift_min_evidence_s": (0.0, 86_400.0),
     "history_window_s": (60.0, 7 * 86_400.0),
     "max_history_samples": (3, 100_000),
     "min_shrink_steps": (1, 1000),

@@ -42,7 +42,9 @@ switch and the SLO misses before it; see its note in :mod:`gearbox.config`) — 
 the current plan's learned TTFT factor, when above 1, read as a slower service instead
 (:func:`_risk_speed`): both readings fit the plan it was learned on, but a downshift runs its
 replicas hotter, where a slower service costs far more than a latency factor says;
-every downshift is blocked while the deployment is under observed pressure
+every downshift is blocked until the deployment's demand has been observed for
+``downshift_min_evidence_s`` (its first tick starts the count: a start-up plan is not given up
+on an empty window), and while the deployment is under observed pressure
 (:func:`gearbox.scoring.observed_pressure`), and so is one back to a plan a voluntary switch left
 under observed pressure within the lookback (:func:`gearbox.history.record_pressured`: what was
 observed beats what is estimated — in sim/scenarios/mixed-failures.yaml the 7B, moved onto two
@@ -264,6 +266,9 @@ def decide(
             failed=failed,
             corrections=corrections,
             demand=demand,
+            observed_since_s=(
+                load.now_s if state.observed_since_s is None else state.observed_since_s
+            ),
         ),
         available,
         quarantined,
@@ -491,6 +496,13 @@ def _downshift_block(
     over = _over_margin(estimate, tick.config)
     if over:
         return f"{gpus}: {'; '.join(over)}"
+    since_s = tick.state.observed_since_s
+    observed_s = tick.load.now_s - (tick.load.now_s if since_s is None else since_s)
+    if observed_s < tick.config.downshift_min_evidence_s:
+        return (
+            f"{gpus}: demand observed for {observed_s:,.0f} s, under the "
+            f"{tick.config.downshift_min_evidence_s:,.0f} s a downshift needs"
+        )
     left_s = pressured_since(tick.state, plan.plan_id, tick.snapshot.now_s, tick.config)
     if left_s is not None:
         return (

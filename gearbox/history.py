@@ -108,6 +108,9 @@ class GearState(Serialisable):
     # plans left under observed pressure within the lookback (record_pressured): the downshift
     # guard does not return to them
     pressured: tuple[PressuredPlan, ...] = ()
+    # when this deployment's demand was first observed (its first tick): the downshift guard's
+    # evidence (config downshift_min_evidence_s)
+    observed_since_s: float | None = None
 
 
 def record_failed_target(

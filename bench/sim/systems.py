@@ -25,8 +25,9 @@ from gearbox import DEFAULT_CONFIG, GearboxConfig
 
 def permissive(config: GearboxConfig) -> GearboxConfig:
     """``config`` without any of gearbox's damping — FOR THE ABLATION ONLY: hysteresis 1.0, no
-    cooldown and no downshift guard (its SLO margin, its lookback to the recent peak demand and
-    its memory of plans left under pressure: each holds a switch the bare gain would take).
+    cooldown and no downshift guard (its SLO margin, its lookback to the recent peak demand, its
+    wait for observed demand and its memory of plans left under pressure: each holds a switch
+    the bare gain would take).
 
     NOTE: ``GearboxConfig`` validates hysteresis to the article's 1.3–1.5 on purpose, so "no
     hysteresis" cannot be configured; this copies the validated config and overwrites the

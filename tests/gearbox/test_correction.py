@@ -251,7 +251,10 @@ def test_a_corrected_estimate_can_block_a_downshift(
     load = make_load(0.2)
     # freed GPUs pay well and the SLO is tight: a downshift is wanted on the model's figures
     config = GearboxConfig(idle_gpu_value_tok_s=500.0, **slo)
-    free = decide(current, snapshot, load, GearState(), config, model=MODEL_70B_GQA)
+    observed = NOW_S - 600.0  # ten minutes of demand: past the downshift guard's evidence wait
+    free = decide(
+        current, snapshot, load, GearState(observed_since_s=observed), config, model=MODEL_70B_GQA
+    )
     assert free.decision is not None and free.decision.to_plan.num_gpus < current.num_gpus
     # the same tick after learning that this deployment runs at 4× the model
     learned = Corrections()
@@ -259,7 +262,7 @@ def test_a_corrected_estimate_can_block_a_downshift(
         t = NOW_S - 600.0 + 15.0 * i
         shape = plan_shape(current)
         learned = learn(learned, shape, modelled_ms, 4 * modelled_ms, 200, t, None, config)
-    state = GearState(corrections=learned)
+    state = GearState(corrections=learned, observed_since_s=observed)
     slow = decide(current, snapshot, load, state, config, model=MODEL_70B_GQA)
     assert slow.decision is None
     smaller = [c for c in slow.candidates if c.num_gpus < current.num_gpus]

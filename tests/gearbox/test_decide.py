@@ -52,10 +52,13 @@ def _state(
     last_switch_s: float | None = None,
     last_from_plan_id: str | None = None,
 ) -> GearState:
-    """State after one earlier tick on ``snapshot``, optionally after a switch."""
+    """State after one earlier tick on ``snapshot``, optionally after a switch, with an hour of
+    demand observed (past the downshift guard's evidence wait)."""
     blocks = build_blocks(snapshot, DEFAULT_CONFIG)
     history = record_blocks(GearState().history, blocks, snapshot.now_s - 30, DEFAULT_CONFIG)
-    return GearState(blocks, history, last_switch_s, last_from_plan_id)
+    return GearState(
+        blocks, history, last_switch_s, last_from_plan_id, observed_since_s=snapshot.now_s - 3600
+    )
 
 
 def _decide(

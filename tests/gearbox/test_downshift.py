@@ -60,6 +60,26 @@ def test_downshift_within_the_margin_is_taken() -> None:
     assert chosen.est_tbt_p95_ms <= VALUED.downshift_slo_margin * VALUED.tbt_slo_ms
 
 
+def test_a_downshift_waits_for_enough_observed_demand() -> None:
+    low, snapshot = make_load(0.5, active_sequences=5), article_cluster()
+
+    def at(observed_since_s: float | None, config: GearboxConfig = VALUED) -> DecideResult:
+        state = replace(_state(snapshot), observed_since_s=observed_since_s)
+        return decide(_tp8(), snapshot, low, state, config, model=MODEL_70B_GQA)
+
+    # the first tick (nothing observed before it) and one a second short of the wait hold TP8
+    for since in (None, NOW_S - VALUED.downshift_min_evidence_s + 1.0):
+        held = at(since)
+        assert held.decision is None and held.reason is DecisionReason.DOWNSHIFT_BLOCKED
+        assert held.state.observed_since_s == (NOW_S if since is None else since)
+        assert "a downshift needs" in held.candidates[0].blocked
+    assert "demand observed for 0 s, under the 300 s a downshift needs" in at(None).explanation
+    taken = at(NOW_S - VALUED.downshift_min_evidence_s).decision
+    assert taken is not None and taken.to_plan.num_gpus < 8
+    eager = at(None, replace(VALUED, downshift_min_evidence_s=0.0)).decision
+    assert eager is not None and eager.to_plan_id == taken.to_plan_id
+
+
 def test_downshift_just_under_the_slo_is_blocked() -> None:
     # the 4-GPU candidate's TBT p95 estimate (~25 ms) sits just under a 30 ms SLO, the way
     # 146 ms sat under 150 ms in the fragmented benchmark
