@@ -497,7 +497,8 @@ def _downshift_block(
     if over:
         return f"{gpus}: {'; '.join(over)}"
     since_s = tick.state.observed_since_s
-    observed_s = tick.load.now_s - (tick.load.now_s if since_s is None else since_s)
+    assert since_s is not None, "decide sets it on every tick"
+    observed_s = tick.load.now_s - since_s
     if observed_s < tick.config.downshift_min_evidence_s:
         return (
             f"{gpus}: demand observed for {observed_s:,.0f} s, under the "
