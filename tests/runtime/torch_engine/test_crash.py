@@ -60,8 +60,8 @@ def _wait_for(predicate: Callable[[], bool], what: str, deadline_s: float = DEAD
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False  # (ProcessLookupError: it was reaped between the open and the read)
     return state not in ("Z", "X")
 
 
