@@ -470,7 +470,7 @@ def replica_capacity(
     context = prompt_tokens + output_tokens / 2
     decode_stages = shape.decode_pipeline
     cycle = pipeline_decode_cycle_s(decode_stages, shape.pp_link, model, max_batch, context, config)
-    decode_s_per_request = output_tokens * cycle / max_batch
+    decode_iterations = output_tokens / max_batch  # a request's share of the batch's steps
     if shape.handoff_link is None:
         # NOTE: a prompt's tokens fill whole iterations, a chunk each (fused, module notes): its
         # prefill is not spread thin over the batch's decode-only iterations, which overlap
@@ -482,12 +482,12 @@ def replica_capacity(
             shape.prefill, shape.pp_link, model, max_batch, config
         )
         fused = fused_iteration_s(occupancy / carrying + decode_compute_s, cycle, config)
-        decode_only = max(0.0, output_tokens / max_batch - carrying)
+        decode_only = max(0.0, decode_iterations - carrying)
         capacity = 1.0 / (carrying * fused + decode_only * cycle)
     else:
         handoff = _handoff_s(shape.handoff_link, model, prompt_tokens, config)
         latency += handoff
-        capacity = min(1.0 / occupancy, 1.0 / decode_s_per_request, 1.0 / handoff)
+        capacity = min(1.0 / occupancy, 1.0 / (decode_iterations * cycle), 1.0 / handoff)
     unloaded = pipeline_decode_cycle_s(decode_stages, shape.pp_link, model, 1, context, config)
     return ReplicaCapacity(True, max_batch, capacity, latency, occupancy, unloaded)
 
