@@ -235,7 +235,7 @@ def budget_applies(
     """True for the run the wall-clock budget is set for: the whole seed scenario, at least
     ``DEFAULT_SEEDS`` seeds, the oracle included (a shorter or smaller run proves nothing)."""
     return (
-        Path(scenario_path).resolve() == SEED_FRAGMENTED.resolve()
+        scenario_path.resolve() == SEED_FRAGMENTED.resolve()
         and seeds >= DEFAULT_SEEDS
         and duration_s >= scenario_s
         and oracle
@@ -303,12 +303,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"calibration_ms: {calibration_before:.1f} before, {calibration_after:.1f} after"
         " (≈ 30–50 on an idle 2-core host)"
     )
-    over_budget = (
-        budget_applies(
-            args.scenario, len(seeds), duration_s, scenario.duration_s, not args.no_oracle
-        )
-        and wall_s > WALL_BUDGET_S
-    )
     problems = [
         f"seed {seed}: {p}"
         for seed, systems in by_seed.items()
@@ -317,16 +311,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for problem in problems:
         print(f"FAILED: {problem}")
     missed = [row for row in results["targets"] if row["met"] is False]
+    budgeted = budget_applies(
+        args.scenario, len(seeds), duration_s, scenario.duration_s, not args.no_oracle
+    )
+    if budgeted and wall_s > WALL_BUDGET_S:
+        missed.append(
+            {"target": "wall_s", "value": round(wall_s), "bound": f"<= {WALL_BUDGET_S:.0f}"}
+        )
     for row in missed:
         print(f"MISSED: {row['target']} = {row['value']} (target {row['bound']})", file=sys.stderr)
-    if over_budget:
-        print(
-            f"MISSED: wall = {wall_s:.0f} s on {args.workers} workers"
-            f" (target <= {WALL_BUDGET_S:.0f} s; calibration_ms {calibration_after:.1f})",
-            file=sys.stderr,
-        )
     print_result(results["summary"])
-    return 1 if problems or missed or over_budget else 0
+    return 1 if problems or missed else 0
 
 
 if __name__ == "__main__":
