@@ -185,6 +185,9 @@ class GearboxConfig(Serialisable):
     # offered tokens within SLO (0.996 off). steady-noisy / steady-boundary: goodput as off,
     # estimator p95 0.287 / 0.216.
     correction_tbt: bool = False  # learn a TBT factor like the TTFT one (gearbox.correction)
+    # Estimates are made at the load windows' arrival rate and mean lengths smoothed over
+    # this time constant (gearbox.correction, ``observe_demand``); 0 = each window's own.
+    demand_smoothing_s: float = 120.0
     # --- switch cost (see gearbox.switch for sources) ---
     weight_load_gbps: float = 5.0  # per-GPU weight load rate from local NVMe/page cache
     kv_transfer_efficiency: float = 0.8  # achieved share of the path's bandwidth for KV
@@ -276,6 +279,7 @@ _GEARBOX_BOUNDS: dict[str, tuple[float, float]] = {
     "correction_service_ratio": (0.0, 1.0),
     "ttft_prompt_tail": (0, 1),
     "correction_tbt": (0, 1),
+    "demand_smoothing_s": (0.0, 86_400.0),
     "weight_load_gbps": (0.01, 10_000.0),
     "kv_transfer_efficiency": (0.01, 1.0),
     "comm_setup_s": (0.0, 600.0),

@@ -78,6 +78,7 @@ from gearbox.correction import (
     apply_correction,
     factor_for,
     observe,
+    observe_demand,
     observe_prompts,
     observe_service,
     observe_tbt,
@@ -87,6 +88,7 @@ from gearbox.correction import (
     tbt_factor_for,
     teaches_service_rate,
     with_prompt_tail,
+    with_smoothed_demand,
 )
 from gearbox.decisions import (
     CandidateSummary,
@@ -234,21 +236,26 @@ def decide(
             f"model: {model.name} does not match the current plan's {current.model_name}"
         )
     # NOTE: every estimate of the tick uses the smoothed prompt tail (gearbox.correction)
-    learned = observe_prompts(state.corrections, load, config)
+    learned = observe_demand(observe_prompts(state.corrections, load, config), load, config)
     load = with_prompt_tail(load, learned)
+    # NOTE: the window's own rate is what its observed TTFT p95 was served at (what the
+    # factors learn from) and what its pressure and demand history read; every estimate of the
+    # tick is made at the smoothed demand, a forecast for the minutes a plan serves
+    window = load
+    load = with_smoothed_demand(window, learned)
     blocks = build_blocks(snapshot, config, state.blocks)
     history = record_blocks(state.history, blocks, snapshot.now_s, config)
     own = current.gpu_uuids - handed_over if current is not None else frozenset()
     available = available_memory(snapshot, own)
-    pressure = _pressure(current, available, model, load, config)
+    pressure = _pressure(current, available, model, window, config)
     if pressure:
         config = without_gpu_credit(config)
     quarantined = quarantined_plan_ids(state, snapshot.now_s, config)
-    demand = record_demand(state.demand, load.now_s, demand_rps(load, config), config)
+    demand = record_demand(state.demand, load.now_s, demand_rps(window, config), config)
     failed = tuple(f for f in state.failed if f.plan_id in quarantined)
     # NOTE: estimated once: the learning and every use of the current plan's figures share it
     corrections, modelled = _learn(
-        current, available, model, load, replace(state, corrections=learned), config
+        current, available, model, window, load, replace(state, corrections=learned), config
     )
     tick = _Tick(
         name,
@@ -351,21 +358,30 @@ def _learn(
     available: Mapping[str, int],
     model: ModelSpec,
     load: LoadSnapshot,
+    estimate_load: LoadSnapshot,
     state: GearState,
     config: GearboxConfig,
 ) -> tuple[Corrections, DeploymentEstimate | None]:
-    """The factors with this tick's observation of the current plan folded in — into the
-    queues' service rate or the TTFT factor, whichever explains it with the smaller change
-    (gearbox.correction) — and the cost model's estimate of the plan at its learned service
-    rate (None without a current plan)."""
+    """The factors with this tick's observation of the current plan (served at the window's
+    ``load``) folded in — into the queues' service rate or the TTFT factor, whichever explains
+    it with the smaller change (gearbox.correction) — and the cost model's estimate of the plan
+    at ``estimate_load`` and its learned service rate (None without a current plan)."""
     if current is None:
         return state.corrections, None
     shape, now_s, corrections = plan_shape(current), load.now_s, state.corrections
     speed = service_factor_for(corrections, shape, now_s, config)
     modelled = estimate_plan(current, available, model, load, config, service_factor=speed)
+
+    def estimated(service_factor: float) -> DeploymentEstimate:
+        if service_factor == speed and estimate_load == load:
+            return modelled
+        return estimate_plan(
+            current, available, model, estimate_load, config, service_factor=service_factor
+        )
+
     observed, censored = load.window_ttft_p95_ms, load.window_ttft_p95_censored
     if load.num_ttft_samples == 0 or not modelled.feasible or observed <= 0:
-        return corrections, modelled
+        return corrections, estimated(speed)
     # NOTE: the refusals are samples of the window's distribution too (beyond every TTFT)
     args = (load.num_ttft_samples + load.num_ttft_refused, now_s, state.last_switch_s, config)
     factor = factor_for(corrections, shape, now_s, config)
@@ -386,12 +402,7 @@ def _learn(
         learned = observe(corrections, shape, model_ms, observed, *args, censored=censored)
     if load.tbt_p95_ms > 0:
         learned = observe_tbt(learned, shape, modelled.tbt_p95_ms, load.tbt_p95_ms, *args)
-    learned_speed = service_factor_for(learned, shape, now_s, config)
-    if learned_speed != speed:
-        modelled = estimate_plan(
-            current, available, model, load, config, service_factor=learned_speed
-        )
-    return learned, modelled
+    return learned, estimated(service_factor_for(learned, shape, now_s, config))
 
 
 def _risk_speed(

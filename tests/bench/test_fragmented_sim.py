@@ -57,6 +57,7 @@ def test_permissive_config_only_drops_the_damping() -> None:
     config = permissive(DEFAULT_CONFIG)
     assert (config.hysteresis, config.cooldown_s) == (1.0, 0.0)
     assert DEFAULT_CONFIG.downshift_guard and not config.downshift_guard
+    assert DEFAULT_CONFIG.demand_smoothing_s > 0 and config.demand_smoothing_s == 0
     assert config.mfu_prefill == DEFAULT_CONFIG.mfu_prefill
     assert config.gain_horizon_s == DEFAULT_CONFIG.gain_horizon_s
 

@@ -17,12 +17,14 @@ from gearbox.correction import (
     apply_correction,
     factor_for,
     observe,
+    observe_demand,
     observe_prompts,
     observe_tbt,
     plan_shape,
     prompt_tail,
     tbt_factor_for,
     with_prompt_tail,
+    with_smoothed_demand,
 )
 from gearbox.ranking import available_memory, estimate_plan
 from gearbox.types import LoadSnapshot
@@ -348,3 +350,67 @@ def test_decide_uses_the_prompt_tail_only_when_asked() -> None:
     assert off.state.corrections.prompt_lengths is None
     assert on.state.corrections.prompt_lengths is not None
     assert GearState.from_dict(on.state.to_dict()) == on.state
+
+
+def _demand(
+    corrections: Corrections, load: LoadSnapshot, config: GearboxConfig = CONFIG
+) -> tuple[Corrections, LoadSnapshot]:
+    learned = observe_demand(corrections, load, config)
+    return learned, with_smoothed_demand(load, learned)
+
+
+def test_demand_is_an_exponential_mean_over_event_time() -> None:
+    tau = CONFIG.demand_smoothing_s
+    learned, first = _demand(NONE, make_load(4.0, now_s=0.0, prompt_tokens=1000.0))
+    assert first == make_load(4.0, now_s=0.0, prompt_tokens=1000.0)  # nothing to smooth yet
+    # a window at 2× the rate, with prompts 3× as long, one time constant later: the rate
+    # moves 1 − 1/e of the way, the mean prompt is the token rate's over the arrival rate's
+    later = make_load(8.0, now_s=tau, prompt_tokens=3000.0)
+    learned, smoothed = _demand(learned, later)
+    moved = 1.0 - math.exp(-1.0)
+    rate = 4.0 + moved * 4.0
+    assert smoothed.arrival_rate_rps == pytest.approx(rate)
+    assert smoothed.mean_prompt_tokens == pytest.approx((4000.0 + moved * 20_000.0) / rate)
+    assert smoothed.mean_output_tokens == pytest.approx(200.0)
+    # everything else is the window's own (backlog, sequences, latencies)
+    assert replace(smoothed, arrival_rate_rps=8.0, mean_prompt_tokens=3000.0) == later
+    # a second window at the same instant (another trigger) is not weighed again
+    again, same = _demand(learned, replace(later, arrival_rate_rps=100.0))
+    assert again == learned and same.arrival_rate_rps == pytest.approx(rate)
+    # a lull to zero arrivals keeps the last means while the rate decays
+    learned, idle = _demand(learned, make_load(0.0, now_s=10 * tau, prompt_tokens=50.0))
+    assert idle.arrival_rate_rps == pytest.approx(rate * math.exp(-9.0), rel=1e-6)
+    assert idle.mean_prompt_tokens == pytest.approx(smoothed.mean_prompt_tokens)
+
+
+def test_demand_smoothing_off_leaves_each_window_its_own() -> None:
+    off = replace(CONFIG, demand_smoothing_s=0.0)
+    learned, first = _demand(NONE, make_load(4.0, now_s=0.0), off)
+    assert first == make_load(4.0, now_s=0.0)
+    learned, second = _demand(learned, make_load(8.0, now_s=60.0), off)
+    assert learned == NONE and second == make_load(8.0, now_s=60.0)
+    # turned off after it smoothed: the old figure is dropped, not applied for ever
+    on, _ = _demand(NONE, make_load(4.0, now_s=0.0))
+    dropped, own = _demand(on, make_load(8.0, now_s=60.0), off)
+    assert dropped.demand is None and own == make_load(8.0, now_s=60.0)
+
+
+def test_decide_estimates_at_the_smoothed_demand_and_learns_at_the_window() -> None:
+    # NOTE: a 70B on 4 GPUs, a burst window after a steady minute: the serving plan's TTFT
+    # estimate is the smoothed demand's, below the burst's own; the factor learns from the
+    # burst window's observation against the model at the burst window's rate
+    current = deployment(tp_plan(A4, MODEL_70B_GQA))
+    state, cluster = GearState(), article_cluster()
+    steady = replace(make_load(2.0, now_s=NOW_S), window_ttft_p95_ms=400.0, num_ttft_samples=100)
+    first = decide(current, cluster, steady, state, CONFIG, model=MODEL_70B_GQA)
+    burst = replace(steady, now_s=NOW_S + 15.0, arrival_rate_rps=12.0)
+    smoothed = decide(current, cluster, burst, first.state, CONFIG, model=MODEL_70B_GQA)
+    raw = decide(
+        current, cluster, burst, first.state, replace(CONFIG, demand_smoothing_s=0.0),
+        model=MODEL_70B_GQA,
+    )  # fmt: skip
+    assert smoothed.current is not None and raw.current is not None
+    assert smoothed.current.model_ttft_p95_ms < raw.current.model_ttft_p95_ms
+    assert smoothed.current.est_throughput_tok_s < raw.current.est_throughput_tok_s
+    # the same lesson either way: the observation is paired with the window it was served at
+    assert smoothed.state.corrections.entries == raw.state.corrections.entries
