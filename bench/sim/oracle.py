@@ -8,7 +8,8 @@ the best plans per interval by the ground truth (:mod:`sim.truth`), jointly over
 * candidates — per deployment, on the interval's live GPUs (all free: the oracle owes no
   switch): every replica option gearbox enumerates (a block and TP degree, a pipeline, a
   prefill/decode split) as one, half or all of its copies — so a plan gearbox's estimator
-  ranks low is still tried; every plan gearbox assembles for the interval's true load scaled by
+  ranks low is still tried — and the splits with a stage on part of a block
+  (:func:`cut_splits`); every plan gearbox assembles for the interval's true load scaled by
   each of ``DEMAND_SCALES`` (mixes of options; bigger plans queue less); the deployment's
   starting plan there and its share of the static layout over every GPU (the baselines'
   plans); or nothing;
@@ -52,10 +53,12 @@ from bench.sim.metrics import DeploymentMetrics, Utilisation, combined
 from bench.sim.systems import SystemSpec
 from flexpipe.config import FlexPipeConfig
 from gearbox import DeploymentPlan, GearboxConfig
-from gearbox.candidates import enumerate_options
+from gearbox.blocks import AtomicBlock
+from gearbox.candidates import OptionKind, ReplicaOption, enumerate_options
+from gearbox.model import ModelSpec
 from gearbox.ranking import available_memory, rank_candidates
 from gearbox.scoring import request_profile
-from gearbox.types import LoadSnapshot
+from gearbox.types import LoadSnapshot, TopologySnapshot
 from runtime.deployment import RuntimeSettings
 from runtime.host import RuntimeHost
 from runtime.types import Request
@@ -285,7 +288,10 @@ class Oracle:
             options = enumerate_options(
                 blocks, topology, dep.model, prompt, output, free, self.gearbox
             )
-            for option in options:
+            cut = cut_splits(
+                options, blocks, topology, dep.model, (prompt, output), free, self.gearbox
+            )
+            for option in (*options, *cut):
                 copies = len(option.copies)
                 for count in sorted({1, (copies + 1) // 2, copies}):
                     replicas = tuple(option.plan(dep.model.name, i) for i in range(count))
@@ -426,6 +432,42 @@ class Oracle:
                 for n in self.names
             },
         )
+
+
+def cut_splits(
+    options: Sequence[ReplicaOption],
+    blocks: Sequence[AtomicBlock],
+    topology: TopologySnapshot,
+    model: ModelSpec,
+    profile: tuple[int, int],
+    free: Mapping[str, int],
+    config: GearboxConfig,
+) -> list[ReplicaOption]:
+    """Prefill/decode splits with a stage smaller than its block's biggest option.
+
+    gearbox pairs each block's biggest TP option only, over the GPUs it is given; in a live
+    cluster those are what the other deployments leave, so a split there may decode on half a
+    block (the 8-hour scenario, seed 7: prefill on A's two hoppers, decode on four of B's GPUs
+    after the third preemption), while the oracle, given every GPU, only ever saw B whole.
+    So each block is cut in turn to each copy of each of its TP options (the GPUs that copy
+    takes: where it sits matters to the other deployments), and the splits gearbox
+    enumerates on the pool so cut are candidates too. ``options``: gearbox's options on
+    ``free`` (the TP ones give the cuts); ``profile``: the request's prompt and output tokens.
+    """
+    prompt, output = profile
+    members = {b.block_id: frozenset(b.gpu_uuids) for b in blocks}
+    out: list[ReplicaOption] = []
+    cuts = {
+        members[option.block_ids[0]] - frozenset(copy.gpu_groups[0])
+        for option in options
+        if option.kind is OptionKind.TP
+        for copy in option.copies
+    }
+    for dropped in sorted((c for c in cuts if c), key=sorted):
+        pool = {u: m for u, m in free.items() if u not in dropped}
+        cut = enumerate_options(blocks, topology, model, prompt, output, pool, config)
+        out.extend(o for o in cut if o.kind is OptionKind.PD)
+    return out
 
 
 def _cold(run: RunResult) -> list[str]:

@@ -29,7 +29,7 @@ from bench.sim.oracle import (
 from bench.sim.report import headline, run_problems, targets
 from bench.sim.systems import SYSTEMS
 from flexpipe.config import FlexPipeConfig
-from gearbox.plans import ExecutionPlan
+from gearbox.plans import ExecutionPlan, StageRole
 from gearbox.ranking import rank_candidates
 from runtime.deployment import RuntimeSettings
 from runtime.host import RuntimeHost
@@ -231,7 +231,13 @@ def test_an_interval_after_a_release_can_load_onto_the_released_gpus() -> None:
     trace = scenario_trace(short(), short().duration_s, SEED)
     oracle = Oracle(short(), trace, seed=SEED, duration_s=short().duration_s, truth=truth())
     interval = Interval(900.0, 960.0)  # preempted at 300 s and released at 900 s: both at t=0
-    plan = next(p for p in oracle.candidates(interval)["chat-70b"] if p.gpu_uuids >= PREEMPTED)
+    # NOTE: a plain replica: a split's handoff may refuse a few of a 60-s interval's requests
+    plan = next(
+        p
+        for p in oracle.candidates(interval)["chat-70b"]
+        if p.gpu_uuids >= PREEMPTED
+        and all(s.role is StageRole.UNIFIED for r in p.replicas for s in r.stages)
+    )
     run = oracle.simulate(interval, {"chat-70b": plan})
     assert run.violations == []
     assert sum(run.metrics["chat-70b"].completions.values()) > 0
@@ -288,3 +294,20 @@ def test_a_run_advanced_in_steps_ends_as_a_whole_run() -> None:
     assert again.metrics["chat-70b"] == whole.metrics["chat-70b"]
     assert again.utilisation == whole.utilisation
     assert again.transitions == whole.transitions and again.unfinished == whole.unfinished
+
+
+def test_the_oracle_also_tries_splits_that_decode_on_part_of_a_block() -> None:
+    # gearbox pairs each block's biggest option only; a live cluster's other deployments can
+    # leave a split half a block, so the oracle, given every GPU, must try those too
+    trace = scenario_trace(short(), DURATION_S, SEED)
+    oracle = Oracle(short(), trace, seed=SEED, duration_s=DURATION_S, truth=truth())
+    sizes: dict[tuple[str, str], set[int]] = {}
+    for plan in oracle.candidates(Interval(0.0, DURATION_S))["chat-70b"]:
+        for replica in plan.replicas:
+            roles = {s.role: s for s in replica.stages}
+            prefill, decode = roles.get(StageRole.PREFILL), roles.get(StageRole.DECODE)
+            if prefill is not None and decode is not None:
+                key = (prefill.block_id, decode.block_id)
+                sizes.setdefault(key, set()).add(len(decode.gpu_uuids))
+    assert sizes, "no split among the candidates"
+    assert any(len(s) > 1 for s in sizes.values()), sizes
