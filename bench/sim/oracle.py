@@ -35,7 +35,8 @@ already serve every arrival within SLO most candidates are never run (fragmented
 73 of 196 simulated; seeds 7-11: 142 -> 48 oracle CPU s, the results file byte for byte the
 same as simulating every candidate); an interval that no plan serves in full (the last one,
 whose late arrivals cannot finish before the run ends) still simulates all of its candidates.
-The 8-hour scenario: 439-524 CPU s per seed (seeds 7-11, bench/HISTORY.md, 2026-12-04 stop 37).
+The 8-hour scenario: 2,759 CPU s for seeds 7-11 with the cut splits (2,027 without them;
+bench/HISTORY.md, 2026-12-05 stop 46).
 """
 
 from __future__ import annotations
