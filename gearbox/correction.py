@@ -113,7 +113,6 @@ __all__ = [
     "SmoothedDemand",
     "apply_correction",
     "factor_for",
-    "forecast_load",
     "observe",
     "observe_demand",
     "observe_prompts",
@@ -526,13 +525,6 @@ def with_smoothed_demand(load: LoadSnapshot, corrections: Corrections) -> LoadSn
         mean_prompt_tokens=max(1.0, demand.prompt_tok_s / rate),
         mean_output_tokens=max(1.0, demand.output_tok_s / rate),
     )
-
-
-def forecast_load(load: LoadSnapshot, corrections: Corrections) -> LoadSnapshot:
-    """The load a deployment's estimates are made at: its window ``load`` with the smoothed
-    prompt tail and the smoothed demand of ``corrections`` (:func:`with_prompt_tail`,
-    :func:`with_smoothed_demand`). Its own tick and a neighbour's standby read the same."""
-    return with_smoothed_demand(with_prompt_tail(load, corrections), corrections)
 
 
 def apply_correction(

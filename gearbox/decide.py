@@ -77,7 +77,6 @@ from gearbox.correction import (
     Corrections,
     apply_correction,
     factor_for,
-    forecast_load,
     observe,
     observe_demand,
     observe_prompts,
@@ -89,6 +88,7 @@ from gearbox.correction import (
     tbt_factor_for,
     teaches_service_rate,
     with_prompt_tail,
+    with_smoothed_demand,
 )
 from gearbox.decisions import (
     CandidateSummary,
@@ -235,13 +235,14 @@ def decide(
         raise ValueError(
             f"model: {model.name} does not match the current plan's {current.model_name}"
         )
+    # NOTE: every estimate of the tick uses the smoothed prompt tail (gearbox.correction)
     learned = observe_demand(observe_prompts(state.corrections, load, config), load, config)
-    # NOTE: every estimate of the tick uses the smoothed prompt tail and the smoothed demand, a
-    # forecast for the minutes a plan serves (gearbox.correction); the window's own rate is what
-    # its observed TTFT p95 was served at (what the factors learn from) and what its pressure
-    # and demand history read
-    window = with_prompt_tail(load, learned)
-    load = forecast_load(load, learned)
+    load = with_prompt_tail(load, learned)
+    # NOTE: the window's own rate is what its observed TTFT p95 was served at (what the
+    # factors learn from) and what its pressure and demand history read; every estimate of the
+    # tick is made at the smoothed demand, a forecast for the minutes a plan serves
+    window = load
+    load = with_smoothed_demand(window, learned)
     blocks = build_blocks(snapshot, config, state.blocks)
     history = record_blocks(state.history, blocks, snapshot.now_s, config)
     own = current.gpu_uuids - handed_over if current is not None else frozenset()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from gearbox.correction import Corrections, forecast_load
+from gearbox.correction import Corrections
 from gearbox.history import GearState
 from gearbox.joint import Neighbour
 from streams.deployments import Deployment
@@ -30,8 +30,7 @@ def neighbours_view(
     deciding: str,
 ) -> tuple[Neighbour, ...]:
     """Every resident deployment but ``deciding`` with a plan in ``plans``: its model, its load
-    over the window (the nominal load while the window holds no reports) with its own smoothed
-    prompt tail and demand (:func:`gearbox.correction.forecast_load`), the GPUs its plans
+    over the window (the nominal load while the window holds no reports), the GPUs its plans
     hold, its learned TTFT factors (``gear_of(name)``'s; none when it is None) and, when it is
     settled (the runtime confirmed the plan the loop assumes, no switch in flight), that plan:
     only then may a handover move it. Only the neighbours' gear states are read.
@@ -51,9 +50,6 @@ def neighbours_view(
         gpus = frozenset().union(*(p.gpu_uuids for p in held))
         gear = gear_of(dep.name)
         learned = gear.corrections if gear is not None else Corrections()
-        # NOTE: at the load its own tick estimates at (prompt tail, smoothed demand), so a
-        # switch weighs its standby as it would weigh it itself
-        load = forecast_load(load, learned)
         settled = (
             plan.in_flight is None
             and plan.current is not None

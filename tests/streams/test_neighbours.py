@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gearbox.correction import DEPLOYMENT_WIDE, Correction, Corrections, SmoothedDemand
+from gearbox.correction import DEPLOYMENT_WIDE, Correction, Corrections
 from gearbox.history import GearState
 from gearbox.presets import MODEL_7B_MHA
 from gearbox.starting import PlanHint
@@ -41,23 +41,3 @@ def test_each_neighbour_carries_its_own_learned_factors() -> None:
     assert by_name["learned"].gpu_uuids == frozenset({"learned-g0"})
     # no gear state readable here: the plain model's figures
     assert by_name["fresh"].corrections == Corrections()
-
-
-def test_a_neighbours_standby_is_estimated_at_its_own_smoothed_demand() -> None:
-    deps = (_dep("deciding"), _dep("smoothed"), _dep("fresh"))
-    plans = {
-        name: PlanState(current=deployment(tp_plan((f"{name}-g0",), MODEL_7B_MHA), name=name))
-        for name in ("deciding", "smoothed", "fresh")
-    }
-    # its own ticks smoothed 3 rps of 40-token prompts and 20-token outputs
-    demand = SmoothedDemand(3.0, 120.0, 60.0, T0_MS / 1000)
-    gears = {"smoothed": GearState(corrections=Corrections(demand=demand))}
-    window = HoppingWindow(60.0, 15.0)
-    out = neighbours_view(deps, plans, {}, gears.get, window, T0_MS / 1000, "deciding")
-    by_name = {n.deployment: n for n in out}
-    # what its own tick estimates at, not the window's (here the nominal 1 rps of 100 / 100)
-    smoothed = by_name["smoothed"].load
-    assert (smoothed.arrival_rate_rps, smoothed.mean_prompt_tokens) == (3.0, 40.0)
-    assert smoothed.mean_output_tokens == 20.0
-    fresh = by_name["fresh"].load
-    assert (fresh.arrival_rate_rps, fresh.mean_prompt_tokens) == (1.0, 100.0)
