@@ -235,13 +235,12 @@ def decide(
         raise ValueError(
             f"model: {model.name} does not match the current plan's {current.model_name}"
         )
-    # NOTE: every estimate of the tick uses the smoothed prompt tail (gearbox.correction)
     learned = observe_demand(observe_prompts(state.corrections, load, config), load, config)
-    load = with_prompt_tail(load, learned)
-    # NOTE: the window's own rate is what its observed TTFT p95 was served at (what the
-    # factors learn from) and what its pressure and demand history read; every estimate of the
-    # tick is made at the smoothed demand, a forecast for the minutes a plan serves
-    window = load
+    # NOTE: every estimate of the tick uses the smoothed prompt tail and the smoothed demand, a
+    # forecast for the minutes a plan serves (gearbox.correction); the window's own rate is what
+    # its observed TTFT p95 was served at (what the factors learn from) and what its pressure
+    # and demand history read
+    window = with_prompt_tail(load, learned)
     load = with_smoothed_demand(window, learned)
     blocks = build_blocks(snapshot, config, state.blocks)
     history = record_blocks(state.history, blocks, snapshot.now_s, config)
@@ -373,7 +372,8 @@ def _learn(
     modelled = estimate_plan(current, available, model, load, config, service_factor=speed)
 
     def estimated(service_factor: float) -> DeploymentEstimate:
-        if service_factor == speed and estimate_load == load:
+        # NOTE: identity, not equality: with smoothing off the load is the window itself
+        if service_factor == speed and estimate_load is load:
             return modelled
         return estimate_plan(
             current, available, model, estimate_load, config, service_factor=service_factor
