@@ -247,6 +247,25 @@ class Utilisation:
         self.sampled_s += other.sampled_s
         self.gpus_by_minute.update((m, n) for m, n in other.gpus_by_minute.items() if m in minutes)
 
+    @classmethod
+    def side_by_side(cls, parts: Sequence[Utilisation]) -> Utilisation:
+        """Runs over the same span and samples on disjoint GPUs (an oracle interval's
+        deployments, each run alone) as one run: what they hold and do added up, the
+        cluster and the span counted once."""
+        out = cls(cluster_gpu_s=parts[0].cluster_gpu_s, sampled_s=parts[0].sampled_s)
+        for part in parts:
+            if (part.cluster_gpu_s, part.sampled_s) != (out.cluster_gpu_s, out.sampled_s):
+                raise ValueError("runs side by side must cover the same span of one cluster")
+            out.held_gpu_s += part.held_gpu_s
+            out.memory_used_byte_s += part.memory_used_byte_s
+            out.memory_capacity_byte_s += part.memory_capacity_byte_s
+            out.busy_gpu_s += part.busy_gpu_s
+            out.model_flops += part.model_flops
+            out.peak_flops += part.peak_flops
+            for minute, gpus in part.gpus_by_minute.items():
+                out.gpus_by_minute[minute] = out.gpus_by_minute.get(minute, 0) + gpus
+        return out
+
     def summary(self) -> dict[str, float]:
         """Utilisation ratios over the run (held GPUs, and the whole schedulable cluster)."""
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bench.sim.des import RunResult, Simulation
-from bench.sim.metrics import DeploymentMetrics, combined
+from bench.sim.metrics import DeploymentMetrics, Utilisation, combined
 from bench.sim.oracle import (
     MAX_INTERVAL_S,
     Interval,
@@ -155,6 +155,37 @@ def test_the_oracle_ranks_plans_by_the_ground_truth_not_by_gearbox() -> None:
     top = rank_candidates(topology, blocks, dep.model, load, cfg.gearbox, deployment=dep.name)[0]
     assert "hopper-80g" in {s.gpu_class.name for r in top.plan.replicas for s in r.stages}
     assert top.plan.plan_id != chosen.plan_id
+
+
+def test_the_oracles_run_is_what_its_search_ranked() -> None:
+    # The run is put together from each deployment's own run of its chosen plan (the search
+    # simulated those to their end), not simulated again: its goodput is the ranking's figure.
+    result, choices = oracle_run()
+    for name, metrics in result.metrics.items():
+        assert metrics.goodput_tokens == sum(c.goodput_tokens[name] for c in choices), name
+    trace = scenario_trace(short(), DURATION_S, SEED)
+    oracle = Oracle(short(), trace, seed=SEED, duration_s=DURATION_S, truth=truth())
+    choice = choices[1]
+    together = oracle.simulate(choice.interval, choice.plans)  # the same plans served together
+    for name, run in choice.runs.items():
+        assert run.metrics[name].goodput_tokens == together.metrics[name].goodput_tokens
+        assert run.utilisation.sampled_s == together.utilisation.sampled_s
+    held = sum(run.utilisation.held_gpu_s for run in choice.runs.values())
+    assert held == pytest.approx(together.utilisation.held_gpu_s)
+
+
+def test_utilisation_side_by_side_adds_what_runs_hold_and_counts_the_cluster_once() -> None:
+    a, b = Utilisation(), Utilisation()
+    a.add(60.0, 5.0, {"g1": (10, 80, 1.0)}, (2.0, 7.0), 4)
+    b.add(60.0, 5.0, {"g2": (30, 80, 1.0), "g3": (5, 80, 1.0)}, (1.0, 3.0), 4)
+    both = Utilisation.side_by_side([a, b])
+    assert both.held_gpu_s == 15.0 and both.memory_used_byte_s == 45 * 5.0
+    assert (both.busy_gpu_s, both.model_flops) == (3.0, 10.0)
+    assert (both.cluster_gpu_s, both.sampled_s) == (20.0, 5.0)
+    assert both.gpus_by_minute == {1: 3}
+    b.add(65.0, 5.0, {}, (0.0, 0.0), 4)  # a longer span is not side by side
+    with pytest.raises(ValueError, match="same span"):
+        Utilisation.side_by_side([a, b])
 
 
 def _done(rid: str, at_s: float) -> Completion:
