@@ -7,9 +7,10 @@ the best plans per interval by the ground truth (:mod:`sim.truth`), jointly over
   every ``MAX_INTERVAL_S`` (the daily swing moves the load between phases);
 * candidates — per deployment, on the interval's live GPUs (all free: the oracle owes no
   switch): every replica option gearbox enumerates (a block and TP degree, a pipeline, a
-  prefill/decode split) as one, half or all of its copies — so a plan gearbox's estimator
-  ranks low is still tried — and the splits with a stage on part of a block
-  (:func:`cut_splits`); every plan gearbox assembles for the interval's true load scaled by
+  prefill/decode split) as one, half or all of its copies, and one replica on each copy (the
+  world's per-step jitter is drawn per replica, so a shape runs at its own speed on each) — so
+  a plan gearbox's estimator ranks low is still tried — and the splits with a stage on part of
+  a block (:func:`cut_splits`); every plan gearbox assembles for the interval's true load scaled by
   each of ``DEMAND_SCALES`` (mixes of options; bigger plans queue less); the deployment's
   starting plan there and its share of the static layout over every GPU (the baselines'
   plans); or nothing;
@@ -298,6 +299,15 @@ class Oracle:
                 for count in sorted({1, (copies + 1) // 2, copies}):
                     replicas = tuple(option.plan(dep.model.name, i) for i in range(count))
                     made = DeploymentPlan(dep.name, dep.model.name, replicas)
+                    plans[made.plan_id] = made
+                # NOTE: one replica on each copy, not only the first: the world's per-step
+                # jitter is drawn per replica (its GPUs), so a shape runs at another speed on
+                # other GPUs of its block (steady-noisy, seed 7: the no-hysteresis ablation's
+                # TP2 on a block's second pair of hoppers beat the oracle's first pair)
+                for i in range(1, copies):
+                    made = DeploymentPlan(
+                        dep.name, dep.model.name, (option.plan(dep.model.name, i),)
+                    )
                     plans[made.plan_id] = made
             for scale in DEMAND_SCALES:
                 scaled = dataclasses.replace(load, arrival_rate_rps=load.arrival_rate_rps * scale)

@@ -342,3 +342,19 @@ def test_the_oracle_also_tries_splits_that_decode_on_part_of_a_block() -> None:
                 sizes.setdefault(key, set()).add(len(decode.gpu_uuids))
     assert sizes, "no split among the candidates"
     assert any(len(s) > 1 for s in sizes.values()), sizes
+
+
+def test_the_oracle_tries_one_replica_on_every_copy_of_a_shape() -> None:
+    # the world's per-step jitter is drawn per replica (its GPUs), so the same shape runs at
+    # its own speed on each copy: a system on the second copy must not beat the oracle's first
+    trace = scenario_trace(short(), DURATION_S, SEED)
+    oracle = Oracle(short(), trace, seed=SEED, duration_s=DURATION_S, truth=truth())
+    singles: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
+    for plan in oracle.candidates(Interval(0.0, DURATION_S))["chat-70b"]:
+        if len(plan.replicas) == 1:
+            (replica,) = plan.replicas
+            shape = tuple(f"{s.block_id[0]}/tp{s.tp}/{s.role.value}" for s in replica.stages)
+            singles.setdefault(shape, set()).add(tuple(sorted(replica.gpu_uuids)))
+    block_a_tp4 = singles[("A/tp4/unified",)]
+    assert len(block_a_tp4) == 3, block_a_tp4  # 12 hoppers: three TP4 copies, each tried
+    assert len({u for gpus in block_a_tp4 for u in gpus}) == 12
