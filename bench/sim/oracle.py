@@ -28,17 +28,17 @@ last instant one could still meet its SLOs, never past the run's end) on the int
 while the next interval's plans serve new arrivals: both favour the oracle, which is what an
 upper bound may do. A system that beats it has found a plan outside its candidates, or a bug.
 
-Cost: every candidate simulated is a run of its interval (about 50 candidates per interval on
-the seed cluster, ~10 CPU s each at the 8-hour scenario's load). :meth:`Oracle.choose` finds the
-same combination as simulating them all, lazily: an unsimulated candidate counts at its
-deployment's ceiling (every token offered in the interval), and only candidates of the best
-combination by those bounds are simulated, until it is known throughout. Where small plans
-already serve every arrival within SLO most candidates are never run (fragmented-short, seed 7:
-73 of 196 simulated; seeds 7-11: 142 -> 48 oracle CPU s, the results file byte for byte the
-same as simulating every candidate); an interval that no plan serves in full (the last one,
-whose late arrivals cannot finish before the run ends) still simulates all of its candidates.
-The 8-hour scenario: 2,759 CPU s for seeds 7-11 with the cut splits (2,027 without them;
-bench/HISTORY.md, 2026-12-05 stop 46).
+Cost: every candidate simulated is a run of its interval (the 8-hour scenario, seed 7's
+intervals 3 and 9: 75 and 52 candidates for the 70B, 184 and 138 for the 7B; ~10 CPU s a
+whole run at that load). :meth:`Oracle.choose` finds the same combination as simulating them
+all, lazily: an unsimulated candidate counts at its deployment's ceiling (every token offered
+in the interval), and only candidates of the best combination by those bounds are simulated,
+until it is known throughout. Where small plans already serve every arrival within SLO most
+candidates are never run; an interval that no plan serves in full (the last one, whose late
+arrivals cannot finish before the run ends) still simulates all of its candidates. The 8-hour
+scenario, seeds 7-11: 2,127 CPU s at bc0dc54 (2,759 before the search found its combinations
+once and the run stopped simulating the choice again, with fewer candidates;
+bench/HISTORY.md, 2026-12-05 stop 47).
 """
 
 from __future__ import annotations
