@@ -237,15 +237,19 @@ class Utilisation:
     def absorb(self, other: Utilisation, minutes: range) -> None:
         """Add another run's integrals (one on the same clock: an oracle interval); its GPU
         counts only for ``minutes``, the interval it stands for (its drain overlaps the next)."""
+        self._add_work(other)
+        self.cluster_gpu_s += other.cluster_gpu_s
+        self.sampled_s += other.sampled_s
+        self.gpus_by_minute.update((m, n) for m, n in other.gpus_by_minute.items() if m in minutes)
+
+    def _add_work(self, other: Utilisation) -> None:
+        """What ``other`` held and did, added (not the cluster, nor the span sampled)."""
         self.held_gpu_s += other.held_gpu_s
         self.memory_used_byte_s += other.memory_used_byte_s
         self.memory_capacity_byte_s += other.memory_capacity_byte_s
         self.busy_gpu_s += other.busy_gpu_s
         self.model_flops += other.model_flops
         self.peak_flops += other.peak_flops
-        self.cluster_gpu_s += other.cluster_gpu_s
-        self.sampled_s += other.sampled_s
-        self.gpus_by_minute.update((m, n) for m, n in other.gpus_by_minute.items() if m in minutes)
 
     @classmethod
     def side_by_side(cls, parts: Sequence[Utilisation]) -> Utilisation:
@@ -256,12 +260,7 @@ class Utilisation:
         for part in parts:
             if (part.cluster_gpu_s, part.sampled_s) != (out.cluster_gpu_s, out.sampled_s):
                 raise ValueError("runs side by side must cover the same span of one cluster")
-            out.held_gpu_s += part.held_gpu_s
-            out.memory_used_byte_s += part.memory_used_byte_s
-            out.memory_capacity_byte_s += part.memory_capacity_byte_s
-            out.busy_gpu_s += part.busy_gpu_s
-            out.model_flops += part.model_flops
-            out.peak_flops += part.peak_flops
+            out._add_work(part)
             for minute, gpus in part.gpus_by_minute.items():
                 out.gpus_by_minute[minute] = out.gpus_by_minute.get(minute, 0) + gpus
         return out
