@@ -215,6 +215,7 @@ class Oracle:
         self.gearbox: GearboxConfig = cfg.gearbox
         self.names = sorted(d.name for d in scenario.deployments)
         self._memo: dict[tuple[str, Interval], list[Request]] = {}
+        self._run_s_memo: dict[Interval, float] = {}
         self.slo_s: dict[str, tuple[float, float]] = {}
         for dep in cfg.deployments:
             ttft_ms, tbt_ms = dep.slo_ms(cfg.gearbox)
@@ -230,16 +231,20 @@ class Oracle:
             self._memo[key] = interval_requests(self.trace[name], interval)
         return self._memo[key]
 
-    def _run_s(self, interval: Interval, names: Sequence[str]) -> float:
-        """How long an interval's run lasts: until no request of it could still meet its SLOs
-        (first token within the TTFT SLO, every gap within the TBT SLO), never past the run."""
-        last = interval.end_s
-        for name in names:
-            ttft_s, tbt_s = self.slo_s[name]
-            for r in self._arrivals(name, interval):
-                done = interval.start_s + r.arrival_s + ttft_s + tbt_s * (output_tokens(r) - 1)
-                last = max(last, done)
-        return min(last, self.duration_s) - interval.start_s
+    def _run_s(self, interval: Interval) -> float:
+        """How long an interval's runs last: until no request of any deployment could still meet
+        its SLOs (first token within the TTFT SLO, every gap within the TBT SLO), never past the
+        run. Whichever deployments a run serves, so that a choice's runs side by side cover one
+        span (:func:`_together`); once per interval (every candidate's run asks)."""
+        if interval not in self._run_s_memo:
+            last = interval.end_s
+            for name in self.names:
+                ttft_s, tbt_s = self.slo_s[name]
+                for r in self._arrivals(name, interval):
+                    done = interval.start_s + r.arrival_s + ttft_s + tbt_s * (output_tokens(r) - 1)
+                    last = max(last, done)
+            self._run_s_memo[interval] = min(last, self.duration_s) - interval.start_s
+        return self._run_s_memo[interval]
 
     def simulate(self, interval: Interval, plans: Mapping[str, DeploymentPlan | None]) -> RunResult:
         """The deployments of ``plans`` serving the interval's arrivals on those plans (loaded
@@ -251,9 +256,7 @@ class Oracle:
     ) -> Simulation:
         """:meth:`simulate`'s run, not started (to be run in steps)."""
         names = sorted(plans)
-        # NOTE: as long as the run of every deployment would last, whichever serve here, so
-        # that the deployments' own runs of a choice together are the choice's run (``run``)
-        run_s = self._run_s(interval, self.names)
+        run_s = self._run_s(interval)
         scenario = segment_scenario(self.scenario, interval, names, run_s)
         trace = {n: self._arrivals(n, interval) for n in names}
         chosen = {n: p for n, p in plans.items() if p is not None}
@@ -296,18 +299,15 @@ class Oracle:
             )
             for option in (*options, *cut):
                 copies = len(option.copies)
-                for count in sorted({1, (copies + 1) // 2, copies}):
-                    replicas = tuple(option.plan(dep.model.name, i) for i in range(count))
-                    made = DeploymentPlan(dep.name, dep.model.name, replicas)
-                    plans[made.plan_id] = made
                 # NOTE: one replica on each copy, not only the first: the world's per-step
                 # jitter is drawn per replica (its GPUs), so a shape runs at another speed on
                 # other GPUs of its block (steady-noisy, seed 7: the no-hysteresis ablation's
                 # TP2 on a block's second pair of hoppers beat the oracle's first pair)
-                for i in range(1, copies):
-                    made = DeploymentPlan(
-                        dep.name, dep.model.name, (option.plan(dep.model.name, i),)
-                    )
+                singles = [(i,) for i in range(copies)]
+                firsts = [tuple(range(n)) for n in sorted({(copies + 1) // 2, copies} - {1})]
+                for picked in (*singles, *firsts):
+                    replicas = tuple(option.plan(dep.model.name, i) for i in picked)
+                    made = DeploymentPlan(dep.name, dep.model.name, replicas)
                     plans[made.plan_id] = made
             for scale in DEMAND_SCALES:
                 scaled = dataclasses.replace(load, arrival_rate_rps=load.arrival_rate_rps * scale)
@@ -500,7 +500,7 @@ class _Joint:
     their goodputs change as the search learns them, and the search asks for the best
     combination hundreds of times over ≈ 10^4 combinations (the 8-hour scenario: 65 × 150
     candidates an interval), which checking every product for disjointness each time made a
-    third of the search's CPU."""
+    fifth of the search's CPU."""
 
     def __init__(self, lists: Sequence[Sequence[Scored]]) -> None:
         ranges = [range(len(cands)) for cands in lists]
