@@ -12,6 +12,11 @@ skipped). It starts with the catalogue's live models loaded as model-aware round
 can take the weights (the same LRU-idle eviction), and requests go cyclically over that model's
 instances. No memory headroom is kept and nothing is throttled.
 
+The three baselines' engines are vLLM as shipped: an engine's context limit (its max model
+length) is what one sequence's KV can take under vLLM's default ``gpu_memory_utilization``
+(``GPU_MEMORY_UTILIZATION``; ``bench.multimodel.ENGINE_CONFIGS``). Ours runs the runtime's engine,
+whose limit is set by the share it admits KV to (``GearboxConfig.memory_utilisation``).
+
 **vLLM-like** (per GPU, no cross-GPU scheduler): a static deployment of the whole catalogue made
 at start (one replica of every model first, largest first, each on the GPU with the most memory
 left that holds its weights + its nominal batch's KV under ``GPU_MEMORY_UTILIZATION``; then the

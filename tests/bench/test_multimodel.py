@@ -36,7 +36,7 @@ from bench.mm.systems import (
     NaiveRoundRobin,
     VllmLikeSystem,
 )
-from bench.multimodel import main, results_text, run_seed
+from bench.multimodel import ENGINE_CONFIGS, main, results_text, run_seed
 from gearbox.config import GearboxConfig, PlacementConfig
 from gearbox.presets import GIB, MODEL_7B_MHA
 from gearbox.residency import Residency
@@ -55,6 +55,7 @@ SYSTEMS: dict[str, Callable[[Simulator], System]] = {
     "vllm": VllmLikeSystem,
     "ours": GearboxSystem,
 }
+BASELINE = {"naive": "naive_rr", "rr": "model_aware_rr"}  # this file's names → the benchmark's
 
 
 def make_single_gpu_scenario(requests: tuple[SimRequest, ...]) -> Scenario:
@@ -212,6 +213,25 @@ def test_context_limit_uses_the_stated_max_tokens_not_the_output() -> None:
     prompt = A10_KV_ROOM // KV_PER_TOKEN - 500
     metrics = run_one(make_single_gpu_scenario((request(0, prompt, 100),)), "rr")
     assert metrics.rejected == {"too_long": 1}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("system", ["naive", "rr"])
+def test_baselines_size_their_context_limit_as_vllm_does_not_by_our_watermark(system: str) -> None:
+    # prompt + max_tokens fits one sequence's KV under vLLM's default 0.9 of the A10 but not
+    # under the 0.85 our runtime admits KV to: a baseline's engine (vLLM as shipped) takes it,
+    # ours refuses it up front; our knob must not reconfigure their engines.
+    scenario = make_single_gpu_scenario(())
+    (a10,) = scenario.cluster.gpus
+    weights = MODEL_7B_MHA.weight_bytes + GearboxConfig().runtime_overhead_bytes
+    room = a10.gpu_class.memory_bytes * (0.85 + 0.9) / 2 - weights
+    prompt = int(room // KV_PER_TOKEN) - MAX_OUTPUT_TOKENS
+    scenario = dataclasses.replace(scenario, requests=(request(0, prompt, 100),))
+    theirs = Simulator(scenario, PlacementConfig(), config=ENGINE_CONFIGS[BASELINE[system]])
+    assert "too_long" not in theirs.run(SYSTEMS[system](theirs)).rejected
+    # the same engine sized by our config refuses it, as ours does
+    assert run_one(scenario, system).rejected == {"too_long": 1}
+    assert run_one(scenario, "ours").rejected == {"too_long": 1}
 
 
 @pytest.mark.unit
