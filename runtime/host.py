@@ -11,13 +11,14 @@ NOTE: one host = one inventory shared by its deployments, as a production worker
 several deployments (``runtime.deployments``) has: a GPU claimed by one is not free for the
 others, except that on-demand deployments share GPUs: each holds a share of the memory, and the
 one VMM ledger (per GPU, across their engines) holds the watermark and refuses what does not
-fit. Workers started one per deployment do not see each other's claims; the decision step's
+fit; their routers see how many other replicas with work share a replica's GPUs. Workers
+started one per deployment do not see each other's claims; the decision step's
 view of what other deployments hold (telemetry) is then the only guard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 
 from flexpipe.schemas import (
@@ -36,8 +37,9 @@ from runtime.deployment import DeploymentRuntime, EngineFactory, RuntimeSettings
 from runtime.engine.simgpu import SimGpuPool
 from runtime.inventory import GpuInventory
 from runtime.ownership import unfinished
-from runtime.router import Router
+from runtime.router import ROUTABLE, ReplicaRole, Router
 from runtime.stats import ServingWindow
+from runtime.timing import ReplicaTiming
 from runtime.types import Request
 from runtime.vmm.manager import ReservationManager
 
@@ -111,6 +113,27 @@ class RuntimeHost:
         for d, tokens in (kv_floor_tokens or {}).items():
             if d in self.runtimes:
                 self.runtimes[d].core.kv_floor_tokens = tokens
+        # On-demand deployments' routers see the GPU time their replicas share with the others.
+        self._sharing = [d for d in self.runtimes if d in (hold_s or {})]
+        for d in self._sharing:
+            self.runtimes[d].core.router.neighbours_busy = self._busy_beside(d)
+
+    def _busy_beside(self, deployment: str) -> Callable[[ReplicaTiming], int]:
+        """How many other on-demand replicas with work hold one of a replica's GPUs."""
+
+        def busy(timing: ReplicaTiming) -> int:
+            gpus = set(timing.gpu_uuids)
+            count = 0
+            for d in self._sharing:
+                router = self.runtimes[d].core.router
+                for rid in router.replicas(*ROUTABLE, ReplicaRole.DRAINING, ReplicaRole.FROZEN):
+                    if (d, rid) == (deployment, timing.replica_id) or not router.has_work(rid):
+                        continue
+                    if gpus.intersection(router.gpu_uuids(rid)):
+                        count += 1
+            return count
+
+        return busy
 
     def on_cluster_event(self, event: ClusterEvent) -> None:
         """A cluster event: the inventory learns it; the simulated hardware follows."""

@@ -6,12 +6,15 @@ that replica's queue or running in its engine. Ownership changes only through :m
 transfer`, one atomic dictionary update, so no interleaving can leave a sequence with two owners
 or none; :meth:`Router.check_invariants` states the rule and tests assert it after every step.
 Pure: no clock, no I/O; predictions come from gearbox's cost model via :class:`ReplicaTiming`.
+Where deployments share GPUs (on-demand models), the host tells the router how many other
+replicas with work sit on a replica's GPUs (``neighbours_busy``): co-resident engines
+time-slice a GPU, so its prediction stretches by that many (bench.multimodel, stop 48).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -53,6 +56,52 @@ class _Entry:
     running: set[str]
 
 
+def answer_mean_after(answers: int, mean: float, output_tokens: int) -> float:
+    """The mean answer length once the ``answers``-th answer (``output_tokens`` long) joined
+    it: a running mean over the first ``OUTPUT_MEMORY``, then decaying with that weight."""
+    weight = 1.0 / min(answers, OUTPUT_MEMORY)
+    return mean + (output_tokens - mean) * weight
+
+
+def expected_output_tokens(answers: int, mean: float, max_output_tokens: int) -> float:
+    """The answer length a prediction assumes: the recent answers' ``mean`` length, at most the
+    request's stated cap (its own length is unknown until it is out); the cap until an answer
+    completed."""
+    if answers == 0:
+        return float(max_output_tokens)
+    return min(float(max_output_tokens), mean)
+
+
+def predicted_completion_s(
+    now_s: float,
+    timing: ReplicaTiming,
+    queued_prefill_s: float,
+    batch: int,
+    prompt_tokens: int,
+    output_tokens: float,
+    sharing: int = 1,
+) -> float:
+    """When a request would complete on a replica: the queue's wait (``queued_prefill_s``, the
+    prefills ahead) + its own prefill + ``output_tokens`` decode steps at ``batch`` sequences
+    (the request included) of mean context prompt + half the output — stretched by
+    ``sharing``, the engines busy on its GPUs with it (co-resident engines time-slice a GPU)."""
+    context = prompt_tokens + output_tokens / 2
+    if sharing == 1:
+        # NOTE: summed from now_s, as before GPUs were shared: the same figure to the last bit
+        return (
+            now_s
+            + queued_prefill_s
+            + timing.prefill_s(prompt_tokens)
+            + output_tokens * timing.decode_cycle_s(batch, context)
+        )
+    work_s = (
+        queued_prefill_s
+        + timing.prefill_s(prompt_tokens)
+        + output_tokens * timing.decode_cycle_s(batch, context)
+    )
+    return now_s + work_s * sharing
+
+
 def canary_fraction(request_id: str) -> float:
     """A stable pseudo-random number in [0, 1) per request id (same in every process)."""
     digest = hashlib.sha256(request_id.encode()).digest()
@@ -64,6 +113,9 @@ class Router:
 
     def __init__(self, canary_share: float = 0.1) -> None:
         self.canary_share = canary_share
+        # how many other replicas with work hold a replica's GPUs (:class:`runtime.host.
+        # RuntimeHost` sets it where deployments share GPUs); None: a replica has its GPUs alone
+        self.neighbours_busy: Callable[[ReplicaTiming], int] | None = None
         self._replicas: dict[str, _Entry] = {}
         self._owner: dict[str, str] = {}
         self._answers = 0  # answers completed, for the running mean's weight
@@ -105,27 +157,30 @@ class Router:
     # ---- routing -------------------------------------------------------------------------------
 
     def expected_output_tokens(self, request: Request) -> float:
-        """The answer length a prediction assumes: the recent answers' mean length, at most
-        the request's stated cap (its own length is unknown until it is out); the cap until an
-        answer completed."""
-        if self._answers == 0:
-            return float(request.max_output_tokens)
-        return min(float(request.max_output_tokens), self._answer_mean)
+        """The answer length a prediction assumes (:func:`expected_output_tokens`)."""
+        return expected_output_tokens(self._answers, self._answer_mean, request.max_output_tokens)
 
     def predict_completion_s(self, replica_id: str, request: Request, now_s: float) -> float:
         """Queue wait (prefills ahead) + own prefill + expected output × decode step at the new
-        batch."""
+        batch (:func:`predicted_completion_s`)."""
         entry = self._replicas[replica_id]
-        t = entry.timing
         batch = len(entry.running) + len(entry.queued) + 1
         output = self.expected_output_tokens(request)
-        context = request.prompt_tokens + output / 2
-        return (
-            now_s
-            + sum(entry.queued.values())
-            + t.prefill_s(request.prompt_tokens)
-            + output * t.decode_cycle_s(batch, context)
+        queued_s = sum(entry.queued.values())
+        busy = self.neighbours_busy
+        sharing = 1 if busy is None else 1 + busy(entry.timing)
+        return predicted_completion_s(
+            now_s, entry.timing, queued_s, batch, request.prompt_tokens, output, sharing
         )
+
+    def gpu_uuids(self, replica_id: str) -> tuple[str, ...]:
+        """The replica's GPUs."""
+        return self._replicas[replica_id].timing.gpu_uuids
+
+    def has_work(self, replica_id: str) -> bool:
+        """Whether the replica owns a sequence, queued or running."""
+        entry = self._replicas.get(replica_id)
+        return entry is not None and bool(entry.queued or entry.running)
 
     def candidates(self, request: Request, now_s: float) -> tuple[RouteChoice, ...]:
         """Routable replicas, best first: the request's group (canary or not), then the other."""
@@ -220,8 +275,7 @@ class Router:
         the ownership map, and its length joins :meth:`expected_output_tokens`'s mean."""
         if output_tokens is not None:
             self._answers += 1
-            weight = 1.0 / min(self._answers, OUTPUT_MEMORY)
-            self._answer_mean += (output_tokens - self._answer_mean) * weight
+            self._answer_mean = answer_mean_after(self._answers, self._answer_mean, output_tokens)
         replica = self._owner.pop(seq_id, None)
         if replica is not None:
             entry = self._replicas[replica]

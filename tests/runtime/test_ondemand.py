@@ -11,10 +11,13 @@ from dataclasses import replace
 import pytest
 
 from flexpipe.schemas import PhaseStatus, TransitionPhase
+from gearbox.config import DEFAULT_CONFIG
 from gearbox.decisions import DecisionReason
 from gearbox.plans import DeploymentPlan
+from gearbox.presets import MODEL_7B_MHA
 from runtime.deployment import RuntimeSettings
 from runtime.host import RuntimeHost
+from runtime.timing import ReplicaTiming
 from runtime.types import Reason
 from runtime.vmm.manager import WEIGHTS_REQUEST
 from tests.runtime.builders import (
@@ -168,6 +171,35 @@ def test_two_on_demand_models_share_a_gpu_and_the_watermark_counts_both() -> Non
     assert before - _committed(host, "A0") == b_weights > 0
     assert hs["a"].rt.core.replica_ids() == (plans["a"].replicas[0].plan_id,)
     assert len(hs["a"].rt.core.router.ownership()) == admitted
+
+
+def test_on_demand_routers_count_the_busy_replicas_beside_theirs_on_a_gpu() -> None:
+    # "a" on A0, "b" on A0 and A1: b's replica on A0 shares the GPU with a's, which is busy
+    # once it has a request; the router then prefers b's replica alone on A1. A deployment that
+    # owns its GPUs whole shares nothing: its router has no such view.
+    _, hs = _shared_host()
+    a_plan = make_plan(make_replica(["A0"]), deployment="a")
+    b_plan = make_plan(make_replica(["A0"]), make_replica(["A1"]), deployment="b")
+    hs["a"].deliver(make_decision(1, a_plan, deployment="a"))
+    hs["b"].deliver(make_decision(1, b_plan, deployment="b"))
+    _step_all(hs, lambda: all(hs[d].rt.state.serving is not None for d in "ab"), 60)
+    router = hs["b"].rt.core.router
+    busy = router.neighbours_busy
+    assert busy is not None and hs["whole"].rt.core.router.neighbours_busy is None
+    on_a0, on_a1 = (r.plan_id for r in b_plan.replicas)
+    timing = {
+        r.plan_id: ReplicaTiming.build(r, MODEL_7B_MHA, DEFAULT_CONFIG) for r in b_plan.replicas
+    }
+    assert busy(timing[on_a0]) == 0 and busy(timing[on_a1]) == 0
+    probe = make_request(50, prompt=500, output=16, prefix="b")
+    quiet = router.candidates(probe, hs["b"].now_s)
+    assert hs["a"].submit(make_request(1, prompt=4000, output=2000, prefix="a")).admitted
+    assert busy(timing[on_a0]) == 1 and busy(timing[on_a1]) == 0
+    ranked = router.candidates(probe, hs["b"].now_s)
+    assert ranked[0].replica_id == on_a1
+    shared = next(c for c in ranked if c.replica_id == on_a0)
+    before = next(c for c in quiet if c.replica_id == on_a0)
+    assert shared.predicted_completion_s > before.predicted_completion_s
 
 
 def test_a_kv_floor_keeps_a_busy_neighbour_from_starving_a_quiet_model() -> None:

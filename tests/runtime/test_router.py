@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from gearbox.config import DEFAULT_CONFIG
 from gearbox.presets import MODEL_7B_MHA
-from runtime.router import ReplicaRole, Router, canary_fraction
+from runtime.router import ReplicaRole, Router, canary_fraction, predicted_completion_s
 from runtime.timing import ReplicaTiming
 from tests.runtime.builders import make_replica, make_request
 
@@ -55,6 +55,25 @@ def test_a_prediction_assumes_the_recent_answers_length_not_the_cap() -> None:
         router.enqueue(make_request(1000 + i), replica)
         router.finish(f"r{1000 + i}", 1000)
     assert router.expected_output_tokens(capped) == pytest.approx(1000, rel=0.01)
+
+
+def test_a_replica_sharing_its_gpu_with_busy_engines_ranks_behind_one_alone() -> None:
+    # Alike replicas: without a view of the GPUs they go by id; told that two other engines
+    # with work time-slice G0, the router predicts G0's work 3x as long and picks G1.
+    router = _router(ReplicaRole.ACTIVE, ReplicaRole.ACTIVE)
+    shared, alone = TIMINGS[0].replica_id, TIMINGS[1].replica_id
+    request = make_request(7, 1000, 200)
+    assert router.candidates(request, 5.0)[0].replica_id == min(shared, alone)
+    plain = router.predict_completion_s(shared, request, 5.0)
+    router.neighbours_busy = lambda timing: 2 if timing.replica_id == shared else 0
+    assert [c.replica_id for c in router.candidates(request, 5.0)] == [alone, shared]
+    assert router.predict_completion_s(shared, request, 5.0) == pytest.approx(
+        5.0 + 3 * (plain - 5.0)
+    )
+    assert router.predict_completion_s(alone, request, 5.0) == plain  # alone: the same figure
+    # sharing 1 is the sum as it was before GPUs were shared, to the last bit
+    exact = 5.0 + 0.25 + TIMINGS[0].prefill_s(1000) + 200.0 * TIMINGS[0].decode_cycle_s(3, 1100.0)
+    assert predicted_completion_s(5.0, TIMINGS[0], 0.25, 3, 1000, 200.0) == exact
 
 
 def test_frozen_shadow_and_draining_replicas_take_no_new_requests() -> None:
