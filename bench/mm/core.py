@@ -60,6 +60,7 @@ from gearbox.types import TopologySnapshot
 from runtime.engine.paging import KvAdmission, admission_tokens, paged, preemption_victim
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
+from runtime.types import Reason
 
 __all__ = ["Instance", "Seq", "Simulator", "System", "Wait", "footprint_of"]
 
@@ -76,13 +77,14 @@ BUSY_WINDOW_S = 1.0
 
 class _Kind(IntEnum):
     """Event order at equal times: free memory first, then loads, arrivals, the tick, the end of
-    a memory wait."""
+    a memory wait, a TTFT deadline."""
 
     STEP_END = 0
     READY = 1
     ARRIVAL = 2
     TICK = 3
     WAIT_END = 4
+    DEADLINE = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,7 @@ class Seq:
     kv_byte_s: float = 0.0  # ∫ KV bytes held while running
     computed: bool = False  # ran a step: a later prefill of it recomputes thrown-away KV
     useful_gpu_s: float = 0.0  # its first prefill + its share of the decode cycles it ran in
+    deadline_s: float | None = None  # refused if it has no first token by then (None: never)
 
     @property
     def request_id(self) -> str:
@@ -204,6 +207,19 @@ class System(Protocol):
     def route(self, request: SimRequest) -> Instance | str | Wait | None:
         """The instance to queue the request at, a rejection reason, a wait for memory, or None
         (no instance yet)."""
+        ...
+
+    def deadline_s(self, request: SimRequest, instance: Instance) -> float | None:
+        """When the request, just queued at ``instance``, is refused if it has no first token
+        yet (None: never)."""
+        ...
+
+    def on_refused(self, request: SimRequest, reason: str) -> None:
+        """A request queued at an instance was refused there later (its deadline passed)."""
+        ...
+
+    def on_finished(self, request: SimRequest) -> None:
+        """A request completed (its answer's length is known now)."""
         ...
 
     def on_loaded(self, instance: Instance) -> bool:
@@ -466,6 +482,8 @@ class Simulator:
         if kind is _Kind.READY:
             inst.ready_since_s = self.now_s
             self._step(inst)
+        elif kind is _Kind.DEADLINE:
+            self._refuse_late(inst)
         elif inst.step is not None and inst.step.end_s == self.now_s:
             self._on_step_end(inst)  # (a step cut short left its first end event stale)
 
@@ -499,7 +517,10 @@ class Simulator:
             if isinstance(choice, str):
                 self.metrics.rejected[choice] += 1
                 continue
-            choice.waiting.append(Seq(request, self.now_s))
+            deadline_s = self.system.deadline_s(request, choice)
+            choice.waiting.append(Seq(request, self.now_s, deadline_s=deadline_s))
+            if deadline_s is not None:
+                self._push(max(deadline_s, self.now_s), _Kind.DEADLINE, (choice.iid, choice.serial))
             choice.last_request_s = self.now_s
             self._cut_step(choice)
             self._step(choice)
@@ -714,6 +735,40 @@ class Simulator:
             m.goodput_tokens += request.prompt_tokens + request.output_tokens
         self._free_kv(inst, seq)
         del inst.running[seq.request_id]
+        assert self.system is not None
+        self.system.on_finished(request)
+
+    def _refuse_late(self, inst: Instance) -> None:
+        """Refuse (``ttft_deadline``) the instance's sequences past their deadline without a
+        first token, waiting or in the step in flight, as the runtime's serving core does; their
+        KV goes back at once (the step in flight keeps its length)."""
+        now_s = self.now_s
+
+        def late(seq: Seq) -> bool:
+            return (
+                seq.deadline_s is not None
+                and seq.deadline_s <= now_s
+                and (seq.first_token_s is None or seq.first_token_s > now_s)
+            )
+
+        gone = [s for s in inst.waiting if late(s)]
+        if gone:
+            inst.waiting = deque(s for s in inst.waiting if not late(s))
+        for seq in [s for s in inst.running.values() if late(s)]:
+            self._free_kv(inst, seq)
+            del inst.running[seq.request_id]
+            gone.append(seq)
+        if not gone:
+            return
+        assert self.system is not None
+        self.metrics.rejected[Reason.TTFT_DEADLINE.value] += len(gone)
+        for seq in gone:
+            self.system.on_refused(seq.request, Reason.TTFT_DEADLINE.value)
+        self._kick(inst.gpu_uuid)
+        if not inst.active:
+            self.system.on_idle(inst)
+        if self._memory_waits:
+            self._retry_waits()
 
     def _kick(self, gpu_uuid: str) -> None:
         """Memory came free on the GPU: idle engines with waiting sequences try again."""

@@ -26,41 +26,44 @@ No loads after start, no evictions, no 429s: requests queue (and time out) at th
 instances, spread round-robin.
 
 **Ours** runs the live loop's own rules. Residency is ``gearbox.residency.residency_round`` —
-the round each on-demand deployment of the live stream decides by (:mod:`streams.ondemand`) —
-on the models as the stream's view shows them (state, GPUs, active and queued requests, last
+the round each on-demand deployment of the live stream decides by (:mod:`streams.ondemand`) — on
+the models as the stream's view shows them (state, GPUs, active and queued requests, last
 demand, arrivals — a request waiting for a load included, as the runtime's serving window counts
-it — and capacity 429s over ``SCALE_WINDOW_S``) and the GPUs' physical free
-memory, every tick and whenever a request waits for a model short of replicas; every verdict is
-carried out: a cold model with requests loads as one replica (at start the live models count as
-requested), resident ones scale out or in by one, cold or idle ones are evicted for a waiting
-model — an eviction here is instant, so the round runs once more for the model it made room
-for — an extra replica in use given back for a model with no replica is drained as the runtime
-drains a removed replica: it takes no new request and is unloaded when its last request ends;
-and a model displaced in use (gearbox's displace rule) keeps serving and is unloaded when its
-last request ends with none waiting for its model (or at a tick that finds it so), as the
-runtime's eviction waits for an idle moment, checked every executor tick (20 ms), or stays if
-none comes within the runtime's ``drain_timeout_s``. No rule
-unloads a request. Each model's footprint is
-the live one (:func:`gearbox.residency.replica_footprint`: weights, overhead and
-``FOOTPRINT_BATCH`` sequences of its mean prompt + output), and each replica gets the VMM floor
-the runtime's serving core gives an on-demand replica (weights +
-:func:`gearbox.residency.kv_floor_tokens` of KV — none by default, ``placement.kv_floor_batch``
-— at most the watermark's share of the GPU). Admission mirrors
-:meth:`runtime.serving.ServingCore.submit` without knowing any output length: candidates least
-loaded first, the engine's context limit on prompt + stated ``max_tokens``, the queue cap, then
-the runtime's ``check_watermark`` on the GPU as the VMM ledger shows it with floors
-(:func:`runtime.vmm.manager.floored_memory`) and the KV
-the request is admitted with (its prompt's blocks under incremental admission) — ready replicas
-least loaded first, the first passing takes it, else a 429 naming the rule; those rules are the
-runtime's own (:mod:`runtime.admission`). A watermark refusal that is only transient (the
-model's weights and the request's KV would pass on some candidate's GPU) waits at the front end
-for memory instead, while it can still get its first token within ``memory_wait_s`` (half the
-TTFT SLO) of its first refusal, without holding the model's later requests back
-(``wait_blocks``); then it is refused ``throttled_watermark``. It counts among the model's
-waiting requests meanwhile, and once in the window's routed requests and refusals. Weights are
-reserved through the runtime's ``ReservationManager`` (VMM). The baselines keep the
-catalogue's replica counts; ours does not read them.
-"""
+it — and capacity 429s over ``SCALE_WINDOW_S``) and the GPUs' physical free memory, every tick
+and whenever a request waits for a model short of replicas; every verdict is carried out: a cold
+model with requests loads as one replica (at start the live models count as requested), resident
+ones scale out or in by one, cold or idle ones are evicted for a waiting model — an eviction
+here is instant, so the round runs once more for the model it made room for — an extra replica
+in use given back for a model with no replica is drained as the runtime drains a removed
+replica: it takes no new request and is unloaded when its last request ends; and a model
+displaced in use (gearbox's displace rule) keeps serving and is unloaded when its last request
+ends with none waiting for its model (or at a tick that finds it so), as the runtime's eviction
+waits for an idle moment, checked every executor tick (20 ms), or stays if none comes within the
+runtime's ``drain_timeout_s``. No rule unloads a request. Each model's footprint is the live one
+(:func:`gearbox.residency.replica_footprint`: weights, overhead and ``FOOTPRINT_BATCH``
+sequences of its mean prompt + output), and each replica gets the VMM floor the runtime's
+serving core gives an on-demand replica (weights + :func:`gearbox.residency.kv_floor_tokens` of
+KV — none by default, ``placement.kv_floor_batch`` — at most the watermark's share of the GPU).
+Admission mirrors :meth:`runtime.serving.ServingCore.submit` without knowing any output length:
+candidates in the router's order (below), the engine's context limit on prompt + stated
+``max_tokens``, the queue cap, then the runtime's ``check_watermark`` on the GPU as the VMM
+ledger shows it with floors (:func:`runtime.vmm.manager.floored_memory`) and the KV the request
+is admitted with (its prompt's blocks under incremental admission) — the first ready replica
+passing takes it, else a 429 naming the rule; those rules are the runtime's own
+(:mod:`runtime.admission`). A watermark refusal that is only transient (the model's weights and
+the request's KV would pass on some candidate's GPU) waits at the front end for memory instead,
+while it can still get its first token within ``memory_wait_s`` (half the TTFT SLO) of its first
+refusal, without holding the model's later requests back (``wait_blocks``); then it is refused
+``throttled_watermark``. It counts among the model's waiting requests meanwhile, and once in the
+window's routed requests and refusals. Candidates are ranked as the runtime's router ranks them
+(:func:`runtime.router.predicted_completion_s`: the queue's prefills, its own, the recent
+answers' mean length of decode steps, stretched by the other replicas with work on the GPU, as
+:class:`runtime.host.RuntimeHost` counts them for on-demand deployments). A request admitted at
+a serving replica is refused ``ttft_deadline`` if it has no first token a TTFT SLO after its
+arrival (the runtime's deadline; its KV goes back; one held for a load is exempt), and that
+refusal counts in the model's window as a capacity refusal, as the runtime's serving window
+counts it. Weights are reserved through the runtime's ``ReservationManager`` (VMM). The
+baselines keep the catalogue's replica counts; ours does not read them."""
 
 from __future__ import annotations
 
@@ -87,11 +90,13 @@ from runtime.admission import (
     memory_wait_until_s,
     screen,
     transient,
+    ttft_deadline_s,
     worst_refusal,
 )
 from runtime.executor import ExecutorSettings
+from runtime.router import answer_mean_after, expected_output_tokens, predicted_completion_s
 from runtime.throttle import DEFAULT_WATERMARK, GpuMemory
-from runtime.types import Reason
+from runtime.types import CAPACITY_REFUSALS, Reason
 from runtime.vmm.manager import (
     WEIGHTS_REQUEST,
     ReservationManager,
@@ -103,7 +108,7 @@ __all__ = ["GearboxSystem", "ModelAwareRoundRobin", "NaiveRoundRobin", "VllmLike
 
 MAX_QUEUE_PER_INSTANCE = 1024  # ServingSettings.max_queue_per_replica's default
 SCALE_WINDOW_S = 60.0  # demand window of the scale rule: the live stream's load_window_s
-_CAPACITY_REFUSALS = frozenset({Reason.THROTTLED_WATERMARK.value, Reason.QUEUE_FULL.value})
+_CAPACITY_REFUSALS = frozenset(r.value for r in CAPACITY_REFUSALS)
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU its processes may take
 
 
@@ -206,6 +211,16 @@ class ModelAwareRoundRobin:
     def on_loaded(self, instance: Instance) -> bool:
         """Nothing to reserve: memory is taken as it is used."""
         return True
+
+    def deadline_s(self, request: SimRequest, instance: Instance) -> float | None:
+        """None: a request waits for its first token as long as the engine keeps it."""
+        return None
+
+    def on_refused(self, request: SimRequest, reason: str) -> None:
+        """Never called: no deadline."""
+
+    def on_finished(self, request: SimRequest) -> None:
+        """Nothing learnt: routing does not predict."""
 
     def on_unloaded(self, instance: Instance) -> None:
         """Nothing reserved."""
@@ -314,6 +329,16 @@ class VllmLikeSystem:
         """Nothing beyond the allocation."""
         return True
 
+    def deadline_s(self, request: SimRequest, instance: Instance) -> float | None:
+        """None: a request waits for its first token as long as the engine keeps it."""
+        return None
+
+    def on_refused(self, request: SimRequest, reason: str) -> None:
+        """Never called: no deadline."""
+
+    def on_finished(self, request: SimRequest) -> None:
+        """Nothing learnt: routing does not predict."""
+
     def on_unloaded(self, instance: Instance) -> None:
         """Never called: nothing is evicted."""
 
@@ -335,9 +360,18 @@ class GearboxSystem:
         watermark: float = DEFAULT_WATERMARK,
         memory_wait_s: float | None = None,
         wait_blocks: bool = False,
+        ttft_deadline: float | None = None,
     ) -> None:
         self.sim = sim
         self.watermark = watermark
+        # how long a request queued at a serving replica may go without a first token
+        # (runtime.admission.ttft_deadline_s: None, the TTFT SLO; 0, never refused)
+        self.ttft_deadline_s = ttft_deadline_s(ttft_deadline, sim.config.ttft_slo_ms / 1000.0)
+        # per model: the last time it had no replica to route to; its requests queued before
+        # then were held for a load, which the deadline exempts (the runtime's serving core)
+        self._no_replica_s: dict[str, float] = {}
+        # per model: answers completed and their mean length (the runtime router's estimate)
+        self._answers: dict[str, tuple[int, float]] = {}
         # how long a transient watermark refusal waits for memory (runtime.admission); None:
         # the runtime's default for the TTFT SLO; 0: refused at once
         self.memory_wait_s = (
@@ -509,9 +543,25 @@ class GearboxSystem:
             i for i in sim.instances_of(request.model_name) if i.iid not in self._draining
         ]
         if not candidates:
+            self._no_replica_s[request.model_name] = sim.now_s
             return None
         now_s = sim.now_s
-        order = sorted(candidates, key=lambda i: (not i.is_ready(now_s), i.active, i.iid))
+        answers, mean = self._answers.get(request.model_name, (0, 0.0))
+        output = expected_output_tokens(answers, mean, request.max_tokens)
+
+        def completion_s(inst: Instance) -> float:
+            queued_s = sum(inst.timing.prefill_s(s.request.prompt_tokens) for s in inst.waiting)
+            batch = len(inst.running) + len(inst.waiting) + 1
+            # the runtime host's count of other replicas with work on the GPU (time-sliced)
+            beside = sim.instances_on(inst.gpu_uuid)
+            sharing = 1 + sum(1 for other in beside if other is not inst and other.active)
+            return predicted_completion_s(
+                now_s, inst.timing, queued_s, batch, request.prompt_tokens, output, sharing
+            )
+
+        # NOTE: the runtime's router ranks serving replicas by predicted completion; a loading
+        # one is no candidate there (its requests are held for the load), so it comes last here
+        order = sorted(candidates, key=lambda i: (not i.is_ready(now_s), completion_s(i), i.iid))
         admitted, soonest_s = self._admit(request, order)
         choice: Instance | str = admitted
         if isinstance(admitted, Reason):
@@ -528,6 +578,30 @@ class GearboxSystem:
         if refused:
             self._refused[request.model_name] = self._refused.get(request.model_name, 0) + 1
         return choice
+
+    def deadline_s(self, request: SimRequest, instance: Instance) -> float | None:
+        """The runtime's TTFT deadline (:meth:`runtime.serving.ServingCore.submit`): a request
+        admitted at a serving replica is refused if it has no first token ``ttft_deadline_s``
+        after its arrival; one held for a load (its model had no replica, or only a loading
+        one) is exempt, its client waiting for the load by design."""
+        held = request.arrival_s <= self._no_replica_s.get(request.model_name, -math.inf)
+        if self.ttft_deadline_s <= 0.0 or held or not instance.is_ready(self.sim.now_s):
+            return None
+        return request.arrival_s + self.ttft_deadline_s
+
+    def on_finished(self, request: SimRequest) -> None:
+        """The answer's length joins the model's mean, as the runtime's router learns it."""
+        answers, mean = self._answers.get(request.model_name, (0, 0.0))
+        answers += 1
+        mean = answer_mean_after(answers, mean, request.output_tokens)
+        self._answers[request.model_name] = (answers, mean)
+
+    def on_refused(self, request: SimRequest, reason: str) -> None:
+        """A refusal after admission counts in the model's window as the runtime's serving
+        window counts it (a capacity refusal: :data:`runtime.types.CAPACITY_REFUSALS`)."""
+        if reason in _CAPACITY_REFUSALS:
+            self._routed.setdefault(request.model_name, deque()).append((self.sim.now_s, True))
+            self._refused[request.model_name] = self._refused.get(request.model_name, 0) + 1
 
     def _memory(self, inst: Instance, need_bytes: int) -> GpuMemory:
         """The instance's GPU as the runtime's VMM ledger shows it to an admission of

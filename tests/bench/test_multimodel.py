@@ -73,10 +73,17 @@ def request(n: int, prompt: int, output: int, arrival_s: float = 100.0) -> SimRe
 
 
 def run_one(
-    scenario: Scenario, system: str, admission: KvAdmission = KvAdmission.INCREMENTAL
+    scenario: Scenario,
+    system: str,
+    admission: KvAdmission = KvAdmission.INCREMENTAL,
+    deadline: bool = True,
 ) -> Metrics:
-    """Run one system on a scenario with the default placement config."""
+    """Run one system on a scenario with the default placement config; ``deadline`` False:
+    ours without the runtime's TTFT deadline (for a test of another rule whose requests start
+    late: an 8k prompt's first token on the A10 takes 2.04 s, past the 2 s SLO)."""
     sim = Simulator(scenario, PlacementConfig(), admission)
+    if system == "ours" and not deadline:
+        return sim.run(GearboxSystem(sim, ttft_deadline=0.0))
     return sim.run(SYSTEMS[system](sim))
 
 
@@ -130,7 +137,8 @@ def test_kv_growth_past_memory_preempts_instead_of_crashing(system: str) -> None
     prompt = int(under_watermark) // KV_PER_TOKEN // count - 50
     assert count * (prompt + output) * KV_PER_TOKEN > A10_KV_ROOM
     requests = tuple(request(n, prompt, output, 100.0 + n / 100) for n in range(count))
-    metrics = run_one(make_single_gpu_scenario(requests), system)
+    # (one prefill step takes all eight prompts: their first tokens come past the TTFT deadline)
+    metrics = run_one(make_single_gpu_scenario(requests), system, deadline=False)
     assert metrics.oom_events == 0 and metrics.rejected == {}
     assert metrics.preemptions >= 1
     assert metrics.served_requests == count
@@ -238,10 +246,27 @@ def test_baselines_size_their_context_limit_as_vllm_does_not_by_our_watermark(sy
 def test_ours_throttles_at_the_watermark() -> None:
     # The first long prompt leaves the GPU at ~82 %; a second would pass the 85 % watermark.
     requests = tuple(request(n, 8000, 200) for n in range(3))
-    metrics = run_one(make_single_gpu_scenario(requests), "ours")
+    metrics = run_one(make_single_gpu_scenario(requests), "ours", deadline=False)
     assert metrics.oom_events == 0
     assert metrics.rejected == {"throttled_watermark": 2}
     assert metrics.served_requests == 1
+
+
+@pytest.mark.unit
+def test_ours_refuses_at_the_ttft_deadline_but_not_a_request_held_for_a_load() -> None:
+    # An 8k prompt's first token on the A10 takes 2.04 s: past the 2 s TTFT SLO, the runtime's
+    # deadline refuses it (its KV goes back) rather than serve it late; a 2k prompt starts in
+    # time. A request that arrives while the model is still loading is held for the load and
+    # exempt: served, late.
+    late, in_time = request(0, 8000, 200), request(1, 2000, 200, 110.0)
+    metrics = run_one(make_single_gpu_scenario((late, in_time)), "ours")
+    assert metrics.rejected == {"ttft_deadline": 1} and metrics.served_requests == 1
+    assert metrics.ttft_s[0] < 2.0 and metrics.goodput_requests == 1
+    assert run_one(make_single_gpu_scenario((late,)), "ours", deadline=False).rejected == {}
+    loading = run_one(make_single_gpu_scenario((request(2, 500, 50, 0.0),)), "ours")
+    assert loading.rejected == {} and loading.served_requests == 1 and loading.ttft_s[0] > 2.0
+    for baseline in ("naive", "rr", "vllm"):  # vLLM has no such deadline: served late
+        assert run_one(make_single_gpu_scenario((late,)), baseline).rejected == {}
 
 
 @pytest.mark.unit
@@ -253,7 +278,7 @@ def test_ours_waits_for_memory_only_while_a_request_can_start_in_time() -> None:
 
     def ours(wait_s: float) -> Metrics:
         sim = Simulator(scenario, PlacementConfig())
-        return sim.run(GearboxSystem(sim, memory_wait_s=wait_s))
+        return sim.run(GearboxSystem(sim, memory_wait_s=wait_s, ttft_deadline=0.0))
 
     waited = ours(30.0)
     assert waited.rejected == {} and waited.served_requests == 3 and waited.oom_events == 0
