@@ -68,6 +68,10 @@ TICK_S = 5.0  # sampling, timeout sweep and placement-retry period
 MAX_BATCH = 32  # running sequences per instance (same engine setting for every system)
 CHUNK_TOKENS = 32  # decode tokens per simulated engine step at most
 QUEUE_TIMEOUT_S = 60.0  # a sequence waiting this long (unadmitted or preempted) gives up
+# Prompt tokens one step prefills at most (vLLM's scheduler token budget,
+# ``max_num_batched_tokens``: 8,192 by default for its OpenAI server on 80 GB-class GPUs). The
+# step's first sequence is taken whatever its length: prompts are not chunked here.
+PREFILL_BUDGET_TOKENS = 8192
 PLACE_RETRY_S = 5.0  # placement attempts per model at most this often
 GAP_WINDOW = 20  # arrivals in the mean-gap estimate handed to eviction
 # NOTE: the live stream reads a GPU's utilisation as NVML's busy fraction (time a kernel ran over
@@ -614,13 +618,17 @@ class Simulator:
         inst.waiting.appendleft(seq)
 
     def _admit(self, inst: Instance) -> None:
-        """Admit waiting sequences, FIFO, while their first blocks can be had."""
+        """Admit waiting sequences, FIFO, while their first blocks can be had and their
+        prefills fit the step's token budget (``PREFILL_BUDGET_TOKENS``; one at least)."""
+        prefill = sum(s.context for s in inst.running.values() if not s.prefilled)
         while inst.waiting and len(inst.running) < MAX_BATCH:
             seq = inst.waiting[0]
             if self.now_s - seq.waiting_since_s > QUEUE_TIMEOUT_S:
                 inst.waiting.popleft()
                 self.metrics.timed_out += 1
                 continue
+            if prefill and prefill + seq.context > PREFILL_BUDGET_TOKENS:
+                return  # the next step takes it: a step's prefill delays every first token
             request = seq.request
             target = admission_tokens(
                 self.admission, request.prompt_tokens, seq.generated, request.max_tokens
@@ -629,6 +637,7 @@ class Simulator:
                 return  # head-of-line waits for memory, as vLLM's FCFS scheduler does
             inst.waiting.popleft()
             inst.running[seq.request_id] = seq
+            prefill += seq.context
 
     def _step(self, inst: Instance) -> None:
         """Start an engine step if the instance is idle, ready and has work."""

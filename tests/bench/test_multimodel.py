@@ -177,6 +177,19 @@ def test_an_arrival_joins_the_batch_at_the_next_token_not_the_next_chunk() -> No
 
 
 @pytest.mark.unit
+def test_a_burst_of_long_prompts_is_prefilled_a_token_budget_at_a_time() -> None:
+    # Four 3k prompts at once: the first arrival's step takes it alone; the next step prefills
+    # two of the rest (6k of the 8k budget) and the last waits a step more. Without the budget
+    # the three would share one 9k-token prefill and first tokens (2.83 s each on the A10).
+    burst = tuple(request(n, 3000, 50, 100.0) for n in range(4))
+    metrics = run_one(make_single_gpu_scenario(burst), "rr")
+    assert metrics.served_requests == 4
+    first, second, third, fourth = sorted(metrics.ttft_s)
+    assert first < second < 2.5 and second == pytest.approx(third)
+    assert fourth > third + 1.0
+
+
+@pytest.mark.unit
 def test_max_tokens_admission_reserves_up_front_and_never_preempts() -> None:
     prompt = A10_KV_ROOM // KV_PER_TOKEN // 2 - 600
     requests = (request(0, prompt, 1000, 100.0), request(1, prompt, 1000, 100.5))
