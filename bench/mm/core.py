@@ -13,15 +13,17 @@ and the KV pool layout differ:
   takes :meth:`ReplicaTiming.weight_load_s`.
 * **The engine** (one per instance) is continuous batching with paged KV, as vLLM runs it:
   sequences wait FIFO; one is admitted (at most ``MAX_BATCH`` running) when its first KV blocks
-  can be allocated; each engine step decodes up to ``CHUNK_TOKENS`` tokens for every running
-  sequence (fewer when one finishes sooner, so finishes are exact). **Admission knows nothing of
-  the future** — it is the runtime's paging rule (:mod:`runtime.engine.paging`), the one the
-  live engine applies: with ``KvAdmission.INCREMENTAL`` a sequence holds KV pages
-  (``PAGE_TOKENS`` each) for the tokens it has so far plus one page and grows them before each
-  step; with ``KvAdmission.MAX_TOKENS`` it reserves prompt + the client's stated ``max_tokens``.
-  When a page cannot be had, the engine **preempts the youngest running sequence** (latest
-  arrival; recompute: its KV is freed and it goes back to the head of the queue, keeping its
-  generated tokens, and is prefilled again when resumed) until the page fits — never an OOM.
+  can be allocated and its prefill fits the step's token budget (``PREFILL_BUDGET_TOKENS``, as
+  vLLM's scheduler caps a step's tokens; the step's first one whatever its length); each engine
+  step decodes up to ``CHUNK_TOKENS`` tokens for every running sequence (fewer when one finishes
+  sooner, so finishes are exact). **Admission knows nothing of the future** — it is the
+  runtime's paging rule (:mod:`runtime.engine.paging`), the one the live engine applies: with
+  ``KvAdmission.INCREMENTAL`` a sequence holds KV pages (``PAGE_TOKENS`` each) for the tokens it
+  has so far plus one page and grows them before each step; with ``KvAdmission.MAX_TOKENS`` it
+  reserves prompt + the client's stated ``max_tokens``. When a page cannot be had, the engine
+  **preempts the youngest running sequence** (latest arrival; recompute: its KV is freed and it
+  goes back to the head of the queue, keeping its generated tokens, and is prefilled again when
+  resumed) until the page fits — never an OOM.
 * **Step time** comes from the runtime's :class:`runtime.timing.ReplicaTiming` (gearbox's cost
   model) for the model on that GPU class: the prefill of newly admitted or resumed sequences
   (prompt + generated so far) plus ``tokens × decode_cycle_s(batch, mean context)``, times the
@@ -31,7 +33,9 @@ and the KV pool layout differ:
   NVML's busy fraction — the share of the last ``BUSY_WINDOW_S`` in which an engine step ran
   there, as the live stream reads it — so engines time-slicing a GPU read it busy.
 * **Timeouts**: a sequence waiting (never admitted, or preempted and not resumed) longer than
-  ``QUEUE_TIMEOUT_S`` gives up, as does a request no instance took for that long.
+  ``QUEUE_TIMEOUT_S`` gives up, as does a request no instance took for that long. A system may
+  also give a queued request a deadline (:meth:`System.deadline_s`; ours: the runtime's TTFT
+  deadline): with no first token by then it is refused ``ttft_deadline``, its KV freed.
 * **Memory waits**: a system may answer a request with :class:`Wait` (ours, for a transient
   watermark refusal): it stays at the front end — holding back the model's later requests when
   ``Wait.blocks``, else letting them past — and is routed again whenever a sequence finishes

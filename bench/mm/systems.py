@@ -137,7 +137,22 @@ def _too_long(request: SimRequest, inst: Instance) -> bool:
     return request.prompt_tokens + request.max_tokens > inst.kv_capacity_tokens
 
 
-class ModelAwareRoundRobin:
+class _VllmFrontEnd:
+    """What the baselines share with vLLM's front end: no deadline on a first token, and
+    routing that learns nothing from completions."""
+
+    def deadline_s(self, request: SimRequest, instance: Instance) -> float | None:
+        """None: a request waits for its first token as long as the engine keeps it."""
+        return None
+
+    def on_refused(self, request: SimRequest, reason: str) -> None:
+        """Never called: no deadline."""
+
+    def on_finished(self, request: SimRequest) -> None:
+        """Nothing learnt: routing does not predict."""
+
+
+class ModelAwareRoundRobin(_VllmFrontEnd):
     """Cyclic placement and per-model cyclic routing (see the module docstring)."""
 
     name = "model_aware_rr"
@@ -212,16 +227,6 @@ class ModelAwareRoundRobin:
         """Nothing to reserve: memory is taken as it is used."""
         return True
 
-    def deadline_s(self, request: SimRequest, instance: Instance) -> float | None:
-        """None: a request waits for its first token as long as the engine keeps it."""
-        return None
-
-    def on_refused(self, request: SimRequest, reason: str) -> None:
-        """Never called: no deadline."""
-
-    def on_finished(self, request: SimRequest) -> None:
-        """Nothing learnt: routing does not predict."""
-
     def on_unloaded(self, instance: Instance) -> None:
         """Nothing reserved."""
 
@@ -260,7 +265,7 @@ class NaiveRoundRobin(ModelAwareRoundRobin):
         return None
 
 
-class VllmLikeSystem:
+class VllmLikeSystem(_VllmFrontEnd):
     """Static per-GPU deployment with private KV pools (see the module docstring)."""
 
     name = "vllm_like"
@@ -328,16 +333,6 @@ class VllmLikeSystem:
     def on_loaded(self, instance: Instance) -> bool:
         """Nothing beyond the allocation."""
         return True
-
-    def deadline_s(self, request: SimRequest, instance: Instance) -> float | None:
-        """None: a request waits for its first token as long as the engine keeps it."""
-        return None
-
-    def on_refused(self, request: SimRequest, reason: str) -> None:
-        """Never called: no deadline."""
-
-    def on_finished(self, request: SimRequest) -> None:
-        """Nothing learnt: routing does not predict."""
 
     def on_unloaded(self, instance: Instance) -> None:
         """Never called: nothing is evicted."""
