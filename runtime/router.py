@@ -86,20 +86,12 @@ def predicted_completion_s(
     (the request included) of mean context prompt + half the output — stretched by
     ``sharing``, the engines busy on its GPUs with it (co-resident engines time-slice a GPU)."""
     context = prompt_tokens + output_tokens / 2
+    prefill_s = timing.prefill_s(prompt_tokens)
+    decode_s = output_tokens * timing.decode_cycle_s(batch, context)
     if sharing == 1:
         # NOTE: summed from now_s, as before GPUs were shared: the same figure to the last bit
-        return (
-            now_s
-            + queued_prefill_s
-            + timing.prefill_s(prompt_tokens)
-            + output_tokens * timing.decode_cycle_s(batch, context)
-        )
-    work_s = (
-        queued_prefill_s
-        + timing.prefill_s(prompt_tokens)
-        + output_tokens * timing.decode_cycle_s(batch, context)
-    )
-    return now_s + work_s * sharing
+        return now_s + queued_prefill_s + prefill_s + decode_s
+    return now_s + (queued_prefill_s + prefill_s + decode_s) * sharing
 
 
 def canary_fraction(request_id: str) -> float:

@@ -510,10 +510,8 @@ class _Joint:
             if _disjoint([cands[i] for cands, i in zip(lists, c, strict=True)])
         ]
         self.columns = [[c[k] for c in self.combos] for k in range(len(lists))]
-        # _joint_order less the goodput: fewest GPUs, then plan ids
         self.ties = [
-            _joint_order([cands[i] for cands, i in zip(lists, c, strict=True)])[1:]
-            for c in self.combos
+            _ties([cands[i] for cands, i in zip(lists, c, strict=True)]) for c in self.combos
         ]
 
     def totals(self, worth: Sequence[Sequence[int]]) -> list[int]:
@@ -577,10 +575,14 @@ def _disjoint(combo: Sequence[Scored]) -> bool:
     return len(gpus) == len(set(gpus))
 
 
+def _ties(combo: Sequence[Scored]) -> tuple[int, tuple[str, ...]]:
+    """How equal goodputs are ordered: fewest GPUs, then plan ids (max() takes the largest)."""
+    return (-sum(len(s.gpus) for s in combo), tuple(s.plan_id for s in combo))
+
+
 def _joint_order(combo: Sequence[Scored]) -> tuple[int, int, tuple[str, ...]]:
-    """Most goodput, then fewest GPUs, then plan ids (max() takes the largest key)."""
-    ids = tuple(s.plan_id for s in combo)
-    return (sum(s.goodput_tokens for s in combo), -sum(len(s.gpus) for s in combo), ids)
+    """Most goodput, then :func:`_ties` (max() takes the largest key)."""
+    return (sum(s.goodput_tokens for s in combo), *_ties(combo))
 
 
 __all__ = ["ORACLE", "Choice", "Interval", "Oracle", "intervals", "segment_scenario"]
