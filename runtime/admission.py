@@ -113,6 +113,15 @@ def first_token_s(timing: ReplicaTiming, prompt_tokens: int) -> float:
     return timing.prefill_s(prompt_tokens) + timing.decode_cycle_s(1, prompt_tokens)
 
 
+def too_late_to_prefill(
+    start_s: float, due_s: float | None, timing: ReplicaTiming, prompt_tokens: int
+) -> bool:
+    """Whether a prefill starting at ``start_s`` cannot give the first token by ``due_s`` (the
+    request's TTFT deadline; ``None``: none) even at :func:`first_token_s`, a lower bound:
+    the engine would spend the prefill on a request the deadline refuses anyway."""
+    return due_s is not None and start_s + first_token_s(timing, prompt_tokens) > due_s
+
+
 def memory_wait_until_s(
     refusal: Reason,
     soonest_first_token_s: float | None,

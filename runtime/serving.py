@@ -34,7 +34,9 @@ it back cost more goodput than it saved, bench/HISTORY.md 2026-12-02).
 TTFT deadline (``ttft_deadline_s`` > 0): a new request with no first token that long after its
 arrival, still queued or prefilling, is refused with ``TTFT_DEADLINE`` (``refused``) and leaves
 no trace (queue, engine, KV commit); one held for a load is exempt, its client waiting for the
-load by design.
+load by design. Its engine knows the deadline (``SeqSpec.first_token_due_s``) and does not start
+a prefill whose first token could not come by then: it reports the request ``expired`` and it is
+refused the same way at once, without the prefill it could not use.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class _Live:
     generated: int = 0  # output tokens known to exist (a replay continues after them)
     first_token_s: float | None = None
     admissions: int = 0  # times an engine took it (more than one = replayed)
+    due_s: float | None = None  # its TTFT deadline (arrival + ttft_deadline_s; None: exempt)
 
 
 @dataclass
@@ -285,7 +288,7 @@ class ServingCore:
         elif reason.reason is Reason.ADMITTED and self.ttft_deadline_s > 0.0:
             # NOTE: not one held for a load: its client waits for the load (``hold_s``) by
             # design (one held for memory joins when admitted: _release_held)
-            heapq.heappush(self._fresh, (request.arrival_s, rid))
+            self._watch_deadline(request)
         self.window.on_arrival(request, reason.reason)
         if not reason.admitted:
             self.rejections[reason.reason] += 1
@@ -310,7 +313,7 @@ class ServingCore:
             admission, soonest_s = self._try_admit(hold.request, now_s)
             if admission.admitted:
                 if hold.why is Reason.HELD_FOR_MEMORY and self.ttft_deadline_s > 0.0:
-                    heapq.heappush(self._fresh, (hold.request.arrival_s, rid))
+                    self._watch_deadline(hold.request)
                 continue
             if admission.reason is Reason.NO_SERVING_PLAN and now_s < hold.until_s:
                 self._held[rid] = hold  # NOTE: in arrival order, as before
@@ -433,6 +436,12 @@ class ServingCore:
         if self._fresh:
             self._refuse_late(now_s)
 
+    def _watch_deadline(self, request: Request) -> None:
+        """An admitted new request is refused past its TTFT deadline; its engine is told the
+        deadline too, and does not start a prefill that could not meet it."""
+        heapq.heappush(self._fresh, (request.arrival_s, request.request_id))
+        self._live[request.request_id].due_s = request.arrival_s + self.ttft_deadline_s
+
     def _refuse_late(self, now_s: float) -> None:
         """Refuse (``TTFT_DEADLINE``) the new requests with no first token ``ttft_deadline_s``
         after their arrival, queued or still prefilling."""
@@ -452,13 +461,15 @@ class ServingCore:
                 or seq_id in self._staged
             ):
                 continue
-            self._take_out(owner, seq_id)
-            self.ownership_events.append(
-                OwnershipEvent(OwnershipKind.FINISHED, live.request, owner)
-            )
-            self.refused.append((seq_id, Reason.TTFT_DEADLINE))
-            self.rejections[Reason.TTFT_DEADLINE] += 1
-            self.window.on_refused(Reason.TTFT_DEADLINE)
+            self._refuse_deadline(owner, seq_id, live)
+
+    def _refuse_deadline(self, owner: str, seq_id: str, live: _Live) -> None:
+        """Refuse a new request past (or bound to miss) its TTFT deadline: it leaves no trace."""
+        self._take_out(owner, seq_id)
+        self.ownership_events.append(OwnershipEvent(OwnershipKind.FINISHED, live.request, owner))
+        self.refused.append((seq_id, Reason.TTFT_DEADLINE))
+        self.rejections[Reason.TTFT_DEADLINE] += 1
+        self.window.on_refused(Reason.TTFT_DEADLINE)
 
     def _feed(self, rid: str, slot: _Slot, now_s: float) -> None:
         # NOTE: a full engine takes nothing: asked before the queue is copied (a busy replica's
@@ -474,9 +485,11 @@ class ServingCore:
                 need = self._kv_need(slot, req, live.generated)
                 if not self.vmm.commit(slot.ledger, seq_id, need):
                     continue  # waits for memory; later queue entries may still fit
+            fresh = live.first_token_s is None and not live.generated
             spec = SeqSpec(
                 seq_id, req.prompt_tokens, req.max_output_tokens, live.generated,
                 req.sim_output_tokens,  # SIMULATED: for the simulated engine's stop only
+                live.due_s if fresh else None,
             )  # fmt: skip
             if slot.engine.admit(spec, now_s) is not None:
                 return
@@ -496,6 +509,10 @@ class ServingCore:
                 live.first_token_s = first.t_s
         for done in out.finished:
             self._finish(rid, done.seq_id, done.t_s, done.output_tokens)
+        for seq_id in out.expired:
+            live = self._live.get(seq_id)
+            if live is not None and self.router.owner(seq_id) == rid:
+                self._refuse_deadline(rid, seq_id, live)
         for failed in out.failed:
             live = self._live.get(failed.seq_id)
             if live is None or self.router.owner(failed.seq_id) != rid:

@@ -61,6 +61,7 @@ from gearbox.config import GearboxConfig, PlacementConfig
 from gearbox.placement import ModelFootprint, dead_memory
 from gearbox.plans import ExecutionPlan, Stage, StageRole
 from gearbox.types import TopologySnapshot
+from runtime.admission import too_late_to_prefill
 from runtime.engine.paging import KvAdmission, admission_tokens, paged, preemption_victim
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
@@ -623,8 +624,13 @@ class Simulator:
 
     def _admit(self, inst: Instance) -> None:
         """Admit waiting sequences, FIFO, while their first blocks can be had and their
-        prefills fit the step's token budget (``PREFILL_BUDGET_TOKENS``; one at least)."""
-        prefill = sum(s.context for s in inst.running.values() if not s.prefilled)
+        prefills fit the step's token budget (``PREFILL_BUDGET_TOKENS``; one at least). A new
+        sequence whose first token the step could not give by its deadline is refused
+        unprefilled, as the runtime's engine drops it (``runtime.admission.too_late_to_prefill``
+        after the step's earlier prefills)."""
+        unfilled = [s.context for s in inst.running.values() if not s.prefilled]
+        prefill = sum(unfilled)
+        start_s = self.now_s + sum(inst.timing.prefill_s(n) for n in unfilled)
         while inst.waiting and len(inst.running) < MAX_BATCH:
             seq = inst.waiting[0]
             if self.now_s - seq.waiting_since_s > QUEUE_TIMEOUT_S:
@@ -634,6 +640,12 @@ class Simulator:
             if prefill and prefill + seq.context > PREFILL_BUDGET_TOKENS:
                 return  # the next step takes it: a step's prefill delays every first token
             request = seq.request
+            if seq.first_token_s is None and too_late_to_prefill(
+                start_s, seq.deadline_s, inst.timing, seq.context
+            ):
+                inst.waiting.popleft()  # the runtime's engine drops it unprefilled (expired)
+                self._refused_deadline([seq])
+                continue
             target = admission_tokens(
                 self.admission, request.prompt_tokens, seq.generated, request.max_tokens
             )
@@ -642,13 +654,17 @@ class Simulator:
             inst.waiting.popleft()
             inst.running[seq.request_id] = seq
             prefill += seq.context
+            start_s += inst.timing.prefill_s(seq.context)
 
     def _step(self, inst: Instance) -> None:
         """Start an engine step if the instance is idle, ready and has work."""
         if inst.step is not None or not inst.is_ready(self.now_s):
             return
+        had_work = inst.active > 0
         self._admit(inst)
         if not inst.running:
+            if had_work and not inst.active and self.system is not None:
+                self.system.on_idle(inst)  # its queue was refused or timed out unprefilled
             return
         tokens = min(CHUNK_TOKENS, min(s.remaining for s in inst.running.values()))
         for seq in sorted(inst.running.values(), key=_age):
@@ -773,15 +789,18 @@ class Simulator:
             gone.append(seq)
         if not gone:
             return
+        self._refused_deadline(gone)
+        self._kick(inst.gpu_uuid)
+        if not inst.active and self.system is not None:
+            self.system.on_idle(inst)
+        if self._memory_waits:
+            self._retry_waits()
+
+    def _refused_deadline(self, gone: list[Seq]) -> None:
         assert self.system is not None
         self.metrics.rejected[Reason.TTFT_DEADLINE.value] += len(gone)
         for seq in gone:
             self.system.on_refused(seq.request, Reason.TTFT_DEADLINE.value)
-        self._kick(inst.gpu_uuid)
-        if not inst.active:
-            self.system.on_idle(inst)
-        if self._memory_waits:
-            self._retry_waits()
 
     def _kick(self, gpu_uuid: str) -> None:
         """Memory came free on the GPU: idle engines with waiting sequences try again."""

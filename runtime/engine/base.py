@@ -57,6 +57,9 @@ class SeqSpec:
     max_output_tokens: int  # the client's stated cap: what admission and progress report
     generated_tokens: int = 0  # a replay re-prefills prompt + these and continues after them
     sim_output_tokens: int | None = None  # SIMULATED: the simulated model's EOS (Request's)
+    # a new request's TTFT deadline: an engine does not start a prefill whose first token
+    # cannot come by then (runtime.admission.too_late_to_prefill) and reports it expired
+    first_token_due_s: float | None = None
 
     @property
     def context_tokens(self) -> int:
@@ -149,6 +152,9 @@ class StepOutput:
     # how many identical iterations each decode_step_s entry stands for (an engine that
     # advances runs of them at once, runtime.engine.sim); empty: one each
     decode_step_runs: tuple[int, ...] = ()
+    # sequences dropped before their prefill started: their first token could not come by
+    # SeqSpec.first_token_due_s (no KV left, never prefilled)
+    expired: tuple[str, ...] = ()
 
 
 class Engine(Protocol):

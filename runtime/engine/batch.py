@@ -319,10 +319,13 @@ class StepAcc:
     decode_step_s: list[float] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     decode_step_runs: list[int] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
 
     def output(self) -> StepOutput:
         """The accumulated output (the shared empty one when nothing happened)."""
-        if not (self.iterations or self.failed or self.prefill_tokens or self.preempted):
+        if not (
+            self.iterations or self.failed or self.prefill_tokens or self.preempted or self.expired
+        ):
             return EMPTY_STEP  # (a split replica's prefill stage completes outside iterations)
         return StepOutput(
             self.iterations,
@@ -334,4 +337,5 @@ class StepAcc:
             tuple(self.decode_step_s),
             tuple(self.preempted),
             tuple(self.decode_step_runs),
+            tuple(self.expired),
         )

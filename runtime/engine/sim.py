@@ -34,7 +34,10 @@ head of the line waits until they are there) and its pages grow before each run 
 iterations — for the whole run when they are there, else for the longest run (halved down to one
 iteration) they are there for; when not even one iteration's page is there, the youngest running
 sequence is preempted (its pages given back, its generated tokens kept, first in line to be
-prefilled again) until it is. Faults injected into the pool
+prefilled again) until it is. A new sequence whose first token cannot come by its TTFT deadline
+(``SeqSpec.first_token_due_s``) is not prefilled: it is dropped when its turn comes and reported
+``expired`` (:func:`runtime.admission.too_late_to_prefill`, on the engine's own timing
+estimate). Faults injected into the pool
 (lost GPUs, failing loads or transfers) surface as :class:`EngineFault` values. Time is an
 input: ``step(now_s)`` runs the iterations that complete by ``now_s`` and nothing else.
 ``stats`` (busy time, FLOPs, tokens, KV imported) and an optional decode observer serve
@@ -47,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from gearbox.cost import fused_iteration_s
+from runtime.admission import too_late_to_prefill
 from runtime.engine.base import (
     EngineFault,
     Failed,
@@ -425,7 +429,7 @@ class SimEngine:
             if self._split:
                 self._prefill_stage(clock, acc)
             else:
-                picked = self._due_prefills(clock)
+                picked = self._due_prefills(clock, acc)
                 if picked:
                     end = self._mixed_iteration(picked, clock, now_s, acc)
                     if end is None:
@@ -476,7 +480,7 @@ class SimEngine:
             for q in batch:
                 self._complete_prefill(q, self._inflight_done_s, acc)
         if not self._prefilling:
-            picked = self._due_prefills(clock_s)
+            picked = self._due_prefills(clock_s, acc)
             if picked:
                 t = self._clock_timing
                 self._prefilling = picked
@@ -501,15 +505,26 @@ class SimEngine:
         ]
         return min(later) if later else None
 
-    def _due_prefills(self, clock_s: float) -> list[SeqRecord]:
+    def _due_prefills(self, clock_s: float, acc: StepAcc) -> list[SeqRecord]:
+        """The waiting sequences the iteration at ``clock_s`` prefills, FCFS within the token
+        budget; those whose first token it could not give by their deadline are dropped
+        (``acc.expired``)."""
         if not self._waiting:  # (the usual case: asked at every step boundary)
             return []
         picked: list[SeqRecord] = []
+        expired: list[str] = []
         chunking, budget = self._chunk_tokens > 0, self._prefill_budget
         inflight = {id(r) for r in self._prefilling}
+        start_s = clock_s  # the iteration's prefills picked so far come before the next one's
         for q in self._waiting.values():
             # NOTE: a sequence joins the first iteration that starts after its admission.
             if q.ready_at_s <= clock_s and id(q) not in inflight:
+                due_s = q.spec.first_token_due_s
+                if not (q.prefilled or q.gen0) and too_late_to_prefill(
+                    start_s, due_s, self.timing, q.spec.prompt_tokens
+                ):
+                    expired.append(q.spec.seq_id)
+                    continue
                 tokens = q.spec.prompt_tokens + q.gen0 - q.prefilled
                 if chunking:
                     if budget <= 0:
@@ -522,6 +537,10 @@ class SimEngine:
                 q.chunk = tokens
                 picked.append(q)
                 budget -= tokens
+                start_s += self.timing.prefill_s(tokens)
+        if expired:
+            self._drop(expired)
+            acc.expired.extend(expired)
         return picked
 
     def _hold_admission(self, q: SeqRecord) -> bool:

@@ -283,6 +283,18 @@ def test_ours_refuses_at_the_ttft_deadline_but_not_a_request_held_for_a_load() -
 
 
 @pytest.mark.unit
+def test_ours_does_not_spend_a_prefill_on_a_request_its_deadline_will_refuse() -> None:
+    # The 8k prompt cannot have its first token within the 2 s SLO (2.04 s on the A10): the
+    # runtime's engine drops it when its prefill would start (expired), so the 2k prompt half a
+    # second behind starts at once; prefilling the 8k first would hold the GPU until the
+    # deadline refused it, and the 2k's first token would come after 2 s.
+    late, behind = request(0, 8000, 200), request(1, 2000, 200, 100.5)
+    metrics = run_one(make_single_gpu_scenario((late, behind)), "ours")
+    assert metrics.rejected == {"ttft_deadline": 1} and metrics.served_requests == 1
+    assert metrics.ttft_s[0] < 1.0 and metrics.goodput_requests == 1
+
+
+@pytest.mark.unit
 def test_ours_waits_for_memory_only_while_a_request_can_start_in_time() -> None:
     # As above; the default wait (half the 2 s TTFT SLO) is shorter than an 8k prompt's first
     # token on the A10 (2.04 s), so there no request waits. Given longer, the two refused above

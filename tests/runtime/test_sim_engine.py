@@ -60,6 +60,20 @@ def test_iterations_are_timed_by_gearbox_cost_model() -> None:
     assert engine.is_drained() and engine.kv_bytes() == 0
 
 
+def test_a_prompt_whose_first_token_would_miss_its_due_time_is_dropped_unprefilled() -> None:
+    engine, _, timing = _engine(config=WHOLE)
+    t0 = 100.0
+    first_s = timing.prefill_s(1000) + timing.decode_cycle_s(1, 1000)  # alone, a lower bound
+    engine.admit(SeqSpec("ahead", 1000, 3), t0)
+    # behind "ahead"'s prefill in the same iteration, it could start no sooner than t0 + that
+    engine.admit(SeqSpec("late", 1000, 3, first_token_due_s=t0 + first_s + 1e-3), t0)
+    engine.admit(SeqSpec("in-time", 10, 3, first_token_due_s=t0 + 10.0), t0)
+    out = engine.step(t0 + 10.0)
+    assert out.expired == ("late",)
+    assert {f.seq_id for f in out.first_tokens} == {"ahead", "in-time"}
+    assert out.prefill_tokens == 1010 and engine.is_drained() and engine.kv_bytes() == 0
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_beside_the_running_batch() -> None:
     """Chunked prefill: a prompt longer than the replica's chunk spans several iterations, each
     also decoding the running batch, so no decode step waits on the whole prompt."""

@@ -1,11 +1,13 @@
 """Unit: a new request with no first token ``ttft_deadline_s`` after its arrival (queued, or
-admitted to the engine but still prefilling) is refused ``ttft_deadline``; what did get a first
-token in time runs to its end; a request held for a model's load is not subject to it."""
+admitted to the engine but still prefilling) is refused ``ttft_deadline``, at once when its
+engine's turn to prefill it comes too late (expired); what did get a first token in time runs
+to its end; a request held for a model's load is not subject to it."""
 
 from __future__ import annotations
 
 import pytest
 
+from runtime.engine.sim import SimEngine
 from runtime.types import OwnershipKind, Reason
 from tests.runtime.builders import Harness, make_plan, make_replica, make_request, make_runtime
 
@@ -51,6 +53,21 @@ def test_requests_past_the_deadline_are_refused_and_the_rest_start_in_time() -> 
     assert not any(core.vmm.holds(slot.ledger, rid) for rid in refused)
     assert slot.engine.progress() == ()
     assert h.rt.pool.oom_events == 0
+
+
+def test_a_request_whose_prefill_would_start_too_late_is_refused_before_its_deadline() -> None:
+    h = _serving(2.0)
+    t0 = h.now_s
+    for i in range(BURST):
+        h.submit(make_request(i, PROMPT, 50, t0))
+    h.until(lambda: bool(h.outputs.refused), 10)
+    # its engine dropped it when its turn came: before the deadline, without its prefill
+    assert h.now_s < t0 + 2.0
+    h.until(lambda: len(h.outputs.completions) + len(h.outputs.refused) == BURST, 120)
+    engine = next(iter(h.rt.core._slots.values())).engine
+    assert isinstance(engine, SimEngine)
+    assert engine.stats.prefill_tokens == PROMPT * len(h.outputs.completions)
+    assert {reason for _, reason in h.outputs.refused} == {Reason.TTFT_DEADLINE}
 
 
 def test_without_a_deadline_every_request_waits_its_turn() -> None:

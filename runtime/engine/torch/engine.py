@@ -453,11 +453,12 @@ class TorchEngine:
         if not self._connected:
             return StepOutput()
         acc = _Acc()
+        expired = self._expire(now_s)
         prefill = [sid for sid in self._pick_prefill() if self._grow(sid, True, acc)]
         running = [s for s, q in self._seqs.items() if q.state is SeqState.RUNNING]
         decode = [sid for sid in running if self._grow(sid, False, acc)]
         if not prefill and not decode:
-            return StepOutput(failed=tuple(acc.failed))
+            return StepOutput(failed=tuple(acc.failed), expired=expired)
         t0 = time.perf_counter()
         self.last_micro_batches = 0
         try:
@@ -471,7 +472,7 @@ class TorchEngine:
             collected = [self._collect(batch) for batch in launched]
         except procs.RankFailure:
             self._dead = EngineFault.GPU_LOST
-            return StepOutput(failed=tuple(acc.failed) + self._fail_all())
+            return StepOutput(failed=tuple(acc.failed) + self._fail_all(), expired=expired)
         self.last_iteration_s = time.perf_counter() - t0
         self.last_device_s = max(device_s for _, device_s in collected)
         sampled = [tok for tokens, _ in collected for tok in tokens]
@@ -490,12 +491,27 @@ class TorchEngine:
             finished=tuple(acc.finished),
             failed=tuple(acc.failed),
             decode_step_s=(self.last_iteration_s,) if decode else (),
+            expired=expired,
         )
 
     def _fail_all(self) -> tuple[Failed, ...]:
         failed = tuple(Failed(s, EngineFault.GPU_LOST, len(q.out)) for s, q in self._seqs.items())
         self._seqs.clear()
         return failed
+
+    def _expire(self, now_s: float) -> tuple[str, ...]:
+        """Drop the new prompts already past their TTFT deadline (``first_token_due_s``) before
+        their prefill: this engine has no timing model, so zero compute is its lower bound."""
+        late = tuple(
+            sid
+            for sid, q in self._seqs.items()
+            if q.state is SeqState.WAITING
+            and not q.out
+            and q.spec.first_token_due_s is not None
+            and now_s > q.spec.first_token_due_s
+        )
+        self.drop(late)
+        return late
 
     def _pick_prefill(self) -> list[str]:
         picked: list[str] = []

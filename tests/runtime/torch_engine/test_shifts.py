@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from runtime.engine.base import EngineFault, SeqState
+from runtime.engine.base import EngineFault, SeqSpec, SeqState
 from runtime.engine.torch.engine import TorchEngine
 from runtime.engine.torch.reference import generate
 from runtime.engine.torch.shift import admit_all, run_to_completion, shift
@@ -181,3 +181,19 @@ def test_dead_rank_fails_sequences_as_values() -> None:
         assert all(p.state is not SeqState.RUNNING for p in engine.progress())
     finally:
         engine.close()
+
+
+def test_a_prompt_past_its_due_time_is_dropped_before_its_prefill(engines: Engines) -> None:
+    engine = engines["tp1"]
+    prompts = make_prompts("due", 2)
+    for sid, prompt in prompts.items():
+        engines.ledger.register(sid, prompt)
+    (late, prompt_late), (in_time, prompt_in_time) = prompts.items()
+    engine.admit(SeqSpec(late, len(prompt_late), 2, first_token_due_s=5.0), 0.0)
+    engine.admit(SeqSpec(in_time, len(prompt_in_time), 2, first_token_due_s=60.0), 0.0)
+    out = engine.step(10.0)  # the torch engine has no timing model: only a due time passed
+    assert out.expired == (late,)
+    assert [f.seq_id for f in out.first_tokens] == [in_time]
+    assert out.prefill_tokens == len(prompt_in_time)
+    run_to_completion([engine])
+    assert engine.is_drained()
