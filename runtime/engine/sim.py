@@ -37,7 +37,9 @@ sequence is preempted (its pages given back, its generated tokens kept, first in
 prefilled again) until it is. A new sequence whose first token cannot come by its TTFT deadline
 (``SeqSpec.first_token_due_s``) is not prefilled: it is dropped when its turn comes and reported
 ``expired`` (:func:`runtime.admission.too_late_to_prefill`, on the engine's own timing
-estimate). Faults injected into the pool
+estimate). An iteration with prefills keeps its length once under way (begun before the
+last ``step``'s ``now_s``): a sequence in it dropped before it ends (refused, moved away) does
+not give its GPU time back, as it could not on a GPU. Faults injected into the pool
 (lost GPUs, failing loads or transfers) surface as :class:`EngineFault` values. Time is an
 input: ``step(now_s)`` runs the iterations that complete by ``now_s`` and nothing else.
 ``stats`` (busy time, FLOPs, tokens, KV imported) and an optional decode observer serve
@@ -144,6 +146,9 @@ class SimEngine:
         self._pending = StepAcc()  # output found while catching up outside ``step``
         self._pool_version = -1  # pool fault state last checked
         self._prefilling: list[SeqRecord] = []  # the split prefill stage's current batch
+        # (start, end) of the iteration with prefills under way when the engine was last
+        # advanced: it keeps its length even if a sequence in it is dropped before it ends
+        self._under_way: tuple[float, float] | None = None
         self._pager: KvPager | None = None  # KV pages held through the runtime's VMM ledger
         self._rooms: PageRooms | None = None  # with a pager that says what it covers
         self._kv_admission = KvAdmission.INCREMENTAL
@@ -430,8 +435,9 @@ class SimEngine:
                 self._prefill_stage(clock, acc)
             else:
                 picked = self._due_prefills(clock, acc)
-                if picked:
-                    end = self._mixed_iteration(picked, clock, now_s, acc)
+                under_way_end = self._under_way_end(clock)
+                if picked or under_way_end:
+                    end = self._mixed_iteration(picked, clock, now_s, acc, under_way_end)
                     if end is None:
                         break
                     clock = end
@@ -608,10 +614,29 @@ class SimEngine:
         acc.preempted.append(sid)
         self.stats.preemptions += 1
 
+    def _under_way_end(self, clock: float) -> float:
+        """When the iteration with prefills under way at ``clock`` ends (0.0: none is)."""
+        under_way = self._under_way
+        if under_way is None:
+            return 0.0
+        if under_way[0] != clock:  # it ended, or the engine died or emptied since
+            self._under_way = None
+            return 0.0
+        return under_way[1]
+
     def _mixed_iteration(
-        self, picked: list[SeqRecord], clock: float, now_s: float, acc: StepAcc
+        self,
+        picked: list[SeqRecord],
+        clock: float,
+        now_s: float,
+        acc: StepAcc,
+        under_way_end: float = 0.0,
     ) -> float | None:
-        """One iteration with prefills (exact); None if it ends after ``now_s``."""
+        """One iteration with prefills (exact); None if it ends after ``now_s``.
+
+        An iteration already under way (``under_way_end``) lasts at least until then: a GPU
+        does not get back the time of a prompt dropped after its forward pass began.
+        """
         duration = sum(self._chunk_s(q) for q in picked)
         if self._batch:
             self._grow_batch(1, acc)
@@ -619,10 +644,17 @@ class SimEngine:
         if n:
             # NOTE: one forward pass carries the prompts and the batch's decode tokens (fused).
             step_s = self._step_s(n, self._batch.mean_context())
-            prompts_s = duration + self._clock_timing.prefill_s(n)
-            duration = fused_iteration_s(prompts_s, step_s, self.timing.config)
+            if picked:
+                prompts_s = duration + self._clock_timing.prefill_s(n)
+                duration = fused_iteration_s(prompts_s, step_s, self.timing.config)
+            else:  # every prompt of the pass under way was dropped: its decode step is left
+                duration = step_s
+        duration = max(duration, under_way_end - clock)
         if clock + duration > now_s:
+            if clock < now_s:
+                self._under_way = (clock, clock + duration)
             return None
+        self._under_way = None
         end = clock + duration
         if n:
             self._commit_decode([Segment(1, duration, self._batch.mean_context())], clock, acc)

@@ -97,6 +97,9 @@ def drive(engine: Engine, requests: list[tuple[float, SeqSpec]], seed: int) -> O
         if i % 211 == 0:  # a sequence dropped (e.g. moved away)
             held = [p.seq_id for p in engine.progress()]
             engine.drop(held[:1])
+        if i % 13 == 0:  # a prompt refused, perhaps while its prefill is under way
+            waiting = [p.seq_id for p in engine.progress() if p.state.value == "waiting"]
+            engine.drop(waiting[-1:])
         step = engine.step(now)
         out.first.update({f.seq_id: f.t_s for f in step.first_tokens})
         out.finished.update({f.seq_id: (f.t_s, f.output_tokens) for f in step.finished})

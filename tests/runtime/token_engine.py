@@ -85,6 +85,7 @@ class TokenSimEngine:
         self._chunk_tokens = 0 if self._split else timing.prefill_chunk_tokens
         self._prefill_budget = min(max_prefill_tokens, self._chunk_tokens or max_prefill_tokens)
         self._inflight: list[str] = []  # the split prefill stage's current batch
+        self._under_way: tuple[float, float] | None = None  # an iteration with prefills
         self._inflight_done_s = 0.0
 
     # ---- weights and groups --------------------------------------------------------------------
@@ -292,7 +293,9 @@ class TokenSimEngine:
             else:
                 prefill = self._pick_prefill(clock)
             decode = [sid for sid, q in self._seqs.items() if q.state is SeqState.RUNNING]
-            if not prefill and not decode:
+            # an iteration with prefills that was under way lasts as long, whatever was dropped
+            under_way = self._under_way if self._under_way and self._under_way[0] == clock else None
+            if not prefill and not decode and under_way is None:
                 arrival = self._wake_s(clock)
                 if arrival is not None and arrival <= now_s:
                     clock = arrival  # idle until this sequence was admitted
@@ -300,8 +303,13 @@ class TokenSimEngine:
                 clock = max(clock, now_s)  # idle: the engine waits at the present
                 break
             duration = self._iteration_s(prefill, decode)
+            if under_way is not None:
+                duration = max(duration, under_way[1] - clock)
             if clock + duration > now_s:
+                if clock < now_s and (prefill or under_way is not None):
+                    self._under_way = (clock, clock + duration)
                 break
+            self._under_way = None
             clock += duration
             self._run_iteration(prefill, decode, clock, duration, acc)
         self._clock_s = clock
