@@ -38,8 +38,9 @@ prefilled again) until it is. A new sequence whose first token cannot come by it
 (``SeqSpec.first_token_due_s``) is not prefilled: it is dropped when its turn comes and reported
 ``expired`` (:func:`runtime.admission.too_late_to_prefill`, on the engine's own timing
 estimate). An iteration with prefills keeps its length once under way (begun before the
-last ``step``'s ``now_s``): a sequence in it dropped before it ends (refused, moved away) does
-not give its GPU time back, as it could not on a GPU. Faults injected into the pool
+last ``step``'s ``now_s``), and a split replica's prefill stage stays busy until its pass ends:
+a sequence dropped before then (refused, moved away) does not give its GPU time back, as it
+could not on a GPU. Faults injected into the pool
 (lost GPUs, failing loads or transfers) surface as :class:`EngineFault` values. Time is an
 input: ``step(now_s)`` runs the iterations that complete by ``now_s`` and nothing else.
 ``stats`` (busy time, FLOPs, tokens, KV imported) and an optional decode observer serve
@@ -485,7 +486,8 @@ class SimEngine:
             batch, self._prefilling = self._prefilling, []
             for q in batch:
                 self._complete_prefill(q, self._inflight_done_s, acc)
-        if not self._prefilling:
+        # NOTE: the stage is free once its pass ends, even if every prompt in it was dropped
+        if not self._prefilling and self._inflight_done_s <= clock_s:
             picked = self._due_prefills(clock_s, acc)
             if picked:
                 t = self._clock_timing
@@ -496,7 +498,7 @@ class SimEngine:
 
     def _wake(self, clock_s: float) -> float | None:
         """The next admission, or the split prefill stage's batch end: decode runs stop there."""
-        if self._prefilling:
+        if self._prefilling or self._inflight_done_s > clock_s:
             return self._inflight_done_s
         return self._next_arrival(clock_s)
 

@@ -157,17 +157,25 @@ def test_event_engine_matches_sim_engine_on_a_split_replica() -> None:
     assert fast.kv_bytes == reference.kv_bytes
 
 
+def ready_split_engine(
+    engine_cls: type[SimEngine] | type[TokenSimEngine],
+) -> SimEngine | TokenSimEngine:
+    """An engine of ``engine_cls`` on the bench's split replica, loaded and connected at 0."""
+    timing = make_split_timing(MODEL_70B_GQA)
+    engine = engine_cls(timing, SimGpuPool())
+    for index in range(len(timing.plan.stages)):
+        engine.load_shard(index, 0.0)
+    engine.build_comm_groups(0.0)
+    return engine
+
+
 @pytest.mark.parametrize("engine_cls", [TokenSimEngine, SimEngine])
 def test_split_replica_decodes_while_it_prefills(
     engine_cls: type[SimEngine] | type[TokenSimEngine],
 ) -> None:
     """Prefill and decode stages are different GPUs: decode steps never wait for prefills, and
     prefill batches run back to back on their own stage (finding 2 of the bench report)."""
-    timing = make_split_timing(MODEL_70B_GQA)
-    engine = engine_cls(timing, SimGpuPool())
-    for index in range(len(timing.plan.stages)):
-        engine.load_shard(index, 0.0)
-    engine.build_comm_groups(0.0)
+    engine = ready_split_engine(engine_cls)
     for i in range(64):
         engine.admit(SeqSpec(f"r{i}", 2000, 400), 0.0)
     steps: list[float] = []
@@ -178,6 +186,7 @@ def test_split_replica_decodes_while_it_prefills(
         out = engine.step(now)
         steps.extend(out.decode_step_s)
         firsts.update({f.seq_id: f.t_s for f in out.first_tokens})
+    timing = engine.timing
     longest_step = timing.decode_cycle_s(64, 2400.0)
     assert steps and max(steps) <= longest_step + 1e-9  # no prefill inside a decode step
     batch_s = 4 * timing.prefill_s(2000)  # 4 prompts of 2,000 tokens fit the 8,192 budget
@@ -185,3 +194,22 @@ def test_split_replica_decodes_while_it_prefills(
     assert len(firsts) == 64 and len(ends) == 16
     for a, b in itertools.pairwise(ends):
         assert batch_s - 1e-9 <= b - a <= batch_s + longest_step + 1e-9
+
+
+@pytest.mark.parametrize("engine_cls", [TokenSimEngine, SimEngine])
+def test_a_split_prefill_stage_stays_busy_for_a_batch_whose_prompts_were_dropped(
+    engine_cls: type[SimEngine] | type[TokenSimEngine],
+) -> None:
+    """The prefill GPUs cannot take back a pass they began: the next prompt waits for its end."""
+    engine = ready_split_engine(engine_cls)
+    timing = engine.timing
+    t0 = 100.0
+    long_s = timing.prefill_s(8000)
+    engine.admit(SeqSpec("doomed", 8000, 3), t0)
+    engine.step(t0)  # its prefill starts
+    assert engine.step(t0 + long_s / 2).first_tokens == ()  # and is half done
+    engine.drop(["doomed"])
+    engine.admit(SeqSpec("next", 10, 3), t0 + long_s / 2)
+    [first] = engine.step(t0 + 2 * long_s).first_tokens
+    assert first.seq_id == "next"
+    assert first.t_s == pytest.approx(t0 + long_s + timing.prefill_s(10))

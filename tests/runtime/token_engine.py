@@ -322,7 +322,7 @@ class TokenSimEngine:
             batch, self._inflight = self._inflight, []
             for sid in batch:
                 self._finish_prefill(sid, self._inflight_done_s, acc)
-        if not self._inflight:
+        if not self._inflight and self._inflight_done_s <= clock_s:  # (busy even if dropped)
             picked = self._pick_prefill(clock_s)
             if picked:
                 t = self.timing
@@ -334,7 +334,7 @@ class TokenSimEngine:
 
     def _wake_s(self, clock_s: float) -> float | None:
         """When an idle engine has work next: an admission, or the prefill stage's batch."""
-        if self._inflight:
+        if self._inflight or self._inflight_done_s > clock_s:
             return self._inflight_done_s
         return self._next_arrival(clock_s)
 
