@@ -147,9 +147,10 @@ class SimEngine:
         self._pending = StepAcc()  # output found while catching up outside ``step``
         self._pool_version = -1  # pool fault state last checked
         self._prefilling: list[SeqRecord] = []  # the split prefill stage's current batch
-        # (start, end) of the iteration with prefills under way when the engine was last
-        # advanced: it keeps its length even if a sequence in it is dropped before it ends
-        self._under_way: tuple[float, float] | None = None
+        # when the iteration with prefills under way at the engine clock ends (-inf: none is;
+        # clocks start below 0 in a warm-up): it keeps its length even if a sequence in it is
+        # dropped before then
+        self._under_way_end_s = -_INF
         self._pager: KvPager | None = None  # KV pages held through the runtime's VMM ledger
         self._rooms: PageRooms | None = None  # with a pager that says what it covers
         self._kv_admission = KvAdmission.INCREMENTAL
@@ -436,9 +437,8 @@ class SimEngine:
                 self._prefill_stage(clock, acc)
             else:
                 picked = self._due_prefills(clock, acc)
-                under_way_end = self._under_way_end(clock)
-                if picked or under_way_end:
-                    end = self._mixed_iteration(picked, clock, now_s, acc, under_way_end)
+                if picked or self._under_way_end_s > clock:
+                    end = self._mixed_iteration(picked, clock, now_s, acc)
                     if end is None:
                         break
                     clock = end
@@ -616,27 +616,12 @@ class SimEngine:
         acc.preempted.append(sid)
         self.stats.preemptions += 1
 
-    def _under_way_end(self, clock: float) -> float:
-        """When the iteration with prefills under way at ``clock`` ends (0.0: none is)."""
-        under_way = self._under_way
-        if under_way is None:
-            return 0.0
-        if under_way[0] != clock:  # it ended, or the engine died or emptied since
-            self._under_way = None
-            return 0.0
-        return under_way[1]
-
     def _mixed_iteration(
-        self,
-        picked: list[SeqRecord],
-        clock: float,
-        now_s: float,
-        acc: StepAcc,
-        under_way_end: float = 0.0,
+        self, picked: list[SeqRecord], clock: float, now_s: float, acc: StepAcc
     ) -> float | None:
         """One iteration with prefills (exact); None if it ends after ``now_s``.
 
-        An iteration already under way (``under_way_end``) lasts at least until then: a GPU
+        An iteration already under way lasts until its end (``_under_way_end_s``): a GPU
         does not get back the time of a prompt dropped after its forward pass began.
         """
         duration = sum(self._chunk_s(q) for q in picked)
@@ -651,12 +636,13 @@ class SimEngine:
                 duration = fused_iteration_s(prompts_s, step_s, self.timing.config)
             else:  # every prompt of the pass under way was dropped: its decode step is left
                 duration = step_s
-        duration = max(duration, under_way_end - clock)
+        # NOTE: the clock moves only when an iteration ends, so an end past it is this one's
+        duration = max(duration, self._under_way_end_s - clock)
         if clock + duration > now_s:
             if clock < now_s:
-                self._under_way = (clock, clock + duration)
+                self._under_way_end_s = clock + duration
             return None
-        self._under_way = None
+        self._under_way_end_s = -_INF
         end = clock + duration
         if n:
             self._commit_decode([Segment(1, duration, self._batch.mean_context())], clock, acc)

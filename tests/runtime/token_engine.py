@@ -21,6 +21,7 @@ nothing else.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,7 +86,7 @@ class TokenSimEngine:
         self._chunk_tokens = 0 if self._split else timing.prefill_chunk_tokens
         self._prefill_budget = min(max_prefill_tokens, self._chunk_tokens or max_prefill_tokens)
         self._inflight: list[str] = []  # the split prefill stage's current batch
-        self._under_way: tuple[float, float] | None = None  # an iteration with prefills
+        self._under_way_end_s = -math.inf  # of an iteration with prefills under way (or none)
         self._inflight_done_s = 0.0
 
     # ---- weights and groups --------------------------------------------------------------------
@@ -294,8 +295,8 @@ class TokenSimEngine:
                 prefill = self._pick_prefill(clock)
             decode = [sid for sid, q in self._seqs.items() if q.state is SeqState.RUNNING]
             # an iteration with prefills that was under way lasts as long, whatever was dropped
-            under_way = self._under_way if self._under_way and self._under_way[0] == clock else None
-            if not prefill and not decode and under_way is None:
+            under_way = self._under_way_end_s > clock
+            if not prefill and not decode and not under_way:
                 arrival = self._wake_s(clock)
                 if arrival is not None and arrival <= now_s:
                     clock = arrival  # idle until this sequence was admitted
@@ -303,13 +304,12 @@ class TokenSimEngine:
                 clock = max(clock, now_s)  # idle: the engine waits at the present
                 break
             duration = self._iteration_s(prefill, decode)
-            if under_way is not None:
-                duration = max(duration, under_way[1] - clock)
+            duration = max(duration, self._under_way_end_s - clock)
             if clock + duration > now_s:
-                if clock < now_s and (prefill or under_way is not None):
-                    self._under_way = (clock, clock + duration)
+                if clock < now_s and (prefill or under_way):
+                    self._under_way_end_s = clock + duration
                 break
-            self._under_way = None
+            self._under_way_end_s = -math.inf
             clock += duration
             self._run_iteration(prefill, decode, clock, duration, acc)
         self._clock_s = clock
