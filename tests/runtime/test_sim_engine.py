@@ -15,6 +15,7 @@ from runtime.engine.sim import SimEngine
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
 from tests.runtime.builders import make_replica
+from tests.runtime.test_sim_engine_oracle import next_prompt_after_a_dropped_pass
 
 pytestmark = pytest.mark.unit
 
@@ -77,16 +78,8 @@ def test_a_prompt_whose_first_token_would_miss_its_due_time_is_dropped_unprefill
 def test_a_prompt_dropped_while_its_prefill_is_under_way_does_not_give_its_time_back() -> None:
     """A GPU cannot take back a forward pass it began: the next prompt starts after it."""
     engine, _, timing = _engine(config=WHOLE)
-    t0 = 100.0
-    long_s = timing.prefill_s(8000)
-    engine.admit(SeqSpec("doomed", 8000, 3), t0)
-    assert engine.step(t0 + long_s / 2).first_tokens == ()  # its prefill is half done
-    engine.drop(["doomed"])
-    engine.admit(SeqSpec("next", 10, 3), t0 + long_s / 2)
-    out = engine.step(t0 + 2 * long_s)
-    [first] = out.first_tokens
-    assert first.seq_id == "next"
-    assert first.t_s == pytest.approx(t0 + long_s + timing.prefill_s(10))
+    first, long_s = next_prompt_after_a_dropped_pass(engine)
+    assert first.t_s == pytest.approx(100.0 + long_s + timing.prefill_s(10))
     assert engine.stats.busy_s > long_s  # the dropped prompt's pass counts as busy time
 
 

@@ -19,7 +19,7 @@ import pytest
 from gearbox import DEFAULT_CONFIG, GearboxConfig, ModelSpec
 from gearbox.plans import ExecutionPlan, StageRole
 from gearbox.presets import LINK_CLASSES, MODEL_7B_MHA, MODEL_70B_GQA
-from runtime.engine.base import Engine, SeqSpec
+from runtime.engine.base import Engine, FirstToken, SeqSpec, SeqState
 from runtime.engine.sim import SimEngine
 from runtime.engine.simgpu import SimGpuPool
 from runtime.timing import ReplicaTiming
@@ -98,7 +98,7 @@ def drive(engine: Engine, requests: list[tuple[float, SeqSpec]], seed: int) -> O
             held = [p.seq_id for p in engine.progress()]
             engine.drop(held[:1])
         if i % 13 == 0:  # a prompt refused, perhaps while its prefill is under way
-            waiting = [p.seq_id for p in engine.progress() if p.state.value == "waiting"]
+            waiting = [p.seq_id for p in engine.progress() if p.state is SeqState.WAITING]
             engine.drop(waiting[-1:])
         step = engine.step(now)
         out.first.update({f.seq_id: f.t_s for f in step.first_tokens})
@@ -196,15 +196,12 @@ def test_split_replica_decodes_while_it_prefills(
         assert batch_s - 1e-9 <= b - a <= batch_s + longest_step + 1e-9
 
 
-@pytest.mark.parametrize("engine_cls", [TokenSimEngine, SimEngine])
-def test_a_split_prefill_stage_stays_busy_for_a_batch_whose_prompts_were_dropped(
-    engine_cls: type[SimEngine] | type[TokenSimEngine],
-) -> None:
-    """The prefill GPUs cannot take back a pass they began: the next prompt waits for its end."""
-    engine = ready_split_engine(engine_cls)
-    timing = engine.timing
-    t0 = 100.0
-    long_s = timing.prefill_s(8000)
+def next_prompt_after_a_dropped_pass(
+    engine: SimEngine | TokenSimEngine, t0: float = 100.0
+) -> tuple[FirstToken, float]:
+    """A doomed 8k prompt admitted at ``t0`` and dropped half way through its prefill, then a
+    10-token prompt: the latter's first token, and the 8k prompt's prefill time."""
+    long_s = engine.timing.prefill_s(8000)
     engine.admit(SeqSpec("doomed", 8000, 3), t0)
     engine.step(t0)  # its prefill starts
     assert engine.step(t0 + long_s / 2).first_tokens == ()  # and is half done
@@ -212,4 +209,14 @@ def test_a_split_prefill_stage_stays_busy_for_a_batch_whose_prompts_were_dropped
     engine.admit(SeqSpec("next", 10, 3), t0 + long_s / 2)
     [first] = engine.step(t0 + 2 * long_s).first_tokens
     assert first.seq_id == "next"
-    assert first.t_s == pytest.approx(t0 + long_s + timing.prefill_s(10))
+    return first, long_s
+
+
+@pytest.mark.parametrize("engine_cls", [TokenSimEngine, SimEngine])
+def test_a_split_prefill_stage_stays_busy_for_a_batch_whose_prompts_were_dropped(
+    engine_cls: type[SimEngine] | type[TokenSimEngine],
+) -> None:
+    """The prefill GPUs cannot take back a pass they began: the next prompt waits for its end."""
+    engine = ready_split_engine(engine_cls)
+    first, long_s = next_prompt_after_a_dropped_pass(engine)
+    assert first.t_s == pytest.approx(100.0 + long_s + engine.timing.prefill_s(10))
